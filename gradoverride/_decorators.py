@@ -1,0 +1,333 @@
+"""`custom_backward`: the object users hold, a forward function with a backward rule."""
+
+from __future__ import annotations
+
+import functools
+import types
+from collections.abc import Callable, Iterable
+from typing import Any, Generic, TypeVar, overload
+
+import torch
+from typing_extensions import ParamSpec
+
+from ._errors import GradOverrideError, GradOverrideTypeError
+from ._function import build_call
+from ._rule import RuleSpec, normalize_names
+from ._signature import ForwardSignature, describe
+
+__all__ = ["CustomBackward", "CustomBackwardModule", "custom_backward"]
+
+P = ParamSpec("P")
+R = TypeVar("R")
+Rule = TypeVar("Rule", bound=Callable[..., Any])
+
+_UNSET: Any = object()
+
+
+class CustomBackward(Generic[P, R]):
+    """A forward function whose backward is a rule you wrote. Made by `custom_backward`.
+
+    Call it like the forward. Register the rule with `@op.backward`; get an `nn.Module` form
+    with `op.module(**fixed)`; the generated `torch.autograd.Function` is `op.function`.
+    """
+
+    __wrapped__: Callable[P, R]
+
+    def __init__(
+        self,
+        fn: Callable[P, R],
+        *,
+        residuals: tuple[str, ...] = (),
+        rule_options: dict[str, Any] | None = None,
+    ) -> None:
+        if not callable(fn):
+            msg = (
+                "custom_backward needs a forward function to decorate, got "
+                f"{type(fn).__name__} {fn!r}."
+            )
+            raise GradOverrideTypeError(msg)
+        functools.update_wrapper(self, fn)
+        self._name = describe(fn)
+        self._signature = ForwardSignature(fn, self._name)
+        for name in residuals:
+            if name in self._signature.index:
+                msg = (
+                    f"`{self._name}` declares a residual `{name}`, which is also one of its "
+                    "parameters; give the residual another name."
+                )
+                raise GradOverrideTypeError(msg)
+        self._residuals = residuals
+        self._rule_options = rule_options or {}
+        self._rule: RuleSpec | None = None
+        self._run: Callable[[tuple[Any, ...], dict[str, Any]], Any] | None = None
+        self._function: type[torch.autograd.Function] | None = None
+
+    def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
+        run = self._run
+        if run is None:
+            msg = (
+                f"`{self._name}` has no backward rule yet; register one before calling it:\n\n"
+                f"    @{self._name}.backward\n"
+                f"    def _(grad, *, ...):  # name the inputs the rule needs\n"
+                f"        return ...\n"
+            )
+            raise GradOverrideError(msg)
+        result: R = run(args, kwargs)
+        return result
+
+    @overload
+    def backward(
+        self,
+        rule: Rule,
+        /,
+        *,
+        owns: str | Iterable[str] | None = ...,
+        once_differentiable: bool = ...,
+        materialize_grads: bool = ...,
+    ) -> Rule: ...
+
+    @overload
+    def backward(
+        self,
+        rule: None = None,
+        /,
+        *,
+        owns: str | Iterable[str] | None = ...,
+        once_differentiable: bool = ...,
+        materialize_grads: bool = ...,
+    ) -> Callable[[Rule], Rule]: ...
+
+    def backward(
+        self,
+        rule: Callable[..., Any] | None = None,
+        /,
+        *,
+        owns: str | Iterable[str] | None = _UNSET,
+        once_differentiable: bool = _UNSET,
+        materialize_grads: bool = _UNSET,
+    ) -> Any:
+        """Register the backward rule; use bare (`@op.backward`) or with options.
+
+        Args:
+            rule: `rule(*upstream_grads, *, names...)`. Positional parameters receive one
+                upstream gradient per forward output; keyword-only parameters name what the
+                rule needs (forward parameters, declared residuals, `output`,
+                `needs_grad`), and only those are kept for backward.
+            owns: the parameters whose gradient the rule supplies (a name or a tuple of
+                names). Default: all of them. The others keep their ordinary autograd
+                gradient, computed through the forward's graph.
+            once_differentiable: run the rule without recording a graph; differentiating
+                its result again then raises `GradOverrideError` (in eager mode and under
+                `torch.func`) instead of silently giving zeros.
+            materialize_grads: when an output is unused by the loss, pass the rule a zero
+                gradient for it (True, PyTorch's default) or `None` (False).
+
+        Returns:
+            The rule itself, unchanged, so it can still be called and tested on its own.
+        """
+        options = dict(self._rule_options)
+        for key, value in (
+            ("owns", owns),
+            ("once_differentiable", once_differentiable),
+            ("materialize_grads", materialize_grads),
+        ):
+            if value is not _UNSET:
+                options[key] = value
+        if rule is None:
+
+            def register(fn: Rule) -> Rule:
+                return self._register(fn, options)
+
+            return register
+        return self._register(rule, options)
+
+    def _register(self, rule: Rule, options: dict[str, Any]) -> Rule:
+        if self._rule is not None:
+            msg = (
+                f"`{self._name}` already has the backward rule `{self._rule.name}`; a rule is "
+                "registered once. To try another rule, decorate the forward again: "
+                f"`go.custom_backward({self._name}.__wrapped__, backward=new_rule)`."
+            )
+            raise GradOverrideError(msg)
+        spec = RuleSpec(
+            rule,
+            self._signature,
+            owns=options.get("owns"),
+            residuals=self._residuals,
+            once_differentiable=options.get("once_differentiable", False),
+            materialize_grads=options.get("materialize_grads", True),
+        )
+        module = getattr(self.__wrapped__, "__module__", None) or __name__
+        self._run, self._function = build_call(
+            self._name, module, self._signature, spec, self._residuals
+        )
+        self._rule = spec
+        return rule
+
+    @property
+    def rule(self) -> Callable[..., Any] | None:
+        """The registered backward rule, or None."""
+        return None if self._rule is None else self._rule.rule
+
+    @property
+    def function(self) -> type[torch.autograd.Function]:
+        """The generated `torch.autograd.Function` class (after a rule is registered)."""
+        if self._function is None:
+            msg = f"`{self._name}` has no backward rule yet, so no Function was generated."
+            raise GradOverrideError(msg)
+        return self._function
+
+    @property
+    def parameters(self) -> tuple[str, ...]:
+        """The forward's parameter names, as rules and returned dicts address them."""
+        return self._signature.names
+
+    def module(self, **fixed: Any) -> CustomBackwardModule:
+        """An `nn.Module` that calls this op with `fixed` keyword arguments bound.
+
+        `quantize.module(bits=4)` is a module whose `forward(x)` is `quantize(x, bits=4)`,
+        for `nn.Sequential` and everything else that expects modules.
+        """
+        unknown = [n for n in fixed if n not in self._signature.index]
+        if unknown and self._signature.var_keyword is None:
+            msg = (
+                f"`{self._name}.module()` got `{unknown[0]}`, which `{self._name}` does not "
+                f"take; its parameters are {', '.join(self._signature.names)}."
+            )
+            raise GradOverrideTypeError(msg)
+        return CustomBackwardModule(self, fixed)
+
+    def __get__(self, instance: Any, owner: type | None = None) -> Any:
+        # Decorated methods bind like functions: `obj.op(x)` calls `op(obj, x)`.
+        if instance is None:
+            return self
+        return types.MethodType(self, instance)
+
+    def __repr__(self) -> str:
+        rule = "no rule" if self._rule is None else f"backward={self._rule.name}"
+        return f"<custom_backward {self._name}{self._signature.signature}, {rule}>"
+
+    def __reduce__(self) -> str:
+        # Pickle by reference, as functions are: the module-level name of the decorated op.
+        return self.__qualname__
+
+
+class CustomBackwardModule(torch.nn.Module):
+    """The `nn.Module` form of a `custom_backward` op, with some arguments fixed."""
+
+    def __init__(self, op: CustomBackward[..., Any], fixed: dict[str, Any]) -> None:
+        super().__init__()
+        self.op = op
+        self.fixed = dict(fixed)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.op(*args, **self.fixed, **kwargs)
+
+    def _get_name(self) -> str:
+        return str(self.op.__name__)
+
+    def extra_repr(self) -> str:
+        return ", ".join(f"{k}={v!r}" for k, v in self.fixed.items())
+
+
+@overload
+def custom_backward(
+    fn: Callable[P, R],
+    /,
+    *,
+    backward: Callable[..., Any] | None = ...,
+    owns: str | Iterable[str] | None = ...,
+    once_differentiable: bool = ...,
+    materialize_grads: bool = ...,
+) -> CustomBackward[P, R]: ...
+
+
+@overload
+def custom_backward(
+    fn: Callable[P, Any],
+    /,
+    *,
+    residuals: str | Iterable[str],
+    backward: Callable[..., Any] | None = ...,
+    owns: str | Iterable[str] | None = ...,
+    once_differentiable: bool = ...,
+    materialize_grads: bool = ...,
+) -> CustomBackward[P, Any]: ...
+
+
+@overload
+def custom_backward(
+    fn: None = None,
+    /,
+    *,
+    residuals: str | Iterable[str] | None = ...,
+    backward: Callable[..., Any] | None = ...,
+    owns: str | Iterable[str] | None = ...,
+    once_differentiable: bool = ...,
+    materialize_grads: bool = ...,
+) -> Callable[[Callable[P, R]], CustomBackward[P, R]]: ...
+
+
+def custom_backward(
+    fn: Callable[..., Any] | None = None,
+    /,
+    *,
+    residuals: str | Iterable[str] | None = None,
+    backward: Callable[..., Any] | None = None,
+    owns: str | Iterable[str] | None = _UNSET,
+    once_differentiable: bool = _UNSET,
+    materialize_grads: bool = _UNSET,
+) -> Any:
+    """Give a forward function a backward rule you write.
+
+    Example::
+
+        @go.custom_backward
+        def quantize(x, bits=8):
+            s = 2 ** bits
+            return torch.round(x * s) / s
+
+        @quantize.backward
+        def _(grad, *, x):                 # keyword-only names choose what is kept
+            return grad * (x.abs() <= 1)   # gradient for `x`; `bits` gets none
+
+    Works bare, with options (`@go.custom_backward(owns="x")`), and as a call on an
+    existing function (`go.custom_backward(torch.sign, backward=rule)`).
+
+    Args:
+        fn: the forward. Any Python function of tensors, non-tensor values and
+            tuples/lists/dicts of tensors, returning a tensor, a tuple of outputs or a
+            container of tensors.
+        residuals: names of values the forward computes for the rule. The forward then
+            returns `(output, {name: value, ...})`; callers get only `output`, and the rule
+            names the residuals as keyword-only parameters. Tensors are saved with
+            `save_for_backward`; nothing is recomputed.
+        backward: the rule, when not registered with `@op.backward`.
+        owns, once_differentiable, materialize_grads: see `CustomBackward.backward`.
+
+    Returns:
+        A `CustomBackward` that keeps the forward's name, docstring, signature and
+        `__wrapped__`.
+    """
+    residual_names = normalize_names(residuals, "residuals", "custom_backward")
+    options = {
+        key: value
+        for key, value in (
+            ("owns", owns),
+            ("once_differentiable", once_differentiable),
+            ("materialize_grads", materialize_grads),
+        )
+        if value is not _UNSET
+    }
+
+    def decorate(forward: Callable[P, R]) -> CustomBackward[P, R]:
+        op: CustomBackward[P, R] = CustomBackward(
+            forward, residuals=residual_names, rule_options=options
+        )
+        if backward is not None:
+            op.backward(backward)
+        return op
+
+    if fn is None:
+        return decorate
+    return decorate(fn)

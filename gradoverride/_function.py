@@ -1,0 +1,680 @@
+"""Building the `torch.autograd.Function` for a forward and its rule, once per registration.
+
+Two shapes, chosen by what the rule owns:
+
+* the rule owns every input (the default): the forward runs inside `Function.forward`, where
+  autograd records nothing, and the rule supplies every gradient;
+* the rule owns some inputs: the forward runs outside, on the ordinary graph, with the owned
+  inputs detached, so the others get their ordinary autograd gradient; an "attach" Function
+  then passes the outputs through unchanged and adds the rule's gradients for the owned
+  inputs. Nothing is recomputed in backward, which keeps this form traceable by
+  `torch.compile` and usable under `torch.func`.
+
+Both are written in the `forward` + `setup_context` form with `generate_vmap_rule = True`, as
+`torch.func` requires, and are named after the user's function (`CustomBackward_quantize`), so
+`grad_fn` reprs, tracebacks and profiles say where they come from.
+
+Each call passes a `CallState` as the first, non-tensor argument: how the inputs were
+flattened and, written by the forward, how to rebuild the outputs. It holds no tensors.
+
+The common call (plain tensor and non-tensor arguments, one tensor output, no residuals) has
+a fast path in `setup_context` and `backward`; the performance contract (at most 1.05x a
+hand-written classic Function on small tensors) is measured by `benchmarks/overhead.py`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.compiler import is_dynamo_compiling
+from torch.utils import _pytree as pytree
+
+from ._errors import GradOverrideError, GradOverrideTypeError
+from ._gradients import SKIP, check_gradient, flat_gradients
+from ._internals import (
+    FAST_APPLY,
+    any_autocast_enabled,
+    raw_apply,
+    transforms_active,
+)
+from ._rule import RuleSpec
+from ._signature import ForwardSignature
+
+__all__ = ["CallState", "build_call"]
+
+_CONTAINERS = (tuple, list, dict)
+
+
+class CallState:
+    """Per-call, tensor-free bookkeeping shared by the wrapper, forward and backward.
+
+    Class attributes are the defaults, so the common call allocates an empty object.
+    """
+
+    layout: Any = None  # None, or per parameter: None | (treespec, n_leaves)
+    out_spec: Any = None  # None: the output is one tensor; else how to rebuild it
+    n_out = 1  # flat output leaves
+    n_top = 1  # outputs as the rule counts them (elements of a plain tuple)
+    residuals: tuple[Any, ...] = ()  # per declared residual: index into tensors | _Static
+    n_in = 0  # flat inputs (set by the attach form)
+
+
+class _Static:
+    """A saved non-tensor value, told apart from an index into `saved_tensors`."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+
+def _flatten_inputs(values: tuple[Any, ...]) -> tuple[tuple[Any, ...], Any]:
+    """Containers holding tensors are spread into their leaves; the layout says how."""
+    flat: list[Any] = []
+    layout: list[Any] = []
+    any_container = False
+    for value in values:
+        if isinstance(value, _CONTAINERS):
+            leaves, spec = pytree.tree_flatten(value)
+            if any(isinstance(leaf, Tensor) for leaf in leaves):
+                flat.extend(leaves)
+                layout.append((spec, len(leaves)))
+                any_container = True
+                continue
+        flat.append(value)
+        layout.append(None)
+    if not any_container:
+        return values, None
+    return tuple(flat), tuple(layout)
+
+
+def _unflatten_inputs(flat: tuple[Any, ...], layout: Any) -> tuple[Any, ...]:
+    values: list[Any] = []
+    i = 0
+    for entry in layout:
+        if entry is None:
+            values.append(flat[i])
+            i += 1
+        else:
+            spec, n = entry
+            values.append(pytree.tree_unflatten(list(flat[i : i + n]), spec))
+            i += n
+    return tuple(values)
+
+
+def _leaf_ranges(layout: Any, n_params: int) -> list[tuple[int, int]]:
+    """Per parameter, the range of flat inputs holding it."""
+    if layout is None:
+        return [(i, i + 1) for i in range(n_params)]
+    ranges = []
+    start = 0
+    for entry in layout:
+        width = 1 if entry is None else entry[1]
+        ranges.append((start, start + width))
+        start += width
+    return ranges
+
+
+def _split_residuals(
+    result: Any, names: tuple[str, ...], op: str, state: CallState
+) -> tuple[Any, tuple[Tensor, ...]]:
+    """`(output, {name: value})` from a forward that declares residuals."""
+    if not (type(result) is tuple and len(result) == 2 and isinstance(result[1], dict)):
+        msg = (
+            f"`{op}` declares residuals={names!r}, so its forward must return "
+            f"`(output, {{{', '.join(repr(n) + ': ...' for n in names)}}})`, "
+            f"got {type(result).__name__}."
+        )
+        raise GradOverrideError(msg)
+    output, given = result
+    if set(given) != set(names):
+        msg = (
+            f"the forward of `{op}` returned residuals {sorted(given)!r}, but it declares "
+            f"residuals={names!r}; return exactly the declared names."
+        )
+        raise GradOverrideError(msg)
+    tensors: list[Tensor] = []
+    slots: list[Any] = []
+    for name in names:
+        value = given[name]
+        if isinstance(value, Tensor):
+            slots.append(len(tensors))
+            tensors.append(value)
+        else:
+            slots.append(_Static(value))
+    state.residuals = tuple(slots)
+    return output, tuple(tensors)
+
+
+def _flatten_output(out: Any, state: CallState) -> tuple[Any, ...]:
+    leaves, spec = pytree.tree_flatten(out)
+    state.out_spec = spec
+    state.n_out = len(leaves)
+    state.n_top = len(out) if type(out) is tuple else 1
+    return tuple(leaves)
+
+
+def _identifier(name: str) -> str:
+    return "".join(c if c.isalnum() else "_" for c in name.split(".")[-1]) or "op"
+
+
+# What `setup_context` leaves on `ctx.gradoverride` for backward, as a tuple (built on every
+# call, so no class): (state, meta, plan, single, out_meta, autocast), where
+#   meta     per flat input: None (not a tensor) | SKIP | (shape, dtype, device);
+#   plan     per named value: (name, None | treespec, index | _Static | tuple of those);
+#   single   the one owned parameter holding a tensor, else -1;
+#   out_meta output metadata, when we materialize zero gradients ourselves, else None;
+#   autocast (device_type, dtype, enabled) the forward ran under, else None.
+# Tensors go through save_for_backward, never here.
+
+
+def build_call(
+    op: str,
+    module: str,
+    sig: ForwardSignature,
+    rule: RuleSpec,
+    residuals: tuple[str, ...],
+) -> tuple[Callable[[tuple[Any, ...], dict[str, Any]], Any], type[torch.autograd.Function]]:
+    """The per-call entry point `run(args, kwargs)` and the Function class behind it."""
+    names = sig.names
+    n_params = len(names)
+    owned = rule.owned
+    user_rule = rule.rule
+    requested_slots = rule.requested_slots
+    wants_output = rule.wants_output
+    wants_needs_grad = rule.wants_needs_grad
+    materialize = rule.materialize_grads
+    once = rule.once_differentiable
+    call = sig.call
+    bind = sig.bind
+    plain_signature = sig.is_plain
+
+    # ---- forward-side bookkeeping ---------------------------------------------------------
+
+    def check_outputs(state: CallState) -> None:
+        if rule.n_grads is not None and rule.n_grads != state.n_top:
+            msg = (
+                f"backward rule `{rule.name}` of `{op}` takes {rule.n_grads} upstream "
+                f"gradient(s), but `{op}` returned {state.n_top} output(s); give the rule "
+                "one positional parameter per output (or `*grads`)."
+            )
+            raise GradOverrideTypeError(msg)
+
+    def setup(
+        ctx: Any,
+        state: CallState,
+        flat: tuple[Any, ...],
+        outputs: tuple[Any, ...],
+        residual_tensors: tuple[Any, ...],
+    ) -> None:
+        needs = ctx.needs_input_grad  # [0] is the CallState
+        to_save: list[Tensor] = []
+        plan: list[tuple[str, Any, Any]] = []
+        meta: list[Any] = []
+        check_outputs(state)
+        _setup_general(state, flat, outputs, residual_tensors, needs, meta, plan, to_save)
+        single = -1
+        if to_save:
+            ctx.save_for_backward(*to_save)
+
+        out_meta = None
+        if residual_tensors:
+            ctx.mark_non_differentiable(*residual_tensors)
+        if residual_tensors or not materialize:
+            # Residual outputs would get materialized zero gradients; when the rule wants
+            # materialized gradients we make zeros for the real outputs only.
+            ctx.set_materialize_grads(False)
+            if residual_tensors and materialize:
+                out_meta = tuple(
+                    (o.shape, o.dtype, o.device) if isinstance(o, Tensor) else None
+                    for o in outputs
+                )
+        autocast = _autocast_state(flat) if any_autocast_enabled() else None
+        ctx.gradoverride = (state, meta, plan, single, out_meta, autocast)
+
+    def _setup_general(
+        state: CallState,
+        flat: tuple[Any, ...],
+        outputs: tuple[Any, ...],
+        residual_tensors: tuple[Any, ...],
+        needs: tuple[bool, ...],
+        meta: list[Any],
+        plan: list[tuple[str, Any, Any]],
+        to_save: list[Tensor],
+    ) -> None:
+        ranges = _leaf_ranges(state.layout, n_params)
+        for slot, (start, stop) in enumerate(ranges):
+            for i in range(start, stop):
+                value = flat[i]
+                if not isinstance(value, Tensor):
+                    meta.append(None)
+                elif owned[slot] and needs[i + 1]:
+                    meta.append((value.shape, value.dtype, value.device))
+                else:
+                    meta.append(SKIP)
+
+        def keep(name: str, spec: Any, leaves: tuple[Any, ...]) -> None:
+            entries: list[Any] = []
+            for leaf in leaves:
+                if isinstance(leaf, Tensor):
+                    entries.append(len(to_save))
+                    to_save.append(leaf)
+                else:
+                    entries.append(_Static(leaf))
+            plan.append((name, spec, tuple(entries)))
+
+        layout = state.layout
+        for name, slot in requested_slots:
+            start, stop = ranges[slot]
+            spec = None if layout is None or layout[slot] is None else layout[slot][0]
+            keep(name, spec, flat[start:stop])
+        if wants_output:
+            keep("output", state.out_spec, outputs)
+        for name, index in rule.requested_residuals:
+            entry = state.residuals[index]
+            if isinstance(entry, _Static):
+                plan.append((name, None, (entry,)))
+            else:
+                keep(name, None, (residual_tensors[entry],))
+
+    # ---- backward -------------------------------------------------------------------------
+
+    def needs_grad_map(needs: tuple[bool, ...], state: CallState) -> dict[str, bool]:
+        ranges = _leaf_ranges(state.layout, n_params)
+        return {
+            name: owned[slot] and any(needs[start + 1 : stop + 1])
+            for slot, (name, (start, stop)) in enumerate(zip(names, ranges))
+        }
+
+    def invoke(grads: tuple[Any, ...], kwargs: dict[str, Any], autocast: Any) -> Any:
+        try:
+            if autocast is not None:
+                # The rule runs under the autocast state the forward ran under, as
+                # `torch.amp.custom_bwd` arranges for a classic Function.
+                device_type, dtype, enabled = autocast
+                with torch.autocast(device_type, dtype=dtype, enabled=enabled):
+                    if once:
+                        with torch.no_grad():
+                            return user_rule(*grads, **kwargs)
+                    return user_rule(*grads, **kwargs)
+            if once:
+                with torch.no_grad():
+                    return user_rule(*grads, **kwargs)
+            return user_rule(*grads, **kwargs)
+        except GradOverrideError:
+            raise
+        except Exception as exc:
+            exc.add_note(f"(raised in backward rule `{rule.name}` of `{op}`)")
+            raise
+
+    def run_rule(ctx: Any, grads: tuple[Any, ...]) -> list[Tensor | None]:
+        """Call the rule; one checked gradient per flat input."""
+        state, meta, plan, single, out_meta, autocast = ctx.gradoverride
+        kwargs: dict[str, Any] = {}
+        saved_tensors: tuple[Tensor, ...] = ()
+        if plan:
+            saved_tensors = ctx.saved_tensors
+            for name, spec, entry in plan:
+                if spec is None and type(entry) is not tuple:
+                    kwargs[name] = saved_tensors[entry] if type(entry) is int else entry.value
+                else:
+                    leaves = [saved_tensors[e] if type(e) is int else e.value for e in entry]
+                    kwargs[name] = leaves[0] if spec is None else pytree.tree_unflatten(
+                        leaves, spec
+                    )
+        if wants_needs_grad:
+            kwargs["needs_grad"] = needs_grad_map(ctx.needs_input_grad, state)
+
+        if state.out_spec is None:
+            rule_grads = grads[:1]
+        else:
+            upstream = grads[: state.n_out]
+            if out_meta is not None:
+                upstream = tuple(
+                    torch.zeros(m[0], dtype=m[1], device=m[2]) if g is None and m else g
+                    for g, m in zip(upstream, out_meta)
+                )
+            tree = pytree.tree_unflatten(list(upstream), state.out_spec)
+            rule_grads = tuple(tree) if state.n_top > 1 or type(tree) is tuple else (tree,)
+
+        result = invoke(rule_grads, kwargs, autocast)
+
+        if single >= 0 and (result is None or isinstance(result, Tensor)):
+            flat_grads: list[Tensor | None] = [None] * n_params
+            if result is not None:
+                flat_grads[single] = check_gradient(result, meta[single], op, names[single])
+        else:
+            flat_grads = flat_gradients(
+                result, op=op, names=names, owned=owned, layout=state.layout, meta=meta
+            )
+        if once and torch.is_grad_enabled():
+            flat_grads = _guard(op, flat_grads, rule_grads, saved_tensors)
+        return flat_grads
+
+    kind = "CustomBackward"
+    if rule.owns_all:
+        return _build_owning(op, module, kind, sig, rule, residuals, setup, run_rule)
+    return _build_attaching(op, module, kind, sig, residuals, owned, setup, run_rule)
+
+
+def _build_owning(
+    op: str,
+    module: str,
+    kind: str,
+    sig: ForwardSignature,
+    rule: RuleSpec,
+    residuals: tuple[str, ...],
+    setup: Callable[..., None],
+    run_rule: Callable[[Any, tuple[Any, ...]], list[Tensor | None]],
+) -> tuple[Callable[[tuple[Any, ...], dict[str, Any]], Any], type[torch.autograd.Function]]:
+    """The forward runs inside the Function; the rule gives every gradient."""
+    fn = sig.fn
+    call = sig.call
+    bind = sig.bind
+    plain = sig.is_plain
+    names = sig.names
+    n_params = len(names)
+    # The fast path covers the common call: one value per parameter, one tensor output, no
+    # residuals, a rule of one upstream gradient without once_differentiable or needs_grad.
+    # Everything else takes the general path (`setup` / `run_rule`), which is the reference.
+    fast = (
+        not residuals
+        and rule.n_grads in (None, 1)
+        and not rule.once_differentiable
+        and not rule.wants_needs_grad
+    )
+    user_rule = rule.rule
+    rule_name = rule.name
+    kwarg_names = tuple(name for name, _ in rule.requested_slots) + (
+        ("output",) if rule.wants_output else ()
+    )
+    request_index = tuple(slot + 1 for _, slot in rule.requested_slots)
+    wants_output = rule.wants_output
+    materialize = rule.materialize_grads
+    all_none = (None,) * (n_params + 1)
+
+    def forward(state: CallState, *flat: Any) -> Any:
+        if state.layout is None:
+            out = fn(*flat) if plain else call(flat)
+        else:
+            out = call(_unflatten_inputs(flat, state.layout))
+        res: tuple[Tensor, ...] = ()
+        if residuals:
+            out, res = _split_residuals(out, residuals, op, state)
+        if not res and isinstance(out, Tensor):
+            return out
+        return (*_flatten_output(out, state), *res)
+
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        state = inputs[0]
+        if state.out_spec is not None:
+            n_out = state.n_out
+            setup(ctx, state, inputs[1:], output[:n_out], output[n_out:])
+            return
+        if not fast or state.layout is not None:
+            setup(ctx, state, inputs[1:], (output,), ())
+            return
+        # Fast path; records (state, meta, statics, single, autocast) on ctx. Metadata is
+        # kept for every tensor input (asking which need a gradient costs more than it saves).
+        meta: list[Any] = [None] * n_params
+        single = -1
+        for i in range(n_params):
+            value = inputs[i + 1]
+            if isinstance(value, Tensor):
+                single = i if single == -1 else -2
+                meta[i] = (value.shape, value.dtype, value.device)
+        statics: list[Any] = []
+        to_save: list[Tensor] = []
+        for i in request_index:
+            value = inputs[i]
+            if isinstance(value, Tensor):
+                to_save.append(value)
+                statics.append(_SAVED)
+            else:
+                statics.append(value)
+        if wants_output:
+            to_save.append(output)
+            statics.append(_SAVED)
+        if to_save:
+            ctx.save_for_backward(*to_save)
+        if not materialize:
+            ctx.set_materialize_grads(False)
+        autocast = None
+        if any_autocast_enabled():
+            autocast = _autocast_state(inputs)
+        ctx.gradoverride = (state, meta, statics, single, autocast)
+
+    def backward(ctx: Any, *grads: Any) -> Any:
+        record = ctx.gradoverride
+        if len(record) != 5:  # recorded by the general `setup`, not the fast path above
+            return (None, *run_rule(ctx, grads))
+        state, meta, statics, single, autocast = record
+        kwargs: dict[str, Any] = {}
+        if statics:
+            saved = ctx.saved_tensors
+            k = 0
+            for name, value in zip(kwarg_names, statics):
+                if value is _SAVED:
+                    kwargs[name] = saved[k]
+                    k += 1
+                else:
+                    kwargs[name] = value
+        if autocast is not None:
+            result = _call_under_autocast(user_rule, grads, kwargs, autocast, rule_name, op)
+        else:
+            try:
+                result = user_rule(*grads, **kwargs)
+            except GradOverrideError:
+                raise
+            except Exception as exc:
+                exc.add_note(f"(raised in backward rule `{rule_name}` of `{op}`)")
+                raise
+        if single >= 0 and isinstance(result, Tensor):
+            m = meta[single]
+            if result.shape != m[0] or result.dtype != m[1] or result.device != m[2]:
+                result = check_gradient(result, m, op, names[single])
+            return all_none[: single + 1] + (result,) + all_none[single + 2 :]
+        grads_out = flat_gradients(
+            result, op=op, names=names, owned=rule.owned, layout=None, meta=meta
+        )
+        return (None, *grads_out)
+
+    cls = _function_class(op, module, kind, forward, setup_context, backward)
+    apply = cls.apply
+    raw = raw_apply(cls)
+
+    # Calls with exactly this many positional arguments and no keywords need no binding.
+    n_direct = n_params if plain else -1
+
+    def run(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        values = args if not kwargs and len(args) == n_direct else bind(args, kwargs)
+        state = CallState()
+        for value in values:
+            if isinstance(value, _CONTAINERS):
+                values, state.layout = _flatten_inputs(values)
+                break
+        if FAST_APPLY and not is_dynamo_compiling() and not transforms_active():
+            # Eager, no torch.func transform: skip Function.apply's per-call signature
+            # binding (see _internals). Dynamo folds `is_dynamo_compiling` to True and so
+            # traces `cls.apply`, which it understands, and none of the private calls.
+            out = raw(state, *values)
+        else:
+            out = apply(state, *values)
+        if state.out_spec is None:
+            return out
+        return pytree.tree_unflatten(list(out[: state.n_out]), state.out_spec)
+
+    return run, cls
+
+
+def _build_attaching(
+    op: str,
+    module: str,
+    kind: str,
+    sig: ForwardSignature,
+    residuals: tuple[str, ...],
+    owned_params: tuple[bool, ...],
+    setup: Callable[..., None],
+    run_rule: Callable[[Any, tuple[Any, ...]], list[Tensor | None]],
+) -> tuple[Callable[[tuple[Any, ...], dict[str, Any]], Any], type[torch.autograd.Function]]:
+    """The forward runs on the ordinary graph; the Function attaches the owned gradients."""
+    call = sig.call
+    bind = sig.bind
+
+    def forward(state: CallState, *args: Any) -> Any:
+        n_in = state.n_in
+        if state.out_spec is None:
+            return args[n_in]
+        return tuple(args[n_in : n_in + state.n_out])
+
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        state = inputs[0]
+        n_in = state.n_in
+        outs = (output,) if state.out_spec is None else tuple(output)
+        setup(ctx, state, inputs[1 : 1 + n_in], outs, inputs[1 + n_in + state.n_out :])
+
+    def backward(ctx: Any, *grads: Any) -> Any:
+        state = ctx.gradoverride[0]
+        n_res = sum(1 for r in state.residuals if type(r) is int)
+        # The outputs' upstream gradients continue, unchanged, into the ordinary graph of
+        # the inputs the rule does not own.
+        return (None, *run_rule(ctx, grads), *grads[: state.n_out], *([None] * n_res))
+
+    cls = _function_class(op, module, kind, forward, setup_context, backward)
+    apply = cls.apply
+    raw = raw_apply(cls)
+
+    def run(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        state = CallState()
+        flat, layout = _flatten_inputs(bind(args, kwargs))
+        state.layout = layout
+        state.n_in = len(flat)
+        owned = owned_params
+        if layout is not None:
+            owned = tuple(
+                o for o, entry in zip(owned_params, layout)
+                for _ in range(1 if entry is None else entry[1])
+            )
+        detached = tuple(
+            value.detach() if is_owned and isinstance(value, Tensor) else value
+            for value, is_owned in zip(flat, owned)
+        )
+        out = call(detached if layout is None else _unflatten_inputs(detached, layout))
+        res: tuple[Tensor, ...] = ()
+        if residuals:
+            out, res = _split_residuals(out, residuals, op, state)
+        leaves = (out,) if not res and isinstance(out, Tensor) else _flatten_output(out, state)
+        if FAST_APPLY and not is_dynamo_compiling() and not transforms_active():
+            result = raw(state, *flat, *leaves, *res)
+        else:
+            result = apply(state, *flat, *leaves, *res)
+        if state.out_spec is None:
+            return result
+        return pytree.tree_unflatten(list(result), state.out_spec)
+
+    return run, cls
+
+
+_SAVED: Any = object()  # marks a requested value that went through save_for_backward
+
+
+def _autocast_state(inputs: tuple[Any, ...]) -> tuple[str, Any, bool] | None:
+    """(device_type, dtype, enabled) of autocast for the first tensor input's device."""
+    for value in inputs:
+        if isinstance(value, Tensor):
+            device_type = value.device.type
+            if torch.is_autocast_enabled(device_type):
+                return (device_type, torch.get_autocast_dtype(device_type), True)
+            return (device_type, None, False)
+    return None
+
+
+def _call_under_autocast(
+    rule: Callable[..., Any],
+    grads: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    autocast: tuple[str, Any, bool] | None,
+    rule_name: str,
+    op: str,
+) -> Any:
+    """Run a rule under the autocast state its forward ran under (as `custom_bwd` does)."""
+    try:
+        if autocast is None:
+            return rule(*grads, **kwargs)
+        device_type, dtype, enabled = autocast
+        with torch.autocast(device_type, dtype=dtype, enabled=enabled):
+            return rule(*grads, **kwargs)
+    except GradOverrideError:
+        raise
+    except Exception as exc:
+        exc.add_note(f"(raised in backward rule `{rule_name}` of `{op}`)")
+        raise
+
+
+def _function_class(
+    op: str,
+    module: str,
+    kind: str,
+    forward: Callable[..., Any],
+    setup_context: Callable[..., None],
+    backward: Callable[..., Any],
+) -> type[torch.autograd.Function]:
+    name = f"{kind}_{_identifier(op)}"
+    namespace: dict[str, Any] = {
+        "generate_vmap_rule": True,
+        "forward": staticmethod(forward),
+        "setup_context": staticmethod(setup_context),
+        "backward": staticmethod(backward),
+        "__module__": module,
+        "__qualname__": name,
+        "__doc__": f"The autograd.Function gradoverride generated for `{op}`.",
+    }
+    return type(name, (torch.autograd.Function,), namespace)
+
+
+def _guard(
+    op: str,
+    flat_grads: list[Tensor | None],
+    upstream: tuple[Any, ...],
+    saved: tuple[Any, ...],
+) -> list[Tensor | None]:
+    deps = [
+        t
+        for t in (*pytree.tree_leaves(upstream), *saved)
+        if isinstance(t, Tensor) and t.requires_grad
+    ]
+    if not deps:
+        return flat_grads
+    return [g if g is None else _OnceDifferentiableGuard.apply(op, g, *deps) for g in flat_grads]
+
+
+class _OnceDifferentiableGuard(torch.autograd.Function):
+    """Passes a gradient through; differentiating it raises instead of returning zeros.
+
+    Its inputs include the upstream gradients and the saved tensors, so its output requires
+    grad exactly when a second differentiation could reach the rule, in eager mode and under
+    `torch.func` alike (torch's own `@once_differentiable` returns zeros under
+    `torch.func.grad(torch.func.grad(...))`).
+    """
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(op: str, grad: Tensor, *deps: Tensor) -> Tensor:  # type: ignore[override]
+        return grad.view_as(grad)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        ctx.op = inputs[0]
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:
+        msg = (
+            f"backward of `{ctx.op}` is once-differentiable (once_differentiable=True) and "
+            "cannot be differentiated again; write the rule in differentiable torch ops and "
+            "drop the option to get higher-order gradients."
+        )
+        raise GradOverrideError(msg)

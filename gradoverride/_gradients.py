@@ -1,0 +1,318 @@
+"""Turning what a rule returned into one checked gradient per flat input.
+
+Return forms (see the README, "What a rule may return"):
+
+* a dict by parameter name; every owned parameter that holds a tensor must appear (`None`
+  for no gradient), and no other name may;
+* a tuple with one entry per forward parameter, in order (`None` for no gradient);
+* a tensor (or `None`) when exactly one owned parameter holds tensors in this call.
+
+A container parameter (tuple, list, dict of tensors) gets a gradient of the same structure.
+Each gradient is checked against its input: a shape the input broadcasts to is summed down
+to the input's shape (as PyTorch does); a floating-point gradient of another precision is
+cast to the input's dtype (as PyTorch does; autocast produces these); a gradient of another
+kind (integer, bool, complex for a real input), another device or another shape is an error.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.utils import _pytree as pytree
+
+from ._errors import GradOverrideError
+
+__all__ = ["SKIP", "Meta", "check_gradient", "flat_gradients", "format_shape"]
+
+#: Meta entry of a tensor input whose gradient is not needed: whatever the rule returns for
+#: it is dropped unchecked.
+SKIP = False
+
+#: Per flat input: None (not a tensor), SKIP, or (shape, dtype, device) of an input whose
+#: gradient is needed.
+Meta = Sequence["None | bool | tuple[torch.Size, torch.dtype, torch.device]"]
+
+#: Per forward parameter: None when its value sits at the same flat index, else
+#: (treespec, number of leaves) for a container flattened into the flat inputs.
+SlotLayout = "tuple[tuple[pytree.TreeSpec, int] | None, ...] | None"
+
+
+def format_shape(shape: Sequence[int]) -> str:
+    return str(tuple(int(s) for s in shape))
+
+
+def _slot_ranges(layout: Any, n_slots: int) -> list[tuple[int, int, Any]]:
+    if layout is None:
+        return [(i, i + 1, None) for i in range(n_slots)]
+    ranges = []
+    start = 0
+    for entry in layout:
+        if entry is None:
+            ranges.append((start, start + 1, None))
+            start += 1
+        else:
+            spec, n = entry
+            ranges.append((start, start + n, spec))
+            start += n
+    return ranges
+
+
+def flat_gradients(
+    result: Any,
+    *,
+    op: str,
+    names: tuple[str, ...],
+    owned: tuple[bool, ...],
+    layout: Any,
+    meta: Meta,
+) -> list[Tensor | None]:
+    """One checked gradient per flat input, from whatever the rule returned."""
+    n_slots = len(names)
+    grads: list[Tensor | None] = [None] * len(meta)
+
+    # Fast path: every parameter is a plain value and the rule returned one tensor.
+    if layout is None and (result is None or isinstance(result, Tensor)):
+        slot = _single_owned_slot(op, names, owned, layout, meta, result)
+        if slot is not None and result is not None:
+            grads[slot] = check_gradient(result, meta[slot], op, names[slot])
+        return grads
+
+    ranges = _slot_ranges(layout, n_slots)
+    per_slot = _per_slot(result, op=op, names=names, owned=owned, layout=layout, meta=meta,
+                         ranges=ranges)
+    for slot, grad in enumerate(per_slot):
+        if grad is None:
+            continue
+        start, stop, spec = ranges[slot]
+        if not owned[slot]:
+            msg = (
+                f"backward of `{op}` returned a gradient for `{names[slot]}`, which the rule "
+                f"does not own (it owns {_owned_listing(names, owned)}); return None for "
+                f"`{names[slot]}`, or add it to `owns` to give it this gradient instead of "
+                "its autograd gradient."
+            )
+            raise GradOverrideError(msg)
+        if spec is None:
+            grads[start] = check_gradient(grad, meta[start], op, names[slot])
+            continue
+        try:
+            leaves = spec.flatten_up_to(grad)
+        except (ValueError, TypeError, RuntimeError):
+            msg = (
+                f"backward of `{op}` returned a gradient for `{names[slot]}` whose structure "
+                f"does not match the input's: the input is {_structure(spec)} and the gradient "
+                f"is a {type(grad).__name__}; return the same structure, with None where there "
+                "is no gradient."
+            )
+            raise GradOverrideError(msg) from None
+        for offset, leaf in enumerate(leaves):
+            if leaf is not None:
+                path = f"{names[slot]}{_leaf_path(spec, offset)}"
+                grads[start + offset] = check_gradient(leaf, meta[start + offset], op, path)
+    return grads
+
+
+def _holds_tensor(meta: Meta, start: int, stop: int) -> bool:
+    return any(m is not None for m in meta[start:stop])
+
+
+def _owned_listing(names: tuple[str, ...], owned: tuple[bool, ...]) -> str:
+    listed = [f"`{n}`" for n, o in zip(names, owned) if o]
+    return ", ".join(listed) if listed else "nothing"
+
+
+def _single_owned_slot(
+    op: str, names: tuple[str, ...], owned: tuple[bool, ...], layout: Any, meta: Meta,
+    result: Any,
+) -> int | None:
+    """The one owned parameter holding tensors, for a rule that returned a single value."""
+    ranges = _slot_ranges(layout, len(names))
+    candidates = [
+        slot for slot, (start, stop, _) in enumerate(ranges)
+        if owned[slot] and _holds_tensor(meta, start, stop)
+    ]
+    if len(candidates) == 1:
+        return candidates[0]
+    if result is None:
+        return None
+    if not candidates:
+        msg = (
+            f"backward of `{op}` returned a {type(result).__name__}, but no parameter it owns "
+            f"holds a tensor in this call (it owns {_owned_listing(names, owned)}); "
+            "return None."
+        )
+        raise GradOverrideError(msg)
+    held = ", ".join(f"`{names[s]}`" for s in candidates)
+    msg = (
+        f"backward of `{op}` returned a single {type(result).__name__}, but it owns "
+        f"{len(candidates)} tensor inputs ({held}); return a tuple with one gradient per "
+        f"parameter of `{op}` ({', '.join(names)}), or a dict by name such as "
+        f"{{{', '.join(repr(names[s]) + ': ...' for s in candidates)}}}."
+    )
+    raise GradOverrideError(msg)
+
+
+def _per_slot(
+    result: Any, *, op: str, names: tuple[str, ...], owned: tuple[bool, ...], layout: Any,
+    meta: Meta, ranges: list[tuple[int, int, Any]],
+) -> list[Any]:
+    n_slots = len(names)
+    if isinstance(result, dict):
+        # By parameter name, unless the one owned input is itself a dict of that shape.
+        single = _maybe_single(names, owned, meta, ranges)
+        if (
+            not set(result) <= set(names)
+            and single is not None
+            and ranges[single][2] is not None
+            and _matches(result, ranges[single][2])
+        ):
+            by_slot: list[Any] = [None] * n_slots
+            by_slot[single] = result
+            return by_slot
+        return _from_dict(result, op=op, names=names, owned=owned, meta=meta, ranges=ranges)
+    if type(result) is tuple:
+        single = _maybe_single(names, owned, meta, ranges)
+        if len(result) == n_slots and (single is None or ranges[single][2] is None or
+                                       _matches(result[single], ranges[single][2])):
+            return list(result)
+        if single is not None and ranges[single][2] is not None and _matches(
+            result, ranges[single][2]
+        ):
+            out: list[Any] = [None] * n_slots
+            out[single] = result
+            return out
+        msg = (
+            f"backward of `{op}` returned {len(result)} gradients, but `{op}` has {n_slots} "
+            f"parameters ({', '.join(names)}); return a tuple with one entry per parameter "
+            "(None for no gradient), or a dict by parameter name."
+        )
+        raise GradOverrideError(msg)
+    single_slot = _single_owned_slot(op, names, owned, layout, meta, result)
+    out = [None] * n_slots
+    if single_slot is not None:
+        out[single_slot] = result
+    return out
+
+
+def _maybe_single(
+    names: tuple[str, ...], owned: tuple[bool, ...], meta: Meta,
+    ranges: list[tuple[int, int, Any]],
+) -> int | None:
+    candidates = [
+        slot for slot, (start, stop, _) in enumerate(ranges)
+        if owned[slot] and _holds_tensor(meta, start, stop)
+    ]
+    return candidates[0] if len(candidates) == 1 else None
+
+
+def _matches(value: Any, spec: Any) -> bool:
+    """Whether `value` has the container structure `spec` (leaves: tensors or None)."""
+    if spec is None:
+        return value is None or isinstance(value, Tensor)
+    try:
+        leaves = spec.flatten_up_to(value)
+    except (ValueError, TypeError, RuntimeError):
+        return False
+    return all(leaf is None or isinstance(leaf, Tensor) for leaf in leaves)
+
+
+def _from_dict(
+    result: dict[str, Any], *, op: str, names: tuple[str, ...], owned: tuple[bool, ...],
+    meta: Meta, ranges: list[tuple[int, int, Any]],
+) -> list[Any]:
+    for key in result:
+        if key not in names:
+            valid = ", ".join(f"`{n}`" for n, o in zip(names, owned) if o)
+            msg = (
+                f"backward of `{op}` returned a gradient for `{key}`, which is not a "
+                f"parameter of `{op}`; the names it can return are {valid}."
+            )
+            raise GradOverrideError(msg)
+    out: list[Any] = []
+    for slot, name in enumerate(names):
+        start, stop, _ = ranges[slot]
+        if name not in result and owned[slot] and _holds_tensor(meta, start, stop):
+            msg = (
+                f"backward of `{op}` returned a dict without `{name}`, which it owns; "
+                f"return {{'{name}': None, ...}} if it gets no gradient, or leave `{name}` "
+                f"out of `owns` so it keeps its ordinary autograd gradient."
+            )
+            raise GradOverrideError(msg)
+        out.append(result.get(name))
+    return out
+
+
+def _structure(spec: Any) -> str:
+    kind = getattr(spec, "type", None)
+    kind_name = kind.__name__ if isinstance(kind, type) else "container"
+    return f"a {kind_name} of {spec.num_leaves} leaves"
+
+
+def _leaf_path(spec: Any, offset: int) -> str:
+    try:
+        paths, _ = pytree.tree_flatten_with_path(pytree.tree_unflatten([0] * spec.num_leaves, spec))
+        return pytree.keystr(paths[offset][0])
+    except Exception:  # pragma: no cover - path is only for the message
+        return f"[leaf {offset}]"
+
+
+def check_gradient(grad: Any, meta: Any, op: str, name: str) -> Tensor | None:
+    """Check one gradient against its input's metadata; fix what PyTorch itself would fix."""
+    if meta is None:
+        msg = (
+            f"backward of `{op}` returned a gradient for `{name}`, which is not a tensor in "
+            "this call and takes no gradient; return None for it."
+        )
+        raise GradOverrideError(msg)
+    if not isinstance(grad, Tensor):
+        msg = (
+            f"backward of `{op}` returned a {type(grad).__name__} for `{name}`; "
+            "expected a tensor (or None for no gradient)."
+        )
+        raise GradOverrideError(msg)
+    if meta is SKIP:
+        return None
+    shape, dtype, device = meta
+    if grad.shape != shape:
+        grad = _fit_shape(grad, shape, op, name)
+    if grad.dtype != dtype:
+        grad = _fit_dtype(grad, dtype, op, name)
+    if grad.device != device:
+        msg = (
+            f"backward of `{op}` returned a gradient on {grad.device} for `{name}`, which is "
+            f"on {device}; create the gradient on the input's device (e.g. with `.to({name}.device)`)."
+        )
+        raise GradOverrideError(msg)
+    return grad
+
+
+def _fit_shape(grad: Tensor, shape: torch.Size, op: str, name: str) -> Tensor:
+    extra = grad.dim() - len(shape)
+    fits = extra >= 0 and all(
+        s == 1 or s == g for s, g in zip(shape, grad.shape[extra:])
+    )
+    if not fits:
+        msg = (
+            f"backward of `{op}` returned a gradient of shape {format_shape(grad.shape)} for "
+            f"`{name}`, which has shape {format_shape(shape)}; return a gradient of the input's "
+            "shape (or one the input broadcasts to, which is summed down to it)."
+        )
+        raise GradOverrideError(msg)
+    return grad.sum_to_size(shape)
+
+
+def _fit_dtype(grad: Tensor, dtype: torch.dtype, op: str, name: str) -> Tensor:
+    if grad.dtype.is_floating_point and dtype.is_floating_point:
+        return grad.to(dtype)
+    if grad.dtype.is_complex and dtype.is_complex:
+        return grad.to(dtype)
+    msg = (
+        f"backward of `{op}` returned a gradient of dtype {grad.dtype} for `{name}`, which has "
+        f"dtype {dtype}; a gradient must be a {'complex' if dtype.is_complex else 'floating-point'} "
+        f"tensor: multiply the upstream gradient by a mask (`grad * mask`) rather than "
+        f"returning the mask, or convert with `.to({name}.dtype)`."
+    )
+    raise GradOverrideError(msg)

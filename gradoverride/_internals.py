@@ -1,0 +1,57 @@
+"""The few private torch pieces gradoverride relies on, each with a public fallback.
+
+`tests/test_internals.py` checks that each piece is found on the tested torch (so a silent
+fallback after an upgrade fails a test instead of slowing users down) and that the fallback
+path gives the same gradients.
+
+* `raw_apply(cls)`: `torch.autograd.Function.apply` runs `inspect.signature(...).bind()` on
+  every call when a Function defines `setup_context` (the form `torch.func` needs), which
+  makes it ~1.6x slower than a classic Function on small tensors. In eager mode with no
+  `torch.func` transform active, `Function.apply` ends in `_C._FunctionBase.apply` after that
+  bind and after unwrapping "dead" functorch wrappers (tensors from a finished transform);
+  callers use `raw_apply(cls)` for that last step. We skip the unwrapping: the case it exists
+  for (a rule that calls another op on tensors saved under `torch.func.vjp`, run from the
+  returned `vjp_fn`) gives the right gradients without it, which
+  `tests/test_internals.py` checks. While compiling or under a transform callers use
+  `cls.apply`, so dynamo and functorch see exactly what they expect.
+* `any_autocast_enabled()`: one C call instead of one per device type (dynamo folds it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+__all__ = ["FAST_APPLY", "any_autocast_enabled", "raw_apply", "transforms_active"]
+
+try:
+    _function_base_apply: Any = torch._C._FunctionBase.__dict__["apply"]
+    transforms_active: Callable[[], bool] = torch._C._are_functorch_transforms_active
+    FAST_APPLY = True
+except (AttributeError, ImportError, KeyError):  # pragma: no cover - depends on torch version
+    FAST_APPLY = False
+
+    def transforms_active() -> bool:
+        return True
+
+
+def raw_apply(cls: type[torch.autograd.Function]) -> Callable[..., Any]:
+    """`cls.apply` without its per-call signature binding (eager, no transform only)."""
+    if not FAST_APPLY:  # pragma: no cover
+        return cls.apply
+    raw: Callable[..., Any] = _function_base_apply.__get__(None, cls)
+    return raw
+
+
+try:
+    any_autocast_enabled: Callable[[], bool] = torch._C._is_any_autocast_enabled
+except AttributeError:  # pragma: no cover - depends on torch version
+
+    def any_autocast_enabled() -> bool:
+        return any(
+            torch.is_autocast_enabled(device)
+            for device in ("cpu", "cuda", "xpu", "mps", "hpu")
+            if torch.amp.is_autocast_available(device)
+        )
