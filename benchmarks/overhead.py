@@ -13,6 +13,7 @@ and (2048, 2048). Then the bytes saved for backward, counted with
 from __future__ import annotations
 
 import argparse
+import random
 import statistics
 import time
 from collections.abc import Callable
@@ -85,14 +86,22 @@ def _time_block(fn: Callable[[], Any], number: int) -> float:
 def compare(
     cases: dict[str, Callable[[], Any]], *, rounds: int, number: int
 ) -> dict[str, tuple[float, float]]:
-    """Median seconds per call and median paired ratio to the first case, interleaved."""
+    """Median seconds per call and median paired ratio to the first case.
+
+    Each round times every case once, in a shuffled order (seeded), so no case always runs
+    right after another one: which case ran just before measurably changes small-tensor
+    timings (caches), and a fixed order would bias the ratios.
+    """
     names = list(cases)
     times: dict[str, list[float]] = {n: [] for n in names}
     ratios: dict[str, list[float]] = {n: [] for n in names}
+    order = random.Random(0)
     for fn in cases.values():  # warm up
         _time_block(fn, number)
     for _ in range(rounds):
-        block = {n: _time_block(cases[n], number) for n in names}
+        shuffled = names[:]
+        order.shuffle(shuffled)
+        block = {n: _time_block(cases[n], number) for n in shuffled}
         for n in names:
             times[n].append(block[n])
             ratios[n].append(block[n] / block[names[0]])

@@ -33,6 +33,7 @@ from torch.compiler import is_dynamo_compiling
 from torch.utils import _pytree as pytree
 
 from ._errors import GradOverrideError, GradOverrideTypeError
+from ._fastpath import generate
 from ._gradients import SKIP, check_gradient, flat_gradients
 from ._internals import (
     FAST_APPLY,
@@ -177,8 +178,12 @@ def build_call(
     sig: ForwardSignature,
     rule: RuleSpec,
     residuals: tuple[str, ...],
-) -> tuple[Callable[[tuple[Any, ...], dict[str, Any]], Any], type[torch.autograd.Function]]:
-    """The per-call entry point `run(args, kwargs)` and the Function class behind it."""
+) -> tuple[Callable[..., Any], type[torch.autograd.Function]]:
+    """The per-call entry point and the Function class behind it.
+
+    The entry point is `run(op_object, *args, **kwargs)`: it becomes the `__call__` method of
+    the op's class (`op_object` is the op itself and is not used).
+    """
     names = sig.names
     n_params = len(names)
     owned = rule.owned
@@ -188,6 +193,11 @@ def build_call(
     wants_needs_grad = rule.wants_needs_grad
     materialize = rule.materialize_grads
     once = rule.once_differentiable
+    # Plain values only in these closures: dynamo cannot wrap a RuleSpec object met while
+    # speculating a Function's forward.
+    n_grads = rule.n_grads
+    rule_name = rule.name
+    requested_residuals = rule.requested_residuals
     call = sig.call
     bind = sig.bind
     plain_signature = sig.is_plain
@@ -195,9 +205,9 @@ def build_call(
     # ---- forward-side bookkeeping ---------------------------------------------------------
 
     def check_outputs(state: CallState) -> None:
-        if rule.n_grads is not None and rule.n_grads != state.n_top:
+        if n_grads is not None and n_grads != state.n_top:
             msg = (
-                f"backward rule `{rule.name}` of `{op}` takes {rule.n_grads} upstream "
+                f"backward rule `{rule_name}` of `{op}` takes {n_grads} upstream "
                 f"gradient(s), but `{op}` returned {state.n_top} output(s); give the rule "
                 "one positional parameter per output (or `*grads`)."
             )
@@ -273,7 +283,7 @@ def build_call(
             keep(name, spec, flat[start:stop])
         if wants_output:
             keep("output", state.out_spec, outputs)
-        for name, index in rule.requested_residuals:
+        for name, index in requested_residuals:
             entry = state.residuals[index]
             if isinstance(entry, _Static):
                 plan.append((name, None, (entry,)))
@@ -307,7 +317,7 @@ def build_call(
         except GradOverrideError:
             raise
         except Exception as exc:
-            exc.add_note(f"(raised in backward rule `{rule.name}` of `{op}`)")
+            exc.add_note(f"(raised in backward rule `{rule_name}` of `{op}`)")
             raise
 
     def run_rule(ctx: Any, grads: tuple[Any, ...]) -> list[Tensor | None]:
@@ -369,7 +379,7 @@ def _build_owning(
     residuals: tuple[str, ...],
     setup: Callable[..., None],
     run_rule: Callable[[Any, tuple[Any, ...]], list[Tensor | None]],
-) -> tuple[Callable[[tuple[Any, ...], dict[str, Any]], Any], type[torch.autograd.Function]]:
+) -> tuple[Callable[..., Any], type[torch.autograd.Function]]:
     """The forward runs inside the Function; the rule gives every gradient."""
     fn = sig.fn
     call = sig.call
@@ -381,26 +391,15 @@ def _build_owning(
     # residuals, a rule of one upstream gradient without once_differentiable or needs_grad.
     # Everything else takes the general path (`setup` / `run_rule`), which is the reference.
     fast = (
-        not residuals
+        n_params > 0
+        and not residuals
         and rule.n_grads in (None, 1)
         and not rule.once_differentiable
         and not rule.wants_needs_grad
     )
-    user_rule = rule.rule
-    rule_name = rule.name
-    kwarg_names = tuple(name for name, _ in rule.requested_slots) + (
-        ("output",) if rule.wants_output else ()
-    )
-    request_index = tuple(slot + 1 for _, slot in rule.requested_slots)
-    wants_output = rule.wants_output
-    materialize = rule.materialize_grads
-    all_none = (None,) * (n_params + 1)
 
-    def forward(state: CallState, *flat: Any) -> Any:
-        if state.layout is None:
-            out = fn(*flat) if plain else call(flat)
-        else:
-            out = call(_unflatten_inputs(flat, state.layout))
+    def shape_output(out: Any, state: CallState) -> Any:
+        """The Function's output for what the forward returned: a tensor, or flat leaves."""
         res: tuple[Tensor, ...] = ()
         if residuals:
             out, res = _split_residuals(out, residuals, op, state)
@@ -408,89 +407,33 @@ def _build_owning(
             return out
         return (*_flatten_output(out, state), *res)
 
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+    def forward(state: CallState, *flat: Any) -> Any:
+        if state.layout is None:
+            out = fn(*flat) if plain else call(flat)
+        else:
+            out = call(_unflatten_inputs(flat, state.layout))
+        return shape_output(out, state)
+
+    def setup_general(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
         state = inputs[0]
-        if state.out_spec is not None:
+        if state.out_spec is None:
+            setup(ctx, state, inputs[1:], (output,), ())
+        else:
             n_out = state.n_out
             setup(ctx, state, inputs[1:], output[:n_out], output[n_out:])
-            return
-        if not fast or state.layout is not None:
-            setup(ctx, state, inputs[1:], (output,), ())
-            return
-        # Fast path; records (state, meta, statics, single, autocast) on ctx. Metadata is
-        # kept for every tensor input (asking which need a gradient costs more than it saves).
-        meta: list[Any] = [None] * n_params
-        single = -1
-        for i in range(n_params):
-            value = inputs[i + 1]
-            if isinstance(value, Tensor):
-                single = i if single == -1 else -2
-                meta[i] = (value.shape, value.dtype, value.device)
-        statics: list[Any] = []
-        to_save: list[Tensor] = []
-        for i in request_index:
-            value = inputs[i]
-            if isinstance(value, Tensor):
-                to_save.append(value)
-                statics.append(_SAVED)
-            else:
-                statics.append(value)
-        if wants_output:
-            to_save.append(output)
-            statics.append(_SAVED)
-        if to_save:
-            ctx.save_for_backward(*to_save)
-        if not materialize:
-            ctx.set_materialize_grads(False)
-        autocast = None
-        if any_autocast_enabled():
-            autocast = _autocast_state(inputs)
-        ctx.gradoverride = (state, meta, statics, single, autocast)
 
-    def backward(ctx: Any, *grads: Any) -> Any:
-        record = ctx.gradoverride
-        if len(record) != 5:  # recorded by the general `setup`, not the fast path above
-            return (None, *run_rule(ctx, grads))
-        state, meta, statics, single, autocast = record
-        kwargs: dict[str, Any] = {}
-        if statics:
-            saved = ctx.saved_tensors
-            k = 0
-            for name, value in zip(kwarg_names, statics):
-                if value is _SAVED:
-                    kwargs[name] = saved[k]
-                    k += 1
-                else:
-                    kwargs[name] = value
-        if autocast is not None:
-            result = _call_under_autocast(user_rule, grads, kwargs, autocast, rule_name, op)
-        else:
-            try:
-                result = user_rule(*grads, **kwargs)
-            except GradOverrideError:
-                raise
-            except Exception as exc:
-                exc.add_note(f"(raised in backward rule `{rule_name}` of `{op}`)")
-                raise
-        if single >= 0 and isinstance(result, Tensor):
-            m = meta[single]
-            if result.shape != m[0] or result.dtype != m[1] or result.device != m[2]:
-                result = check_gradient(result, m, op, names[single])
-            return all_none[: single + 1] + (result,) + all_none[single + 2 :]
-        grads_out = flat_gradients(
-            result, op=op, names=names, owned=rule.owned, layout=None, meta=meta
-        )
-        return (None, *grads_out)
+    def backward_general(ctx: Any, grads: tuple[Any, ...]) -> Any:
+        return (None, *run_rule(ctx, grads))
 
-    cls = _function_class(op, module, kind, forward, setup_context, backward)
-    apply = cls.apply
-    raw = raw_apply(cls)
+    def finish(out: Any, state: CallState) -> Any:
+        return pytree.tree_unflatten(list(out[: state.n_out]), state.out_spec)
 
-    # Calls with exactly this many positional arguments and no keywords need no binding.
-    n_direct = n_params if plain else -1
+    # Set once the Function class exists (it needs setup_context and backward first).
+    raw: Callable[..., Any]
+    apply: Callable[..., Any]
 
-    def run(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        values = args if not kwargs and len(args) == n_direct else bind(args, kwargs)
+    def run_general(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        values = bind(args, kwargs)
         state = CallState()
         for value in values:
             if isinstance(value, _CONTAINERS):
@@ -505,7 +448,69 @@ def _build_owning(
             out = apply(state, *values)
         if state.out_spec is None:
             return out
-        return pytree.tree_unflatten(list(out[: state.n_out]), state.out_spec)
+        return finish(out, state)
+
+    if fast:
+        generated = generate(
+            op=op,
+            names=names,
+            requested=rule.requested_slots,
+            wants_output=rule.wants_output,
+            materialize=rule.materialize_grads,
+            plain=plain,
+            namespace={
+                "Tensor": Tensor,
+                "CallState": CallState,
+                "CONTAINERS": _CONTAINERS,
+                "forward_general": forward,
+                "shape_output": shape_output,
+                "fn": fn,
+                "call": call,
+                "setup_general": setup_general,
+                "backward_general": backward_general,
+                "run_general": run_general,
+                "finish": finish,
+                "any_autocast_enabled": any_autocast_enabled,
+                "autocast_state": _autocast_state,
+                "call_under_autocast": _call_under_autocast,
+                "check_gradient": check_gradient,
+                "flat_gradients": flat_gradients,
+                "GradOverrideError": GradOverrideError,
+                "rule": rule.rule,
+                "rule_name": rule.name,
+                "names": names,
+                "owned": rule.owned,
+                "op": op,
+                "is_dynamo_compiling": is_dynamo_compiling,
+                "transforms_active": transforms_active,
+                "FAST_APPLY": FAST_APPLY,
+            },
+        )
+        setup_context = generated["setup_context"]
+        backward = generated["backward"]
+        fast_forward = generated["forward"]
+    else:
+
+        def backward(ctx: Any, *grads: Any) -> Any:
+            return backward_general(ctx, grads)
+
+        setup_context = setup_general
+        fast_forward = forward
+
+    cls = _function_class(op, module, kind, fast_forward, setup_context, backward)
+    apply = cls.apply
+    raw = raw_apply(cls)
+    if fast and generated["forward_eager"] is not None:
+        eager_cls = _classic_function_class(
+            op, module, kind, generated["forward_eager"], backward
+        )
+        run = generated["make_run"](raw_apply(eager_cls), apply)
+    elif fast:
+        run = generated["make_run"](raw, apply)
+    else:
+
+        def run(op_object: Any, *args: Any, **kwargs: Any) -> Any:
+            return run_general(args, kwargs)
 
     return run, cls
 
@@ -519,16 +524,21 @@ def _build_attaching(
     owned_params: tuple[bool, ...],
     setup: Callable[..., None],
     run_rule: Callable[[Any, tuple[Any, ...]], list[Tensor | None]],
-) -> tuple[Callable[[tuple[Any, ...], dict[str, Any]], Any], type[torch.autograd.Function]]:
+) -> tuple[Callable[..., Any], type[torch.autograd.Function]]:
     """The forward runs on the ordinary graph; the Function attaches the owned gradients."""
     call = sig.call
     bind = sig.bind
 
     def forward(state: CallState, *args: Any) -> Any:
+        # Views, not the inputs themselves: the setup_context form may not save an input
+        # returned as-is, and a rule may name `output`.
         n_in = state.n_in
         if state.out_spec is None:
-            return args[n_in]
-        return tuple(args[n_in : n_in + state.n_out])
+            return args[n_in].view_as(args[n_in])
+        return tuple(
+            a.view_as(a) if isinstance(a, Tensor) else a
+            for a in args[n_in : n_in + state.n_out]
+        )
 
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
         state = inputs[0]
@@ -547,7 +557,7 @@ def _build_attaching(
     apply = cls.apply
     raw = raw_apply(cls)
 
-    def run(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def run(op_object: Any, *args: Any, **kwargs: Any) -> Any:
         state = CallState()
         flat, layout = _flatten_inputs(bind(args, kwargs))
         state.layout = layout
@@ -631,6 +641,29 @@ def _function_class(
         "__module__": module,
         "__qualname__": name,
         "__doc__": f"The autograd.Function gradoverride generated for `{op}`.",
+    }
+    return type(name, (torch.autograd.Function,), namespace)
+
+
+def _classic_function_class(
+    op: str,
+    module: str,
+    kind: str,
+    forward: Callable[..., Any],
+    backward: Callable[..., Any],
+) -> type[torch.autograd.Function]:
+    """The eager-only twin of an op's Function, in the classic `forward(ctx, ...)` form.
+
+    Same name and backward; used only through `raw_apply` in eager mode with no transform,
+    where nothing needs the `setup_context` form.
+    """
+    name = f"{kind}_{_identifier(op)}"
+    namespace: dict[str, Any] = {
+        "forward": staticmethod(forward),
+        "backward": staticmethod(backward),
+        "__module__": module,
+        "__qualname__": name,
+        "__doc__": f"The autograd.Function gradoverride generated for `{op}` (eager form).",
     }
     return type(name, (torch.autograd.Function,), namespace)
 

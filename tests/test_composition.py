@@ -1,0 +1,484 @@
+"""Composition with the rest of PyTorch: torch.compile, torch.func, gradcheck, higher-order
+gradients, once_differentiable, autocast and threads.
+
+Every op here has a rule whose gradient differs from what autograd would compute through
+the forward (unless the test is about the true derivative), so a transform that silently
+ignores the rule fails the comparison.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from conftest import tolerance
+from torch.func import grad, jacrev, vmap
+
+import gradoverride as go
+
+# ---- ops used across the file ---------------------------------------------------------------
+
+
+@go.custom_backward
+def quantize(x: torch.Tensor, bits: int = 2) -> torch.Tensor:
+    s = 2**bits
+    return torch.round(x * s) / s
+
+
+@quantize.backward
+def _(grad: torch.Tensor, *, x: torch.Tensor) -> torch.Tensor:
+    return grad * (x.abs() <= 1)
+
+
+@go.custom_backward(owns="x")
+def scale(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return x * w
+
+
+@scale.backward
+def _(grad: torch.Tensor, *, w: torch.Tensor) -> torch.Tensor:
+    return grad * 2 * w  # twice the true derivative, so the rule is visible
+
+
+@go.custom_backward
+def pair_product(xs: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    a, b = xs
+    return a * b
+
+
+@pair_product.backward
+def _(grad: torch.Tensor, *, xs: tuple[torch.Tensor, torch.Tensor]) -> Any:
+    a, b = xs
+    return {"xs": (grad * b + 1, grad * a - 1)}
+
+
+@go.custom_backward
+def sin_cos(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return x.sin(), x.cos()
+
+
+@sin_cos.backward
+def _(grad_sin: torch.Tensor, grad_cos: torch.Tensor, *, x: torch.Tensor) -> torch.Tensor:
+    return grad_sin * x.cos() - grad_cos * x.sin() + 0.5
+
+
+@go.custom_backward(residuals=("norm",))
+def normalize(x: torch.Tensor) -> Any:
+    norm = x.norm()
+    return x / norm, {"norm": norm}
+
+
+@normalize.backward
+def _(grad: torch.Tensor, *, norm: torch.Tensor) -> torch.Tensor:
+    return grad / norm  # ignores the norm's own dependence on x: a deliberate override
+
+
+def _expected_quantize(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    return g * (x.abs() <= 1)
+
+
+# ---- torch.compile ------------------------------------------------------------------------
+
+
+# Dynamo instantiates `torch.autograd.Function()` for the ctx of a Function it reaches without
+# a source (a closure-held `apply`) inside `warnings.catch_warnings(record=True)`, which does
+# not reset filters, so the project's `filterwarnings = error` turns torch's own, deliberately
+# silenced DeprecationWarning into an error (plain torch does the same; not gradoverride's).
+_TORCH_CTX_WARNING = pytest.mark.filterwarnings(
+    "ignore:.*should not be instantiated:DeprecationWarning"
+)
+
+
+def _leaves(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return tuple(t.detach().clone().requires_grad_() for t in tensors)
+
+
+def _compile_parity(
+    fn: Callable[..., torch.Tensor],
+    inputs: tuple[torch.Tensor, ...],
+    *,
+    backend: str = "aot_eager",
+) -> tuple[torch.Tensor, ...]:
+    """Loss and gradients of `fn` compiled with fullgraph=True equal eager; returns eager's."""
+    torch._dynamo.reset()
+    eager_in = _leaves(*inputs)
+    eager_loss = fn(*eager_in)
+    eager_grads = torch.autograd.grad(eager_loss, eager_in)
+
+    compiled = torch.compile(fn, backend=backend, fullgraph=True)
+    comp_in = _leaves(*inputs)
+    comp_loss = compiled(*comp_in)
+    comp_grads = torch.autograd.grad(comp_loss, comp_in)
+    torch._dynamo.reset()
+
+    torch.testing.assert_close(comp_loss, eager_loss)
+    for c, e in zip(comp_grads, eager_grads, strict=True):
+        torch.testing.assert_close(c, e)
+    return eager_grads
+
+
+@pytest.mark.compile
+@_TORCH_CTX_WARNING
+# Inductor's first compile imports torch code that calls the deprecated `torch.jit.script_method`.
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+def test_compile_single_output_inductor() -> None:
+    """The one test with the default (inductor) backend."""
+    x = torch.linspace(-1.5, 1.5, 6)
+    c = torch.arange(6.0)
+
+    def loss(x: torch.Tensor) -> torch.Tensor:
+        return (quantize(x) * c).sum()
+
+    (gx,) = _compile_parity(loss, (x,), backend="inductor")
+    torch.testing.assert_close(gx, _expected_quantize(x, c))
+
+
+@pytest.mark.compile
+@_TORCH_CTX_WARNING
+def test_compile_partial_override() -> None:
+    x = torch.tensor([0.5, -1.0, 2.0])
+    w = torch.tensor([3.0, 0.25, -1.0])
+    c = torch.tensor([1.0, 2.0, 3.0])
+
+    def loss(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return (scale(x, w) * c).sum()
+
+    gx, gw = _compile_parity(loss, (x, w))
+    torch.testing.assert_close(gx, 2 * w * c)  # the rule
+    torch.testing.assert_close(gw, x * c)  # ordinary autograd
+
+
+@pytest.mark.compile
+@_TORCH_CTX_WARNING
+def test_compile_container_input() -> None:
+    a = torch.tensor([1.0, -2.0, 0.5])
+    b = torch.tensor([0.25, 4.0, -3.0])
+
+    def loss(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return pair_product((a, b)).sum()
+
+    ga, gb = _compile_parity(loss, (a, b))
+    torch.testing.assert_close(ga, b + 1)
+    torch.testing.assert_close(gb, a - 1)
+
+
+@pytest.mark.compile
+@_TORCH_CTX_WARNING
+def test_compile_multi_output() -> None:
+    x = torch.tensor([0.1, 1.0, -2.0])
+
+    def loss(x: torch.Tensor) -> torch.Tensor:
+        s, c = sin_cos(x)
+        return (2 * s + 3 * c).sum()
+
+    (gx,) = _compile_parity(loss, (x,))
+    torch.testing.assert_close(gx, 2 * x.cos() - 3 * x.sin() + 0.5)
+
+
+@pytest.mark.compile
+@_TORCH_CTX_WARNING
+def test_compile_residuals() -> None:
+    x = torch.tensor([3.0, 4.0])
+    c = torch.tensor([1.0, -2.0])
+
+    def loss(x: torch.Tensor) -> torch.Tensor:
+        return (normalize(x) * c).sum()
+
+    (gx,) = _compile_parity(loss, (x,))
+    torch.testing.assert_close(gx, c / 5.0)
+
+
+# ---- torch.func ---------------------------------------------------------------------------
+
+
+def _eager_grads(
+    fn: Callable[..., torch.Tensor], *inputs: torch.Tensor
+) -> tuple[torch.Tensor, ...]:
+    leaves = _leaves(*inputs)
+    return torch.autograd.grad(fn(*leaves), leaves)
+
+
+def _eager_jacobian(
+    fn: Callable[..., torch.Tensor], *inputs: torch.Tensor
+) -> tuple[torch.Tensor, ...]:
+    """Row by row with torch.autograd.grad: d out / d input for each input."""
+    leaves = _leaves(*inputs)
+    out = fn(*leaves)
+    rows: list[tuple[torch.Tensor, ...]] = []
+    for i in range(out.numel()):
+        basis = torch.zeros(out.numel(), dtype=out.dtype)
+        basis[i] = 1
+        rows.append(
+            torch.autograd.grad(out, leaves, basis.view_as(out), retain_graph=True)
+        )
+    return tuple(
+        torch.stack([row[k] for row in rows]).reshape(*out.shape, *leaves[k].shape)
+        for k in range(len(leaves))
+    )
+
+
+def test_func_grad_vmap_jacrev_full_owning() -> None:
+    x = torch.linspace(-1.6, 1.6, 5)
+    c = torch.linspace(1.0, 2.0, 5)
+
+    def loss(x: torch.Tensor) -> torch.Tensor:
+        return (quantize(x) * c).sum()
+
+    (eager,) = _eager_grads(loss, x)
+    torch.testing.assert_close(eager, _expected_quantize(x, c))
+    torch.testing.assert_close(grad(loss)(x), eager)
+
+    xb = torch.linspace(-2.0, 2.0, 15).reshape(3, 5)
+    torch.testing.assert_close(vmap(quantize)(xb), torch.stack([quantize(r) for r in xb]))
+    loop = torch.stack([_eager_grads(loss, r)[0] for r in xb])
+    torch.testing.assert_close(vmap(grad(loss))(xb), loop)
+
+    (eager_jac,) = _eager_jacobian(quantize, x)
+    torch.testing.assert_close(jacrev(quantize)(x), eager_jac)
+    torch.testing.assert_close(eager_jac, torch.diag((x.abs() <= 1).to(x.dtype)))
+
+
+def test_func_grad_vmap_jacrev_partial_override() -> None:
+    x = torch.tensor([0.5, -1.0, 2.0])
+    w = torch.tensor([3.0, 0.25, -1.0])
+    c = torch.tensor([1.0, 2.0, 3.0])
+
+    def loss(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return (scale(x, w) * c).sum()
+
+    eager = _eager_grads(loss, x, w)
+    torch.testing.assert_close(eager, (2 * w * c, x * c))
+    torch.testing.assert_close(grad(loss, argnums=(0, 1))(x, w), eager)
+
+    xb = torch.randn(4, 3, generator=torch.Generator().manual_seed(0))
+    wb = torch.randn(4, 3, generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(vmap(scale)(xb, wb), xb * wb)
+    got = vmap(grad(loss, argnums=(0, 1)))(xb, wb)
+    loops = [_eager_grads(loss, xi, wi) for xi, wi in zip(xb, wb, strict=True)]
+    torch.testing.assert_close(got[0], torch.stack([g[0] for g in loops]))
+    torch.testing.assert_close(got[1], torch.stack([g[1] for g in loops]))
+    # w unbatched: its gradient per example
+    got_x = vmap(grad(loss), in_dims=(0, None))(xb, w)
+    torch.testing.assert_close(got_x, torch.stack([_eager_grads(loss, xi, w)[0] for xi in xb]))
+
+    jx, jw = jacrev(scale, argnums=(0, 1))(x, w)
+    ex, ew = _eager_jacobian(scale, x, w)
+    torch.testing.assert_close(jx, ex)
+    torch.testing.assert_close(jw, ew)
+    torch.testing.assert_close(jx, torch.diag(2 * w))
+    torch.testing.assert_close(jw, torch.diag(x))
+
+
+# ---- gradcheck / gradgradcheck (rules equal to the true derivative) ------------------------
+
+
+@go.custom_backward
+def exact_sin(x: torch.Tensor) -> torch.Tensor:
+    return x.sin()
+
+
+@exact_sin.backward
+def _(grad: torch.Tensor, *, x: torch.Tensor) -> torch.Tensor:
+    return grad * x.cos()
+
+
+@go.custom_backward
+def exact_mul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return x * w
+
+
+@exact_mul.backward
+def _(grad: torch.Tensor, *, x: torch.Tensor, w: torch.Tensor) -> Any:
+    return grad * w, grad * x
+
+
+@go.custom_backward(owns="x")
+def exact_mul_partial(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return x * w
+
+
+@exact_mul_partial.backward
+def _(grad: torch.Tensor, *, w: torch.Tensor) -> torch.Tensor:
+    return grad * w
+
+
+@go.custom_backward
+def exact_sin_cos(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return x.sin(), x.cos()
+
+
+@exact_sin_cos.backward
+def _(gs: torch.Tensor, gc: torch.Tensor, *, x: torch.Tensor) -> torch.Tensor:
+    return gs * x.cos() - gc * x.sin()
+
+
+def _f64(*shape: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, dtype=torch.float64, generator=g).requires_grad_()
+
+
+@pytest.mark.parametrize(
+    ("op", "n_inputs"),
+    [(exact_sin, 1), (exact_mul, 2), (exact_mul_partial, 2), (exact_sin_cos, 1)],
+    ids=["sin", "mul", "mul_partial", "sin_cos"],
+)
+def test_gradcheck_and_gradgradcheck(op: Any, n_inputs: int) -> None:
+    inputs = tuple(_f64(3, 2, seed=i) for i in range(n_inputs))
+    assert torch.autograd.gradcheck(op, inputs)
+    assert torch.autograd.gradgradcheck(op, inputs)
+
+
+# ---- once_differentiable ------------------------------------------------------------------
+
+
+@go.custom_backward
+def once_sin(x: torch.Tensor) -> torch.Tensor:
+    return x.sin()
+
+
+@once_sin.backward(once_differentiable=True)
+def _(grad: torch.Tensor, *, x: torch.Tensor) -> torch.Tensor:
+    return grad * x.cos()
+
+
+def test_once_differentiable_first_order_is_right() -> None:
+    x = torch.linspace(-2, 2, 7, requires_grad=True)
+    (gx,) = torch.autograd.grad(once_sin(x).sum(), x)
+    torch.testing.assert_close(gx, x.detach().cos())
+    # also with create_graph=True (the result is usable, only differentiating it raises)
+    (gx,) = torch.autograd.grad(once_sin(x).sum(), x, create_graph=True)
+    torch.testing.assert_close(gx.detach(), x.detach().cos())
+    xs = torch.linspace(-2, 2, 7)
+    torch.testing.assert_close(grad(lambda t: once_sin(t).sum())(xs), xs.cos())
+
+
+def test_once_differentiable_second_order_raises_in_eager() -> None:
+    x = torch.linspace(-2, 2, 7, requires_grad=True)
+    (gx,) = torch.autograd.grad(once_sin(x).sum(), x, create_graph=True)
+    with pytest.raises(go.GradOverrideError, match="once_differentiable"):
+        torch.autograd.grad(gx.sum(), x)
+
+
+def test_once_differentiable_second_order_raises_under_func_grad() -> None:
+    with pytest.raises(go.GradOverrideError, match="once_differentiable"):
+        grad(grad(lambda t: once_sin(t)))(torch.tensor(0.3))
+
+
+def test_second_derivative_without_once_differentiable() -> None:
+    x = torch.linspace(-2, 2, 7, dtype=torch.float64, requires_grad=True)
+    (gx,) = torch.autograd.grad(exact_sin(x).sum(), x, create_graph=True)
+    (ggx,) = torch.autograd.grad(gx.sum(), x)
+    torch.testing.assert_close(ggx, -x.detach().sin())
+    t = torch.tensor(0.3, dtype=torch.float64)
+    torch.testing.assert_close(grad(grad(lambda t: exact_sin(t)))(t), -t.sin())
+
+
+# ---- autocast -----------------------------------------------------------------------------
+
+
+def _matmul_op(owns: str | None, device_type: str) -> tuple[Any, list[tuple[bool, Any]]]:
+    seen: list[tuple[bool, Any]] = []
+
+    def mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return x @ w
+
+    if owns is None:
+
+        def rule(g: torch.Tensor, *, x: torch.Tensor, w: torch.Tensor) -> Any:
+            seen.append((torch.is_autocast_enabled(device_type), g.dtype))
+            return g @ w.t(), x.t() @ g
+
+        op = go.custom_backward(mm, backward=rule)
+    else:
+
+        def rule_x(g: torch.Tensor, *, w: torch.Tensor) -> torch.Tensor:
+            seen.append((torch.is_autocast_enabled(device_type), g.dtype))
+            return g @ w.t()
+
+        op = go.custom_backward(mm, backward=rule_x, owns=owns)
+    return op, seen
+
+
+def _check_autocast(device: str, dtype: torch.dtype, owns: str | None) -> None:
+    op, seen = _matmul_op(owns, device)
+    gen = torch.Generator().manual_seed(0)
+    x0 = torch.randn(4, 3, generator=gen).to(device)
+    w0 = torch.randn(3, 2, generator=gen).to(device)
+    x, w = _leaves(x0, w0)
+    with torch.autocast(device, dtype=dtype):
+        y = op(x, w)
+    assert y.dtype == dtype  # the matmul ran under autocast
+    assert not torch.is_autocast_enabled(device)
+    (y.float() * torch.arange(8.0, device=device).view(4, 2)).sum().backward()  # outside
+
+    assert seen == [(True, dtype)]  # the rule ran under the forward's autocast state
+    assert x.grad is not None and w.grad is not None
+    assert x.grad.dtype == torch.float32
+    assert w.grad.dtype == torch.float32
+
+    # the same computation through plain autograd under autocast
+    xr, wr = _leaves(x0, w0)
+    with torch.autocast(device, dtype=dtype):
+        yr = xr @ wr
+    (yr.float() * torch.arange(8.0, device=device).view(4, 2)).sum().backward()
+    torch.testing.assert_close(x.grad, xr.grad, **tolerance(dtype))
+    torch.testing.assert_close(w.grad, wr.grad, **tolerance(dtype))
+
+
+@pytest.mark.parametrize("owns", [None, "x"], ids=["owns_all", "owns_x"])
+def test_autocast_cpu_bfloat16(owns: str | None) -> None:
+    _check_autocast("cpu", torch.bfloat16, owns)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA is not available on this machine")
+@pytest.mark.parametrize("owns", [None, "x"], ids=["owns_all", "owns_x"])
+def test_autocast_cuda_float16(owns: str | None) -> None:
+    _check_autocast("cuda", torch.float16, owns)
+
+
+# ---- threads ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("op_kind", ["owning", "partial", "multi_output"])
+def test_two_threads_forward_backward(op_kind: str) -> None:
+    iterations = 200
+    barrier = threading.Barrier(2)
+    errors: list[BaseException] = []
+
+    def work(seed: int, shape: tuple[int, ...]) -> None:
+        try:
+            gen = torch.Generator().manual_seed(seed)
+            barrier.wait()
+            for _ in range(iterations):
+                x0 = torch.randn(*shape, generator=gen) * 1.5
+                w0 = torch.randn(*shape, generator=gen)
+                x, w = _leaves(x0, w0)
+                if op_kind == "owning":
+                    (quantize(x) * w0).sum().backward()
+                    torch.testing.assert_close(x.grad, _expected_quantize(x0, w0))
+                elif op_kind == "partial":
+                    scale(x, w).sum().backward()
+                    torch.testing.assert_close(x.grad, 2 * w0)
+                    torch.testing.assert_close(w.grad, x0)
+                else:
+                    s, c = sin_cos(x)
+                    (s * w0 + c).sum().backward()
+                    torch.testing.assert_close(x.grad, w0 * x0.cos() - x0.sin() + 0.5)
+        except BaseException as exc:  # reported in the main thread
+            errors.append(exc)
+            barrier.abort()
+
+    threads = [
+        threading.Thread(target=work, args=(1, (3,))),
+        threading.Thread(target=work, args=(2, (5, 2))),
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads)
+    if errors:
+        raise errors[0]
