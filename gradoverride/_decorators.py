@@ -32,6 +32,8 @@ class CustomBackward(Generic[P, R]):
     """
 
     __wrapped__: Callable[P, R]
+    __name__: str
+    __qualname__: str
 
     def __init__(
         self,
@@ -223,7 +225,7 @@ class CustomBackward(Generic[P, R]):
 
     def __reduce__(self) -> str:
         # Pickle by reference, as functions are: the module-level name of the decorated op.
-        return self.__qualname__
+        return str(self.__qualname__)
 
 
 class CustomBackwardModule(torch.nn.Module):

@@ -104,7 +104,7 @@ def generate(
             f"def forward_eager(ctx, state{''.join(', ' + v for v in values)}):",
             f"    output = fn({', '.join(values)})",
             "    if not isinstance(output, Tensor):",
-            f"        output = shape_output(output, state)",
+            "        output = shape_output(output, state)",
             f"        setup_general(ctx, (state{''.join(', ' + v for v in values)}), output)",
             "        return output",
         ]
@@ -170,7 +170,7 @@ def generate(
         "",
         "def forward(state, *flat):",
         "    if state.layout is None:",
-        f"        out = fn(*flat)" if plain else "        out = call(flat)",
+        "        out = fn(*flat)" if plain else "        out = call(flat)",
         "        if isinstance(out, Tensor):",
         "            return out",
         "    return forward_general(state, *flat)",

@@ -198,9 +198,6 @@ def build_call(
     n_grads = rule.n_grads
     rule_name = rule.name
     requested_residuals = rule.requested_residuals
-    call = sig.call
-    bind = sig.bind
-    plain_signature = sig.is_plain
 
     # ---- forward-side bookkeeping ---------------------------------------------------------
 
@@ -296,7 +293,7 @@ def build_call(
         ranges = _leaf_ranges(state.layout, n_params)
         return {
             name: owned[slot] and any(needs[start + 1 : stop + 1])
-            for slot, (name, (start, stop)) in enumerate(zip(names, ranges))
+            for slot, (name, (start, stop)) in enumerate(zip(names, ranges, strict=True))
         }
 
     def invoke(grads: tuple[Any, ...], kwargs: dict[str, Any], autocast: Any) -> Any:
@@ -345,7 +342,7 @@ def build_call(
             if out_meta is not None:
                 upstream = tuple(
                     torch.zeros(m[0], dtype=m[1], device=m[2]) if g is None and m else g
-                    for g, m in zip(upstream, out_meta)
+                    for g, m in zip(upstream, out_meta, strict=True)
                 )
             tree = pytree.tree_unflatten(list(upstream), state.out_spec)
             rule_grads = tuple(tree) if state.n_top > 1 or type(tree) is tuple else (tree,)
@@ -554,7 +551,7 @@ def _build_attaching(
         return (None, *run_rule(ctx, grads), *grads[: state.n_out], *([None] * n_res))
 
     cls = _function_class(op, module, kind, forward, setup_context, backward)
-    apply = cls.apply
+    apply: Callable[..., Any] = cls.apply
     raw = raw_apply(cls)
 
     def run(op_object: Any, *args: Any, **kwargs: Any) -> Any:
@@ -565,12 +562,12 @@ def _build_attaching(
         owned = owned_params
         if layout is not None:
             owned = tuple(
-                o for o, entry in zip(owned_params, layout)
+                o for o, entry in zip(owned_params, layout, strict=True)
                 for _ in range(1 if entry is None else entry[1])
             )
         detached = tuple(
             value.detach() if is_owned and isinstance(value, Tensor) else value
-            for value, is_owned in zip(flat, owned)
+            for value, is_owned in zip(flat, owned, strict=True)
         )
         out = call(detached if layout is None else _unflatten_inputs(detached, layout))
         res: tuple[Tensor, ...] = ()
@@ -681,7 +678,8 @@ def _guard(
     ]
     if not deps:
         return flat_grads
-    return [g if g is None else _OnceDifferentiableGuard.apply(op, g, *deps) for g in flat_grads]
+    guard: Callable[..., Tensor] = _OnceDifferentiableGuard.apply
+    return [g if g is None else guard(op, g, *deps) for g in flat_grads]
 
 
 class _OnceDifferentiableGuard(torch.autograd.Function):
@@ -696,7 +694,7 @@ class _OnceDifferentiableGuard(torch.autograd.Function):
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(op: str, grad: Tensor, *deps: Tensor) -> Tensor:  # type: ignore[override]
+    def forward(op: str, grad: Tensor, *deps: Tensor) -> Tensor:
         return grad.view_as(grad)
 
     @staticmethod

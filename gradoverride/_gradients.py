@@ -33,11 +33,7 @@ SKIP = False
 
 #: Per flat input: None (not a tensor), SKIP, or (shape, dtype, device) of an input whose
 #: gradient is needed.
-Meta = Sequence["None | bool | tuple[torch.Size, torch.dtype, torch.device]"]
-
-#: Per forward parameter: None when its value sits at the same flat index, else
-#: (treespec, number of leaves) for a container flattened into the flat inputs.
-SlotLayout = "tuple[tuple[pytree.TreeSpec, int] | None, ...] | None"
+Meta = Sequence["bool | tuple[torch.Size, torch.dtype, torch.device] | None"]
 
 
 def format_shape(shape: Sequence[int]) -> str:
@@ -86,7 +82,7 @@ def flat_gradients(
     for slot, grad in enumerate(per_slot):
         if grad is None:
             continue
-        start, stop, spec = ranges[slot]
+        start, _, spec = ranges[slot]
         if not owned[slot]:
             msg = (
                 f"backward of `{op}` returned a gradient for `{names[slot]}`, which the rule "
@@ -120,7 +116,7 @@ def _holds_tensor(meta: Meta, start: int, stop: int) -> bool:
 
 
 def _owned_listing(names: tuple[str, ...], owned: tuple[bool, ...]) -> str:
-    listed = [f"`{n}`" for n, o in zip(names, owned) if o]
+    listed = [f"`{n}`" for n, o in zip(names, owned, strict=True) if o]
     return ", ".join(listed) if listed else "nothing"
 
 
@@ -225,7 +221,7 @@ def _from_dict(
 ) -> list[Any]:
     for key in result:
         if key not in names:
-            valid = ", ".join(f"`{n}`" for n, o in zip(names, owned) if o)
+            valid = ", ".join(f"`{n}`" for n, o in zip(names, owned, strict=True) if o)
             msg = (
                 f"backward of `{op}` returned a gradient for `{key}`, which is not a "
                 f"parameter of `{op}`; the names it can return are {valid}."
@@ -283,16 +279,18 @@ def check_gradient(grad: Any, meta: Any, op: str, name: str) -> Tensor | None:
     if grad.device != device:
         msg = (
             f"backward of `{op}` returned a gradient on {grad.device} for `{name}`, which is "
-            f"on {device}; create the gradient on the input's device (e.g. with `.to({name}.device)`)."
+            f"on {device}; create the gradient on the input's device "
+            f"(e.g. with `.to({name}.device)`)."
         )
         raise GradOverrideError(msg)
-    return grad
+    checked: Tensor = grad
+    return checked
 
 
 def _fit_shape(grad: Tensor, shape: torch.Size, op: str, name: str) -> Tensor:
     extra = grad.dim() - len(shape)
     fits = extra >= 0 and all(
-        s == 1 or s == g for s, g in zip(shape, grad.shape[extra:])
+        s == 1 or s == g for s, g in zip(shape, grad.shape[extra:], strict=True)
     )
     if not fits:
         msg = (
@@ -301,7 +299,8 @@ def _fit_shape(grad: Tensor, shape: torch.Size, op: str, name: str) -> Tensor:
             "shape (or one the input broadcasts to, which is summed down to it)."
         )
         raise GradOverrideError(msg)
-    return grad.sum_to_size(shape)
+    summed: Tensor = grad.sum_to_size(shape)
+    return summed
 
 
 def _fit_dtype(grad: Tensor, dtype: torch.dtype, op: str, name: str) -> Tensor:
@@ -309,9 +308,10 @@ def _fit_dtype(grad: Tensor, dtype: torch.dtype, op: str, name: str) -> Tensor:
         return grad.to(dtype)
     if grad.dtype.is_complex and dtype.is_complex:
         return grad.to(dtype)
+    kind = "complex" if dtype.is_complex else "floating-point"
     msg = (
         f"backward of `{op}` returned a gradient of dtype {grad.dtype} for `{name}`, which has "
-        f"dtype {dtype}; a gradient must be a {'complex' if dtype.is_complex else 'floating-point'} "
+        f"dtype {dtype}; a gradient must be a {kind} "
         f"tensor: multiply the upstream gradient by a mask (`grad * mask`) rather than "
         f"returning the mask, or convert with `.to({name}.dtype)`."
     )

@@ -60,18 +60,18 @@ class RuleSpec:
     """What a registered rule takes, owns and asks for, read once from its signature."""
 
     __slots__ = (
-        "rule",
-        "name",
+        "materialize_grads",
         "n_grads",
-        "requested",
-        "requested_slots",
-        "wants_output",
-        "wants_needs_grad",
-        "requested_residuals",
+        "name",
+        "once_differentiable",
         "owned",
         "owns_all",
-        "once_differentiable",
-        "materialize_grads",
+        "requested",
+        "requested_residuals",
+        "requested_slots",
+        "rule",
+        "wants_needs_grad",
+        "wants_output",
     )
 
     def __init__(

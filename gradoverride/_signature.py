@@ -51,7 +51,7 @@ def _signature_from_doc(fn: Callable[..., Any]) -> inspect.Signature | None:
             positional = [*args.posonlyargs, *args.args]
             pos_defaults: list[Any] = [_EMPTY] * (len(positional) - len(args.defaults))
             pos_defaults += [ast.literal_eval(d) for d in args.defaults]
-            for i, (arg, default) in enumerate(zip(positional, pos_defaults)):
+            for i, (arg, default) in enumerate(zip(positional, pos_defaults, strict=True)):
                 kind = (
                     inspect.Parameter.POSITIONAL_ONLY
                     if i < len(args.posonlyargs)
@@ -60,7 +60,7 @@ def _signature_from_doc(fn: Callable[..., Any]) -> inspect.Signature | None:
                 params.append(inspect.Parameter(arg.arg, kind, default=default))
             if args.vararg is not None:
                 params.append(inspect.Parameter(args.vararg.arg, inspect.Parameter.VAR_POSITIONAL))
-            for arg, kw_default in zip(args.kwonlyargs, args.kw_defaults):
+            for arg, kw_default in zip(args.kwonlyargs, args.kw_defaults, strict=True):
                 value = _EMPTY if kw_default is None else ast.literal_eval(kw_default)
                 params.append(
                     inspect.Parameter(arg.arg, inspect.Parameter.KEYWORD_ONLY, default=value)
@@ -100,18 +100,18 @@ class ForwardSignature:
     """
 
     __slots__ = (
-        "fn",
-        "name",
-        "signature",
-        "names",
-        "kinds",
-        "index",
-        "var_positional",
-        "var_keyword",
-        "is_plain",
-        "_required",
         "_defaults",
         "_omit_defaults",
+        "_required",
+        "fn",
+        "index",
+        "is_plain",
+        "kinds",
+        "name",
+        "names",
+        "signature",
+        "var_keyword",
+        "var_positional",
     )
 
     def __init__(self, fn: Callable[..., Any], name: str) -> None:
@@ -160,7 +160,8 @@ class ForwardSignature:
             return self.fn(*values)
         positional: list[Any] = []
         keywords: dict[str, Any] = {}
-        for name, kind, value, default in zip(self.names, self.kinds, values, self._defaults):
+        slots = zip(self.names, self.kinds, values, self._defaults, strict=True)
+        for name, kind, value, default in slots:
             if kind in _POSITIONAL:
                 positional.append(value)
             elif kind is inspect.Parameter.VAR_POSITIONAL:

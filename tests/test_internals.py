@@ -1,0 +1,189 @@
+"""The private torch pieces in `gradoverride._internals`: found on the tested torch, and the
+public fallback path gives the same gradients as the fast one."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch._functorch.utils as functorch_utils
+
+import gradoverride as go
+import gradoverride._function as go_function
+import gradoverride._internals as internals
+
+# ---- the private pieces are found ----------------------------------------------------------
+
+
+def test_fast_apply_is_available_on_this_torch() -> None:
+    # A torch upgrade that moves `_FunctionBase.apply` would silently slow every call down;
+    # this makes it a failing test instead.
+    assert internals.FAST_APPLY is True
+
+
+def test_private_torch_pieces_are_the_real_ones() -> None:
+    assert internals.transforms_active is torch._C._are_functorch_transforms_active
+    assert internals.any_autocast_enabled is torch._C._is_any_autocast_enabled
+
+
+# ---- the fallback path (`Function.apply`) equals the fast path ------------------------------
+
+
+@go.custom_backward
+def quantize(x: torch.Tensor, bits: int = 2) -> torch.Tensor:
+    s = 2**bits
+    return torch.round(x * s) / s
+
+
+@quantize.backward
+def _(grad: torch.Tensor, *, x: torch.Tensor) -> torch.Tensor:
+    return grad * (x.abs() <= 1)
+
+
+@go.custom_backward(owns="x")
+def scale(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return x * w
+
+
+@scale.backward
+def _(grad: torch.Tensor, *, w: torch.Tensor) -> torch.Tensor:
+    return grad * 2 * w
+
+
+@go.custom_backward
+def sin_cos(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return x.sin(), x.cos()
+
+
+@sin_cos.backward
+def _(gs: torch.Tensor, gc: torch.Tensor, *, x: torch.Tensor) -> torch.Tensor:
+    return gs * x.cos() - gc * x.sin() + 0.5
+
+
+@go.custom_backward
+def pair_product(xs: tuple[torch.Tensor, torch.Tensor], *, shift: float = 1.0) -> torch.Tensor:
+    a, b = xs
+    return a * b + shift
+
+
+@pair_product.backward
+def _(grad: torch.Tensor, *, xs: tuple[torch.Tensor, torch.Tensor]) -> Any:
+    a, b = xs
+    return {"xs": (grad * b + 1, grad * a - 1)}
+
+
+def _inputs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 3, generator=gen) * 1.5
+    w = torch.randn(4, 3, generator=gen)
+    c = torch.randn(4, 3, generator=gen)
+    return x, w, c
+
+
+def _case_quantize(x: torch.Tensor, w: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    return (quantize(x) * c).sum() + (quantize(w, bits=3) * c).sum()
+
+
+def _case_scale(x: torch.Tensor, w: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    return (scale(x, w) * c).sum()
+
+
+def _case_sin_cos(x: torch.Tensor, w: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    s, k = sin_cos(x * w)
+    return (s * c + k).sum()
+
+
+def _case_container(x: torch.Tensor, w: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    return (pair_product((x, w), shift=2.0) * c).sum()
+
+
+CASES: dict[str, Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    "owning": _case_quantize,
+    "partial": _case_scale,
+    "multi_output": _case_sin_cos,
+    "container": _case_container,
+}
+
+
+def _grads(case: Callable[..., torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    x, w, c = _inputs()
+    x.requires_grad_()
+    w.requires_grad_()
+    out = case(x, w, c)
+    return (out.detach(), *torch.autograd.grad(out, (x, w)))
+
+
+@pytest.fixture
+def apply_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Counts calls of `Function.apply`'s dead-wrapper unwrapping (only `cls.apply` does it)."""
+    calls: list[int] = []
+    original = functorch_utils.unwrap_dead_wrappers
+
+    def counting(args: Any) -> Any:
+        calls.append(1)
+        return original(args)
+
+    monkeypatch.setattr(functorch_utils, "unwrap_dead_wrappers", counting)
+    return calls
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_fallback_path_gives_identical_gradients(
+    name: str, monkeypatch: pytest.MonkeyPatch, apply_calls: list[int]
+) -> None:
+    case = CASES[name]
+    fast = _grads(case)
+    assert apply_calls == [], "the fast path should not go through Function.apply"
+
+    monkeypatch.setattr(go_function, "FAST_APPLY", False)
+    slow = _grads(case)
+    assert apply_calls, "with FAST_APPLY off the op should call Function.apply"
+
+    for f, s in zip(fast, slow, strict=True):
+        assert torch.equal(f, s)
+
+
+# ---- NOTE [functorch vjp and autograd interaction] -----------------------------------------
+
+
+@go.custom_backward
+def mymul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return a * b
+
+
+@mymul.backward
+def _(grad: torch.Tensor, *, a: torch.Tensor, b: torch.Tensor) -> Any:
+    return grad * b, grad * a
+
+
+@go.custom_backward
+def mysin(x: torch.Tensor) -> torch.Tensor:
+    return x.sin()
+
+
+@mysin.backward
+def _(grad: torch.Tensor, *, x: torch.Tensor) -> torch.Tensor:
+    return mymul(grad, x.cos())  # another custom_backward op, called from the rule
+
+
+@pytest.mark.parametrize("fast_apply", [True, False], ids=["fast", "fallback"])
+def test_vjp_fn_with_dead_wrappers_is_differentiable(
+    fast_apply: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torch's NOTE [functorch vjp and autograd interaction]: the rule runs from `vjp_fn`
+    after the transform finished, on tensors saved under it ("dead" wrappers)."""
+    monkeypatch.setattr(go_function, "FAST_APPLY", fast_apply)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(5, generator=gen, dtype=torch.float64, requires_grad=True)
+    gy = torch.randn(5, generator=gen, dtype=torch.float64, requires_grad=True)
+
+    y, vjp_fn = torch.func.vjp(mysin, x)
+    torch.testing.assert_close(y, x.detach().sin())
+    (result,) = vjp_fn(gy)
+    torch.testing.assert_close(result.detach(), (gy * x.cos()).detach())
+
+    gx, ggy = torch.autograd.grad(result, (x, gy), torch.ones_like(result))
+    torch.testing.assert_close(gx, (-gy * x.sin()).detach())
+    torch.testing.assert_close(ggy, x.detach().cos())
