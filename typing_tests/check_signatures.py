@@ -6,8 +6,9 @@ must stay an error (mypy's `warn_unused_ignores` under --strict reports it if it
 
 from __future__ import annotations
 
+from typing import assert_type
+
 import torch
-from typing_extensions import assert_type
 
 import gradoverride as go
 
