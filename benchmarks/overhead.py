@@ -15,6 +15,8 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -121,6 +123,20 @@ def saved_bytes(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> 
     return total
 
 
+def import_cost(repeats: int = 5) -> float:
+    """Median seconds `import gradoverride` adds after `import torch`, in fresh processes."""
+    code = (
+        "import time, torch; t = time.perf_counter(); import gradoverride; "
+        "print(time.perf_counter() - t)"
+    )
+    runs = [
+        float(subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
+                             text=True).stdout)
+        for _ in range(repeats)
+    ]
+    return statistics.median(runs)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer rounds (for the test suite)")
@@ -133,7 +149,9 @@ def main() -> None:
     for shape, number in (((1, 256), 200), ((2048, 2048), 3)):
         x = torch.randn(*shape, device=args.device, requires_grad=True)
 
-        def step(op: Callable[[torch.Tensor, int], torch.Tensor]) -> Callable[[], None]:
+        def step(
+            op: Callable[[torch.Tensor, int], torch.Tensor], x: torch.Tensor = x
+        ) -> Callable[[], None]:
             def run() -> None:
                 op(x, 8).sum().backward()
                 if args.device != "cpu":
@@ -157,6 +175,8 @@ def main() -> None:
     print(f"  rule naming nothing (passthrough_sign): {saved_bytes(passthrough_sign, x)}")
     print(f"  rule naming x (quantize):               {saved_bytes(quantize, x)}")
     print(f"  classic Function saving x:              {saved_bytes(Classic.apply, x)}")
+    cost = import_cost(2 if args.quick else 5)
+    print(f"\nimport gradoverride after import torch: {cost * 1e3:.1f} ms (contract: at most 50)")
 
 
 if __name__ == "__main__":
