@@ -60,7 +60,7 @@ def generate(
     `namespace` provides the helpers the source calls: Tensor, CallState, CONTAINERS,
     forward_general, setup_general, backward_general, run_general, finish, fn, call,
     shape_output, any_autocast_enabled,
-    autocast_state, call_under_autocast, check_gradient, flat_gradients, GradOverrideError,
+    autocast_state, call_rule, check_gradient, flat_gradients, GradOverrideError,
     rule, rule_name, names, owned, op, is_dynamo_compiling, transforms_active, FAST_APPLY.
     """
     n = len(names)
@@ -142,8 +142,7 @@ def generate(
         "            exc.add_note(NOTE)",
         "            raise",
         "    else:",
-        f"        result = call_under_autocast(rule, (g0,), {kwargs_dict}, autocast, "
-        "rule_name, op)",
+        f"        result = call_rule(rule, (g0,), {kwargs_dict}, autocast, False, NOTE)",
         "    if isinstance(result, Tensor):",
     ]
     # The one tensor input a lone returned tensor belongs to: written out for few

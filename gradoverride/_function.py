@@ -24,6 +24,7 @@ hand-written classic Function on small tensors) is measured by `benchmarks/overh
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -162,14 +163,15 @@ def _identifier(name: str) -> str:
     return "".join(c if c.isalnum() else "_" for c in name.split(".")[-1]) or "op"
 
 
-# What `setup_context` leaves on `ctx.gradoverride` for backward, as a tuple (built on every
-# call, so no class): (state, meta, plan, single, out_meta, autocast), where
+# What the general `setup` leaves on `ctx.gradoverride` for backward, as a tuple (built on
+# every call, so no class): (state, meta, plan, out_meta, autocast), where
 #   meta     per flat input: None (not a tensor) | SKIP | (shape, dtype, device);
-#   plan     per named value: (name, None | treespec, index | _Static | tuple of those);
-#   single   the one owned parameter holding a tensor, else -1;
+#   plan     per named value: (name, None | treespec, entries), an entry being an index
+#            into saved_tensors or a _Static;
 #   out_meta output metadata, when we materialize zero gradients ourselves, else None;
 #   autocast (device_type, dtype, enabled) the forward ran under, else None.
-# Tensors go through save_for_backward, never here.
+# The generated fast path leaves a 4-tuple instead (see _fastpath). Tensors go through
+# save_for_backward, never here.
 
 
 def build_call(
@@ -198,6 +200,7 @@ def build_call(
     n_grads = rule.n_grads
     rule_name = rule.name
     requested_residuals = rule.requested_residuals
+    note = f"(raised in backward rule `{rule_name}` of `{op}`)"
 
     # ---- forward-side bookkeeping ---------------------------------------------------------
 
@@ -217,42 +220,10 @@ def build_call(
         outputs: tuple[Any, ...],
         residual_tensors: tuple[Any, ...],
     ) -> None:
-        needs = ctx.needs_input_grad  # [0] is the CallState
-        to_save: list[Tensor] = []
-        plan: list[tuple[str, Any, Any]] = []
-        meta: list[Any] = []
         check_outputs(state)
-        _setup_general(state, flat, outputs, residual_tensors, needs, meta, plan, to_save)
-        single = -1
-        if to_save:
-            ctx.save_for_backward(*to_save)
-
-        out_meta = None
-        if residual_tensors:
-            ctx.mark_non_differentiable(*residual_tensors)
-        if residual_tensors or not materialize:
-            # Residual outputs would get materialized zero gradients; when the rule wants
-            # materialized gradients we make zeros for the real outputs only.
-            ctx.set_materialize_grads(False)
-            if residual_tensors and materialize:
-                out_meta = tuple(
-                    (o.shape, o.dtype, o.device) if isinstance(o, Tensor) else None
-                    for o in outputs
-                )
-        autocast = _autocast_state(flat) if any_autocast_enabled() else None
-        ctx.gradoverride = (state, meta, plan, single, out_meta, autocast)
-
-    def _setup_general(
-        state: CallState,
-        flat: tuple[Any, ...],
-        outputs: tuple[Any, ...],
-        residual_tensors: tuple[Any, ...],
-        needs: tuple[bool, ...],
-        meta: list[Any],
-        plan: list[tuple[str, Any, Any]],
-        to_save: list[Tensor],
-    ) -> None:
+        needs = ctx.needs_input_grad  # [0] is the CallState
         ranges = _leaf_ranges(state.layout, n_params)
+        meta: list[Any] = []
         for slot, (start, stop) in enumerate(ranges):
             for i in range(start, stop):
                 value = flat[i]
@@ -262,6 +233,9 @@ def build_call(
                     meta.append((value.shape, value.dtype, value.device))
                 else:
                     meta.append(SKIP)
+
+        to_save: list[Tensor] = []
+        plan: list[tuple[str, Any, tuple[Any, ...]]] = []
 
         def keep(name: str, spec: Any, leaves: tuple[Any, ...]) -> None:
             entries: list[Any] = []
@@ -286,6 +260,23 @@ def build_call(
                 plan.append((name, None, (entry,)))
             else:
                 keep(name, None, (residual_tensors[entry],))
+        if to_save:
+            ctx.save_for_backward(*to_save)
+
+        out_meta = None
+        if residual_tensors:
+            ctx.mark_non_differentiable(*residual_tensors)
+        if residual_tensors or not materialize:
+            # Residual outputs would get materialized zero gradients; when the rule wants
+            # materialized gradients we make zeros for the real outputs only.
+            ctx.set_materialize_grads(False)
+            if residual_tensors and materialize:
+                out_meta = tuple(
+                    (o.shape, o.dtype, o.device) if isinstance(o, Tensor) else None
+                    for o in outputs
+                )
+        autocast = _autocast_state(flat) if any_autocast_enabled() else None
+        ctx.gradoverride = (state, meta, plan, out_meta, autocast)
 
     # ---- backward -------------------------------------------------------------------------
 
@@ -296,42 +287,16 @@ def build_call(
             for slot, (name, (start, stop)) in enumerate(zip(names, ranges, strict=True))
         }
 
-    def invoke(grads: tuple[Any, ...], kwargs: dict[str, Any], autocast: Any) -> Any:
-        try:
-            if autocast is not None:
-                # The rule runs under the autocast state the forward ran under, as
-                # `torch.amp.custom_bwd` arranges for a classic Function.
-                device_type, dtype, enabled = autocast
-                with torch.autocast(device_type, dtype=dtype, enabled=enabled):
-                    if once:
-                        with torch.no_grad():
-                            return user_rule(*grads, **kwargs)
-                    return user_rule(*grads, **kwargs)
-            if once:
-                with torch.no_grad():
-                    return user_rule(*grads, **kwargs)
-            return user_rule(*grads, **kwargs)
-        except GradOverrideError:
-            raise
-        except Exception as exc:
-            exc.add_note(f"(raised in backward rule `{rule_name}` of `{op}`)")
-            raise
-
     def run_rule(ctx: Any, grads: tuple[Any, ...]) -> list[Tensor | None]:
         """Call the rule; one checked gradient per flat input."""
-        state, meta, plan, single, out_meta, autocast = ctx.gradoverride
+        state, meta, plan, out_meta, autocast = ctx.gradoverride
         kwargs: dict[str, Any] = {}
         saved_tensors: tuple[Tensor, ...] = ()
         if plan:
             saved_tensors = ctx.saved_tensors
-            for name, spec, entry in plan:
-                if spec is None and type(entry) is not tuple:
-                    kwargs[name] = saved_tensors[entry] if type(entry) is int else entry.value
-                else:
-                    leaves = [saved_tensors[e] if type(e) is int else e.value for e in entry]
-                    kwargs[name] = leaves[0] if spec is None else pytree.tree_unflatten(
-                        leaves, spec
-                    )
+            for name, spec, entries in plan:
+                leaves = [saved_tensors[e] if type(e) is int else e.value for e in entries]
+                kwargs[name] = leaves[0] if spec is None else pytree.tree_unflatten(leaves, spec)
         if wants_needs_grad:
             kwargs["needs_grad"] = needs_grad_map(ctx.needs_input_grad, state)
 
@@ -347,16 +312,10 @@ def build_call(
             tree = pytree.tree_unflatten(list(upstream), state.out_spec)
             rule_grads = tuple(tree) if state.n_top > 1 or type(tree) is tuple else (tree,)
 
-        result = invoke(rule_grads, kwargs, autocast)
-
-        if single >= 0 and (result is None or isinstance(result, Tensor)):
-            flat_grads: list[Tensor | None] = [None] * n_params
-            if result is not None:
-                flat_grads[single] = check_gradient(result, meta[single], op, names[single])
-        else:
-            flat_grads = flat_gradients(
-                result, op=op, names=names, owned=owned, layout=state.layout, meta=meta
-            )
+        result = _call_rule(user_rule, rule_grads, kwargs, autocast, once, note)
+        flat_grads = flat_gradients(
+            result, op=op, names=names, owned=owned, layout=state.layout, meta=meta
+        )
         if once and torch.is_grad_enabled():
             flat_grads = _guard(op, flat_grads, rule_grads, saved_tensors)
         return flat_grads
@@ -469,7 +428,7 @@ def _build_owning(
                 "finish": finish,
                 "any_autocast_enabled": any_autocast_enabled,
                 "autocast_state": _autocast_state,
-                "call_under_autocast": _call_under_autocast,
+                "call_rule": _call_rule,
                 "check_gradient": check_gradient,
                 "flat_gradients": flat_gradients,
                 "GradOverrideError": GradOverrideError,
@@ -599,25 +558,28 @@ def _autocast_state(inputs: tuple[Any, ...]) -> tuple[str, Any, bool] | None:
     return None
 
 
-def _call_under_autocast(
+def _call_rule(
     rule: Callable[..., Any],
     grads: tuple[Any, ...],
     kwargs: dict[str, Any],
     autocast: tuple[str, Any, bool] | None,
-    rule_name: str,
-    op: str,
+    once: bool,
+    note: str,
 ) -> Any:
-    """Run a rule under the autocast state its forward ran under (as `custom_bwd` does)."""
+    """Call a rule under the forward's autocast state (as `torch.amp.custom_bwd` does), without
+    recording a graph when it is once-differentiable; a failure gets `note` and propagates."""
     try:
-        if autocast is None:
-            return rule(*grads, **kwargs)
-        device_type, dtype, enabled = autocast
-        with torch.autocast(device_type, dtype=dtype, enabled=enabled):
+        with contextlib.ExitStack() as stack:
+            if autocast is not None:
+                device_type, dtype, enabled = autocast
+                stack.enter_context(torch.autocast(device_type, dtype=dtype, enabled=enabled))
+            if once:
+                stack.enter_context(torch.no_grad())
             return rule(*grads, **kwargs)
     except GradOverrideError:
         raise
     except Exception as exc:
-        exc.add_note(f"(raised in backward rule `{rule_name}` of `{op}`)")
+        exc.add_note(note)
         raise
 
 

@@ -211,9 +211,7 @@ def _eager_jacobian(
     for i in range(out.numel()):
         basis = torch.zeros(out.numel(), dtype=out.dtype)
         basis[i] = 1
-        rows.append(
-            torch.autograd.grad(out, leaves, basis.view_as(out), retain_graph=True)
-        )
+        rows.append(torch.autograd.grad(out, leaves, basis.view_as(out), retain_graph=True))
     return tuple(
         torch.stack([row[k] for row in rows]).reshape(*out.shape, *leaves[k].shape)
         for k in range(len(leaves))
@@ -345,7 +343,7 @@ def test_partial_override_second_order_is_the_documented_one() -> None:
     torch.testing.assert_close(gx, w.detach())
     torch.testing.assert_close(gw.detach(), x.detach())
     # d(grad_x)/dw through the rule
-    (dgx_dw,) = torch.autograd.grad(gx.sum(), w)
+    (dgx_dw,) = torch.autograd.grad(gx.sum(), w, retain_graph=True)
     torch.testing.assert_close(dgx_dw, torch.ones_like(w))
     # total second order of (grad_x + grad_w): d/dx gets no d(grad_w)/dx term
     ddx, ddw = torch.autograd.grad(
