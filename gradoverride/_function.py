@@ -35,7 +35,7 @@ from torch.utils import _pytree as pytree
 
 from ._errors import GradOverrideError, GradOverrideTypeError
 from ._fastpath import generate
-from ._gradients import SKIP, check_gradient, flat_gradients
+from ._gradients import SKIP, check_gradient, flat_gradients, slot_ranges
 from ._internals import (
     FAST_APPLY,
     any_autocast_enabled,
@@ -109,15 +109,7 @@ def _unflatten_inputs(flat: tuple[Any, ...], layout: Any) -> tuple[Any, ...]:
 
 def _leaf_ranges(layout: Any, n_params: int) -> list[tuple[int, int]]:
     """Per parameter, the range of flat inputs holding it."""
-    if layout is None:
-        return [(i, i + 1) for i in range(n_params)]
-    ranges = []
-    start = 0
-    for entry in layout:
-        width = 1 if entry is None else entry[1]
-        ranges.append((start, start + width))
-        start += width
-    return ranges
+    return [(start, stop) for start, stop, _ in slot_ranges(layout, n_params)]
 
 
 def _split_residuals(

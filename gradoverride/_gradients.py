@@ -25,7 +25,7 @@ from torch.utils import _pytree as pytree
 
 from ._errors import GradOverrideError
 
-__all__ = ["SKIP", "Meta", "check_gradient", "flat_gradients", "format_shape"]
+__all__ = ["SKIP", "Meta", "check_gradient", "flat_gradients", "format_shape", "slot_ranges"]
 
 #: Meta entry of a tensor input whose gradient is not needed: whatever the rule returns for
 #: it is dropped unchecked.
@@ -40,7 +40,8 @@ def format_shape(shape: Sequence[int]) -> str:
     return str(tuple(int(s) for s in shape))
 
 
-def _slot_ranges(layout: Any, n_slots: int) -> list[tuple[int, int, Any]]:
+def slot_ranges(layout: Any, n_slots: int) -> list[tuple[int, int, Any]]:
+    """Per parameter: (start, stop, treespec or None), its range among the flat inputs."""
     if layout is None:
         return [(i, i + 1, None) for i in range(n_slots)]
     ranges = []
@@ -76,7 +77,7 @@ def flat_gradients(
             grads[slot] = check_gradient(result, meta[slot], op, names[slot])
         return grads
 
-    ranges = _slot_ranges(layout, n_slots)
+    ranges = slot_ranges(layout, n_slots)
     per_slot = _per_slot(result, op=op, names=names, owned=owned, layout=layout, meta=meta,
                          ranges=ranges)
     for slot, grad in enumerate(per_slot):
@@ -111,10 +112,6 @@ def flat_gradients(
     return grads
 
 
-def _holds_tensor(meta: Meta, start: int, stop: int) -> bool:
-    return any(m is not None for m in meta[start:stop])
-
-
 def _owned_listing(names: tuple[str, ...], owned: tuple[bool, ...]) -> str:
     listed = [f"`{n}`" for n, o in zip(names, owned, strict=True) if o]
     return ", ".join(listed) if listed else "nothing"
@@ -125,11 +122,7 @@ def _single_owned_slot(
     result: Any,
 ) -> int | None:
     """The one owned parameter holding tensors, for a rule that returned a single value."""
-    ranges = _slot_ranges(layout, len(names))
-    candidates = [
-        slot for slot, (start, stop, _) in enumerate(ranges)
-        if owned[slot] and _holds_tensor(meta, start, stop)
-    ]
+    candidates = _owned_tensor_slots(owned, meta, slot_ranges(layout, len(names)))
     if len(candidates) == 1:
         return candidates[0]
     if result is None:
@@ -158,7 +151,7 @@ def _per_slot(
     n_slots = len(names)
     if isinstance(result, dict):
         # By parameter name, unless the one owned input is itself a dict of that shape.
-        single = _maybe_single(names, owned, meta, ranges)
+        single = _maybe_single(owned, meta, ranges)
         if (
             not set(result) <= set(names)
             and single is not None
@@ -170,7 +163,7 @@ def _per_slot(
             return by_slot
         return _from_dict(result, op=op, names=names, owned=owned, meta=meta, ranges=ranges)
     if type(result) is tuple:
-        single = _maybe_single(names, owned, meta, ranges)
+        single = _maybe_single(owned, meta, ranges)
         if len(result) == n_slots and (single is None or ranges[single][2] is None or
                                        _matches(result[single], ranges[single][2])):
             return list(result)
@@ -193,14 +186,21 @@ def _per_slot(
     return out
 
 
-def _maybe_single(
-    names: tuple[str, ...], owned: tuple[bool, ...], meta: Meta,
-    ranges: list[tuple[int, int, Any]],
-) -> int | None:
-    candidates = [
-        slot for slot, (start, stop, _) in enumerate(ranges)
-        if owned[slot] and _holds_tensor(meta, start, stop)
+def _owned_tensor_slots(
+    owned: tuple[bool, ...], meta: Meta, ranges: list[tuple[int, int, Any]]
+) -> list[int]:
+    """The owned parameters that hold at least one tensor in this call."""
+    return [
+        slot
+        for slot, (start, stop, _) in enumerate(ranges)
+        if owned[slot] and any(m is not None for m in meta[start:stop])
     ]
+
+
+def _maybe_single(
+    owned: tuple[bool, ...], meta: Meta, ranges: list[tuple[int, int, Any]]
+) -> int | None:
+    candidates = _owned_tensor_slots(owned, meta, ranges)
     return candidates[0] if len(candidates) == 1 else None
 
 
@@ -230,7 +230,7 @@ def _from_dict(
     out: list[Any] = []
     for slot, name in enumerate(names):
         start, stop, _ = ranges[slot]
-        if name not in result and owned[slot] and _holds_tensor(meta, start, stop):
+        if name not in result and owned[slot] and any(m is not None for m in meta[start:stop]):
             msg = (
                 f"backward of `{op}` returned a dict without `{name}`, which it owns; "
                 f"return {{'{name}': None, ...}} if it gets no gradient, or leave `{name}` "
