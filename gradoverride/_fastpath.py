@@ -69,8 +69,15 @@ def generate(
 
     # The bookkeeping for backward, shared by setup_context and the eager forward: input
     # metadata, the requested values (tensors saved, others kept), the autocast state.
+    # An input the rule names is saved anyway, so its metadata is read from the saved tensor
+    # in backward; its `m` is then just a flag (True: a tensor, saved) or None.
+    saved_slot = {}  # parameter index -> index into saved_tensors, for requested parameters
+    for k, (_, slot) in enumerate(requested):
+        saved_slot.setdefault(slot, k)
     body = [
-        f"m{i} = (v{i}.shape, v{i}.dtype, v{i}.device) if isinstance(v{i}, Tensor) else None"
+        f"m{i} = True if isinstance(v{i}, Tensor) else None"
+        if i in saved_slot
+        else f"m{i} = (v{i}.shape, v{i}.dtype, v{i}.device) if isinstance(v{i}, Tensor) else None"
         for i in range(n)
     ]
     saved = [f"v{slot} if m{slot} is not None else None" for _, slot in requested]
@@ -83,8 +90,21 @@ def generate(
         body.append("ctx.set_materialize_grads(False)")
     body += [
         f"autocast = autocast_state({_tuple(values)}) if any_autocast_enabled() else None",
-        f"ctx.gradoverride = (state, {_tuple(metas)}, {_tuple(statics)}, autocast)",
+        f"ctx.gradoverride = ({_tuple(metas)}, {_tuple(statics)}, autocast)",
     ]
+
+    def meta_of(i: int) -> str:
+        """Source for parameter i's (shape, dtype, device) in backward (given it is a tensor)."""
+        if i in saved_slot:
+            k = saved_slot[i]
+            return f"(s{k}.shape, s{k}.dtype, s{k}.device)"
+        return f"m{i}"
+
+    def full_meta(i: int) -> str:
+        """Source for parameter i's meta entry as `flat_gradients` expects it."""
+        if i in saved_slot:
+            return f"(None if m{i} is None else {meta_of(i)})"
+        return f"m{i}"
 
     # setup_context (torch.func and torch.compile use the setup_context form) ---------------
     lines = [
@@ -97,16 +117,19 @@ def generate(
     lines += ["    " + line for line in body]
 
     # forward_eager: the classic `forward(ctx, ...)` form for eager calls, doing forward and
-    # setup in one Python frame instead of two. It shares backward with the other form.
+    # setup in one Python frame instead of two. It shares backward with the other form. Its
+    # first input is None (no CallState is allocated for the common call); an output that is
+    # not one tensor gets a CallState here, returned as an extra non-tensor output for `run`.
     if plain:
         lines += [
             "",
             f"def forward_eager(ctx, state{''.join(', ' + v for v in values)}):",
             f"    output = fn({', '.join(values)})",
             "    if not isinstance(output, Tensor):",
+            "        state = CallState()",
             "        output = shape_output(output, state)",
             f"        setup_general(ctx, (state{''.join(', ' + v for v in values)}), output)",
-            "        return output",
+            "        return (*output, state)",
         ]
         lines += ["    " + line for line in body]
         lines.append("    return output")
@@ -119,9 +142,9 @@ def generate(
         "",
         "def backward(ctx, g0, *rest):",
         "    record = ctx.gradoverride",
-        "    if len(record) != 4:  # recorded by the general setup",
+        "    if len(record) != 3:  # recorded by the general setup",
         "        return backward_general(ctx, (g0, *rest))",
-        f"    state, {_tuple(metas)}, statics, autocast = record",
+        f"    {_tuple(metas)}, statics, autocast = record",
     ]
     if saved:
         lines.append(f"    {_tuple([f's{k}' for k in range(len(saved))])} = ctx.saved_tensors")
@@ -152,16 +175,26 @@ def generate(
             others = " and ".join(f"m{j} is None" for j in range(n) if j != i)
             out = ["None"] * (n + 1)
             out[i + 1] = "result"
+            if i in saved_slot:
+                x = f"s{saved_slot[i]}"
+                mismatch = (
+                    f"result.shape != {x}.shape or result.dtype != {x}.dtype "
+                    f"or result.device != {x}.device"
+                )
+            else:
+                mismatch = (
+                    f"result.shape != m{i}[0] or result.dtype != m{i}[1] "
+                    f"or result.device != m{i}[2]"
+                )
             lines += [
                 f"        if m{i} is not None{' and ' + others if others else ''}:",
-                f"            if result.shape != m{i}[0] or result.dtype != m{i}[1] "
-                f"or result.device != m{i}[2]:",
-                f"                result = check_gradient(result, m{i}, op, {names[i]!r})",
+                f"            if {mismatch}:",
+                f"                result = check_gradient(result, {meta_of(i)}, op, {names[i]!r})",
                 f"            return {_tuple(out)}",
             ]
     lines += [
         "    return (None, *flat_gradients(result, op=op, names=names, owned=owned, "
-        f"layout=None, meta={_tuple(metas)}))",
+        f"layout=None, meta={_tuple([full_meta(i) for i in range(n)])}))",
     ]
 
     # forward: the common call passes one value per parameter straight to the user's function
@@ -187,11 +220,13 @@ def generate(
             "        if " + (" or ".join(f"isinstance({v}, CONTAINERS)" for v in values) or "False")
             + ":",
             "            return run_general(args, kwargs)",
-            "        state = CallState()",
             "        if FAST_APPLY and not is_dynamo_compiling() and not transforms_active():",
-            f"            out = raw_eager(state{''.join(', ' + v for v in values)})",
-            "        else:",
-            f"            out = apply(state{''.join(', ' + v for v in values)})",
+            f"            out = raw_eager(None{''.join(', ' + v for v in values)})",
+            "            if type(out) is tuple:  # not one tensor: forward_eager appended its state",
+            "                return finish(out[:-1], out[-1])",
+            "            return out",
+            "        state = CallState()",
+            f"        out = apply(state{''.join(', ' + v for v in values)})",
             "        if state.out_spec is None:",
             "            return out",
             "        return finish(out, state)",

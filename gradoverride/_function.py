@@ -162,7 +162,7 @@ def _identifier(name: str) -> str:
 #            into saved_tensors or a _Static;
 #   out_meta output metadata, when we materialize zero gradients ourselves, else None;
 #   autocast (device_type, dtype, enabled) the forward ran under, else None.
-# The generated fast path leaves a 4-tuple instead (see _fastpath). Tensors go through
+# The generated fast path leaves a 3-tuple instead (see _fastpath). Tensors go through
 # save_for_backward, never here.
 
 
