@@ -15,54 +15,12 @@ from typing import Any
 import pytest
 import torch
 from conftest import tolerance
+from ops import pair_product, quantize, scale, sin_cos
 from torch.func import grad, jacrev, vmap
 
 import gradoverride as go
 
 # ---- ops used across the file ---------------------------------------------------------------
-
-
-@go.custom_backward
-def quantize(x: torch.Tensor, bits: int = 2) -> torch.Tensor:
-    s = 2**bits
-    return torch.round(x * s) / s
-
-
-@quantize.backward
-def _(grad: torch.Tensor, *, x: torch.Tensor) -> torch.Tensor:
-    return grad * (x.abs() <= 1)
-
-
-@go.custom_backward(owns="x")
-def scale(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    return x * w
-
-
-@scale.backward
-def _(grad: torch.Tensor, *, w: torch.Tensor) -> torch.Tensor:
-    return grad * 2 * w  # twice the true derivative, so the rule is visible
-
-
-@go.custom_backward
-def pair_product(xs: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    a, b = xs
-    return a * b
-
-
-@pair_product.backward
-def _(grad: torch.Tensor, *, xs: tuple[torch.Tensor, torch.Tensor]) -> Any:
-    a, b = xs
-    return {"xs": (grad * b + 1, grad * a - 1)}
-
-
-@go.custom_backward
-def sin_cos(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return x.sin(), x.cos()
-
-
-@sin_cos.backward
-def _(grad_sin: torch.Tensor, grad_cos: torch.Tensor, *, x: torch.Tensor) -> torch.Tensor:
-    return grad_sin * x.cos() - grad_cos * x.sin() + 0.5
 
 
 @go.custom_backward(residuals=("norm",))

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 import torch
 import torch._functorch.utils as functorch_utils
+from ops import pair_product, quantize, scale, sin_cos
 
 import gradoverride as go
 import gradoverride._function as go_function
@@ -29,49 +30,6 @@ def test_private_torch_pieces_are_the_real_ones() -> None:
 
 
 # ---- the fallback path (`Function.apply`) equals the fast path ------------------------------
-
-
-@go.custom_backward
-def quantize(x: torch.Tensor, bits: int = 2) -> torch.Tensor:
-    s = 2**bits
-    return torch.round(x * s) / s
-
-
-@quantize.backward
-def _(grad: torch.Tensor, *, x: torch.Tensor) -> torch.Tensor:
-    return grad * (x.abs() <= 1)
-
-
-@go.custom_backward(owns="x")
-def scale(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    return x * w
-
-
-@scale.backward
-def _(grad: torch.Tensor, *, w: torch.Tensor) -> torch.Tensor:
-    return grad * 2 * w
-
-
-@go.custom_backward
-def sin_cos(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return x.sin(), x.cos()
-
-
-@sin_cos.backward
-def _(gs: torch.Tensor, gc: torch.Tensor, *, x: torch.Tensor) -> torch.Tensor:
-    return gs * x.cos() - gc * x.sin() + 0.5
-
-
-@go.custom_backward
-def pair_product(xs: tuple[torch.Tensor, torch.Tensor], *, shift: float = 1.0) -> torch.Tensor:
-    a, b = xs
-    return a * b + shift
-
-
-@pair_product.backward
-def _(grad: torch.Tensor, *, xs: tuple[torch.Tensor, torch.Tensor]) -> Any:
-    a, b = xs
-    return {"xs": (grad * b + 1, grad * a - 1)}
 
 
 def _inputs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
