@@ -71,7 +71,7 @@ def generate(
     # metadata, the requested values (tensors saved, others kept), the autocast state.
     # An input the rule names is saved anyway, so its metadata is read from the saved tensor
     # in backward; its `m` is then just a flag (True: a tensor, saved) or None.
-    saved_slot = {}  # parameter index -> index into saved_tensors, for requested parameters
+    saved_slot: dict[int, int] = {}  # requested parameter's index -> its index in saved_tensors
     for k, (_, slot) in enumerate(requested):
         saved_slot.setdefault(slot, k)
     body = [
@@ -222,7 +222,7 @@ def generate(
             "            return run_general(args, kwargs)",
             "        if FAST_APPLY and not is_dynamo_compiling() and not transforms_active():",
             f"            out = raw_eager(None{''.join(', ' + v for v in values)})",
-            "            if type(out) is tuple:  # not one tensor: forward_eager appended its state",
+            "            if type(out) is tuple:  # not one tensor: the state is appended",
             "                return finish(out[:-1], out[-1])",
             "            return out",
             "        state = CallState()",

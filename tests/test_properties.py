@@ -7,57 +7,18 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import hypothesis.extra.numpy as hnp
 import torch
 from conftest import tolerance
 from hypothesis import given
 from hypothesis import strategies as st
 
 import gradoverride as go
+from gradoverride.testing import strategies as gst
 
-DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+DTYPES = gst.FLOAT_DTYPES
 _INT_VIEW = {2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-@st.composite
-def tensors(
-    draw: st.DrawFn,
-    *,
-    dtype: torch.dtype | None = None,
-    shape: tuple[int, ...] | None = None,
-    prefix: tuple[int, ...] = (),
-) -> torch.Tensor:
-    """A float tensor of a drawn shape (0-d and zero-size included), dtype and layout.
-
-    Layouts: contiguous, transposed (last two dims swapped in memory) and strided (every
-    other element of the last dim), so rules see non-contiguous inputs too.
-    """
-    if shape is None:
-        shape = draw(hnp.array_shapes(min_dims=0, max_dims=4, min_side=0, max_side=4))
-    shape = (*prefix, *shape)
-    if dtype is None:
-        dtype = draw(st.sampled_from(DTYPES))
-    layout = draw(st.sampled_from(("contiguous", "transposed", "strided")))
-    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
-
-    def randn(*size: int) -> torch.Tensor:
-        return torch.randn(size, generator=gen, dtype=torch.float64).to(dtype)
-
-    if layout == "transposed" and len(shape) >= 2:
-        return randn(*shape[:-2], shape[-1], shape[-2]).transpose(-1, -2)
-    if layout == "strided" and len(shape) >= 1:
-        return randn(*shape[:-1], 2 * shape[-1])[..., ::2]
-    return randn(*shape)
-
-
-@st.composite
-def tensor_pairs(draw: st.DrawFn, prefix: tuple[int, ...] = ()) -> tuple[torch.Tensor, ...]:
-    """Two tensors of one shape and dtype, drawn with independent layouts."""
-    shape = draw(hnp.array_shapes(min_dims=0, max_dims=3, min_side=0, max_side=4))
-    dtype = draw(st.sampled_from(DTYPES))
-    a = draw(tensors(dtype=dtype, shape=shape, prefix=prefix))
-    b = draw(tensors(dtype=dtype, shape=shape, prefix=prefix))
-    return a, b
+tensors = gst.tensors
+tensor_pairs = gst.tensor_pairs
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
