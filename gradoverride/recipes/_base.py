@@ -1,0 +1,95 @@
+"""What every recipe is: a small frozen object with a readable repr, callable on tensors,
+with an `nn.Module` form.
+
+A recipe is a frozen dataclass whose class name is the public factory name, so its repr is
+the call that makes it (`reverse_grad(scale=1.0)`), like attrs validators:
+
+    @dataclass(frozen=True, repr=False)
+    class reverse_grad(GradientTransform):
+        scale: float = 1.0
+        def transform(self, grad): return -self.scale * grad
+
+Two kinds:
+
+* `Recipe`: an op with an overridden gradient (a straight-through round, a spike with a
+  surrogate). `recipe(x, ...)` runs it; `recipe.module()` is its `nn.Module` form.
+* `GradientTransform`: a recipe whose forward is the identity and whose backward maps the
+  upstream gradient (reversal, scaling, clipping). `recipe(x)` returns `x` with the
+  transformed gradient; `recipe.transform(grad)` applies the map to a gradient directly, which
+  is what `go.grad_hook` uses, so any gradient transform can be a hook.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from torch import Tensor, nn
+
+from .._decorators import custom_backward
+
+__all__ = ["GradientTransform", "Recipe", "RecipeModule"]
+
+
+class Recipe:
+    """Base of all recipes. Subclasses are frozen dataclasses and define `__call__`."""
+
+    def __call__(self, x: Tensor, /, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError
+
+    def module(self) -> RecipeModule:
+        """This recipe as an `nn.Module` (for `nn.Sequential`); its repr is the recipe's."""
+        return RecipeModule(self)
+
+    def __repr__(self) -> str:
+        fields = ", ".join(
+            f"{f.name}={getattr(self, f.name)!r}"
+            for f in dataclasses.fields(self)  # type: ignore[arg-type]
+            if f.repr
+        )
+        return f"{type(self).__name__}({fields})"
+
+
+@custom_backward
+def _transform_gradient(x: Tensor, transform: GradientTransform) -> Tensor:
+    return x.view_as(x)
+
+
+@_transform_gradient.backward
+def _(grad: Tensor, *, transform: GradientTransform) -> Tensor:
+    return transform.transform(grad)
+
+
+class GradientTransform(Recipe):
+    """A recipe whose forward is the identity and whose backward is `transform(grad)`."""
+
+    def transform(self, grad: Tensor) -> Tensor:
+        """The gradient this recipe passes on, given the upstream `grad`."""
+        raise NotImplementedError
+
+    def __call__(self, x: Tensor, /, *args: Any, **kwargs: Any) -> Tensor:
+        if args or kwargs:
+            msg = f"{self!r} takes one tensor; got {len(args) + 1} positional and {sorted(kwargs)}."
+            raise TypeError(msg)
+        return _transform_gradient(x, self)
+
+
+class RecipeModule(nn.Module):
+    """The `nn.Module` form of a recipe: `forward(x, ...)` is `recipe(x, ...)`."""
+
+    def __init__(self, recipe: Recipe) -> None:
+        super().__init__()
+        self.recipe = recipe
+
+    def forward(self, x: Tensor, *args: Any, **kwargs: Any) -> Any:
+        return self.recipe(x, *args, **kwargs)
+
+    def __repr__(self) -> str:
+        return repr(self.recipe)
+
+
+def keep_dtype(value: Tensor, like: Tensor) -> Tensor:
+    """`value` in `like`'s dtype: recipes never change the caller's dtype."""
+    return value if value.dtype == like.dtype else value.to(like.dtype)
+
+
