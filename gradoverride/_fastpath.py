@@ -166,11 +166,11 @@ def generate(
         "            raise",
         "    else:",
         f"        result = call_rule(rule, (g0,), {kwargs_dict}, autocast, False, NOTE)",
-        "    if isinstance(result, Tensor):",
     ]
     # The one tensor input a lone returned tensor belongs to: written out for few
     # parameters, a loop for many.
     if n <= _UNROLL:
+        lines.append("    if isinstance(result, Tensor):")
         for i in range(n):
             others = " and ".join(f"m{j} is None" for j in range(n) if j != i)
             out = ["None"] * (n + 1)

@@ -106,9 +106,21 @@ def flat_gradients(
             )
             raise GradOverrideError(msg) from None
         for offset, leaf in enumerate(leaves):
-            if leaf is not None:
-                path = f"{names[slot]}{_leaf_path(spec, offset)}"
-                grads[start + offset] = check_gradient(leaf, meta[start + offset], op, path)
+            if leaf is None:
+                continue
+            m = meta[start + offset]
+            if (
+                isinstance(leaf, Tensor)
+                and isinstance(m, tuple)
+                and leaf.shape == m[0]
+                and leaf.dtype == m[1]
+                and leaf.device == m[2]
+            ):
+                grads[start + offset] = leaf
+                continue
+            # Only a gradient that needs fixing or reporting pays for naming its leaf.
+            path = f"{names[slot]}{_leaf_path(spec, offset)}"
+            grads[start + offset] = check_gradient(leaf, m, op, path)
     return grads
 
 

@@ -1310,3 +1310,19 @@ def test_builtin_with_two_inputs_dict_return():
     y.sum().backward()
     torch.testing.assert_close(x.grad, 2 * w.detach())
     torch.testing.assert_close(w.grad, 2 * x.detach())
+
+
+def test_many_parameters_beyond_the_unrolled_fast_path():
+    # The generated fast path writes out up to six parameters; more take a loop.
+    @go.custom_backward
+    def weighted_sum(a, b, c, d, e, f, g):
+        return a + 2 * b + 3 * c + 4 * d + 5 * e + 6 * f + 7 * g
+
+    @weighted_sum.backward
+    def _(grad):
+        return tuple(grad * k for k in (10, 20, 30, 40, 50, 60, 70))
+
+    xs = [torch.ones(2, requires_grad=True) for _ in range(7)]
+    weighted_sum(*xs).sum().backward()
+    for k, x in zip((10, 20, 30, 40, 50, 60, 70), xs, strict=True):
+        torch.testing.assert_close(x.grad, torch.full((2,), float(k)))
