@@ -13,17 +13,19 @@ and (2048, 2048). Then the bytes saved for backward, counted with
 from __future__ import annotations
 
 import argparse
-import random
+import os
 import statistics
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 import gradoverride as go
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _timing import compare
 
 
 class Classic(torch.autograd.Function):
@@ -76,38 +78,6 @@ def passthrough_sign(x: torch.Tensor) -> torch.Tensor:
 @passthrough_sign.backward
 def _sign_backward(grad: torch.Tensor) -> torch.Tensor:
     return grad
-
-
-def _time_block(fn: Callable[[], Any], number: int) -> float:
-    start = time.perf_counter()
-    for _ in range(number):
-        fn()
-    return (time.perf_counter() - start) / number
-
-
-def compare(
-    cases: dict[str, Callable[[], Any]], *, rounds: int, number: int
-) -> dict[str, tuple[float, float]]:
-    """Median seconds per call and median paired ratio to the first case.
-
-    Each round times every case once, in a shuffled order (seeded), so no case always runs
-    right after another one: which case ran just before measurably changes small-tensor
-    timings (caches), and a fixed order would bias the ratios.
-    """
-    names = list(cases)
-    times: dict[str, list[float]] = {n: [] for n in names}
-    ratios: dict[str, list[float]] = {n: [] for n in names}
-    order = random.Random(0)
-    for fn in cases.values():  # warm up
-        _time_block(fn, number)
-    for _ in range(rounds):
-        shuffled = names[:]
-        order.shuffle(shuffled)
-        block = {n: _time_block(cases[n], number) for n in shuffled}
-        for n in names:
-            times[n].append(block[n])
-            ratios[n].append(block[n] / block[names[0]])
-    return {n: (statistics.median(times[n]), statistics.median(ratios[n])) for n in names}
 
 
 def saved_bytes(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> int:

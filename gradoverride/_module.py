@@ -1,0 +1,562 @@
+"""Backward rules for modules: `go.Module` subclasses and `go.override_backward`.
+
+Both build a `custom_backward` op around the module's own `forward`, with the module's
+parameters as two extra container inputs (the ones the rule owns, and the others), so:
+
+* parameter gradients flow through autograd (they accumulate, fire hooks, reach DDP), never
+  by writing `.grad`;
+* the parameters the rule does not own keep their ordinary gradient, through the forward's
+  own graph (the core's partial override);
+* the rule reads `self.<parameter>` (or `module.<parameter>`) as the forward saw it: under
+  `torch.func.functional_call`, the parameters passed in, not the module's own.
+
+The rule contract is `custom_backward`'s, with the module's parameters added to the names:
+a rule may return a gradient for a parameter by its `named_parameters()` name (dotted names
+of submodules included), and may name top-level parameters as keyword-only parameters to
+receive them (nested ones are reached through `self`).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import types
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from torch import Tensor, nn
+
+from ._decorators import CustomBackward, custom_backward
+from ._errors import GradOverrideError, GradOverrideTypeError
+from ._gradients import check_gradient
+from ._rule import RESERVED_NAMES, normalize_names
+
+__all__ = ["Module", "OverrideHandle", "override_backward"]
+
+#: (where, inputs, owned_inputs, n_grads, user_rule, rule_is_method, parameter_names,
+#:  requested, parameter names of this layout, their op slots, owned parameter names)
+_RuleConfig = tuple[
+    str, tuple[str, ...], tuple[str, ...], "int | None", Callable[..., Any], bool,
+    tuple[str, ...], tuple[str, ...], tuple[str, ...], dict[str, str], tuple[str, ...],
+]
+
+_PARAM = "_gradoverride_p"
+_IDS = "_gradoverride_parameter_ids"
+_MODULE = "_gradoverride_module"
+
+try:  # the context manager `torch.func.functional_call` is built on
+    from torch.nn.utils.stateless import _reparametrize_module as _reparametrize
+except ImportError:  # pragma: no cover - depends on torch version
+    _reparametrize = None  # type: ignore[assignment]
+
+
+@contextmanager
+def _parameters_as(
+    module: nn.Module, params: dict[str, Tensor], current: dict[str, Tensor]
+) -> Iterator[None]:
+    """Run with `module`'s parameters (`current`) replaced by `params` where they differ."""
+    swap = {name: p for name, p in params.items() if current.get(name) is not p}
+    if not swap:
+        yield
+        return
+    if _reparametrize is None:  # pragma: no cover
+        msg = (
+            "this torch has no `torch.nn.utils.stateless._reparametrize_module`, which a module "
+            "rule that owns some parameters but not all needs; own all parameters or none."
+        )
+        raise GradOverrideError(msg)
+    with _reparametrize(module, swap):
+        yield
+
+
+class _ModuleRule:
+    """A module rule read once: its calling convention, the names it asks for, what it owns."""
+
+    def __init__(
+        self,
+        *,
+        where: str,
+        forward: Callable[..., Any],
+        rule: Callable[..., Any],
+        rule_is_method: bool,
+        owns: str | Iterable[str] | None,
+        residuals: tuple[str, ...],
+        once_differentiable: bool,
+        materialize_grads: bool,
+    ) -> None:
+        self.where = where
+        self.user_rule = rule
+        self.rule_is_method = rule_is_method
+        forward_params = list(inspect.signature(forward).parameters.values())[1:]  # drop self
+        self.inputs = tuple(p.name for p in forward_params)
+        self.residuals = residuals
+        self.owns = None if owns is None else normalize_names(owns, "owns", where)
+
+        rule_params = list(inspect.signature(rule).parameters.values())
+        if rule_is_method:
+            rule_params = rule_params[1:]
+        self.n_grads: int | None = 0
+        requested: list[str] = []
+        for p in rule_params:
+            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and self.n_grads is not None:
+                self.n_grads += 1
+            elif p.kind is p.VAR_POSITIONAL:
+                self.n_grads = None
+            elif p.kind is p.KEYWORD_ONLY:
+                requested.append(p.name)
+            elif p.kind is p.VAR_KEYWORD:
+                msg = (
+                    f"the backward of {where} takes `**{p.name}`; name each value it needs as a "
+                    "keyword-only parameter, e.g. `def backward(self, grad, *, x): ...`."
+                )
+                raise GradOverrideTypeError(msg)
+        if self.n_grads == 0:
+            msg = (
+                f"the backward of {where} has no positional parameter for the upstream "
+                "gradient; write it as `def backward(self, grad, *, ...)`."
+            )
+            raise GradOverrideTypeError(msg)
+        reserved = {*RESERVED_NAMES, *(() if rule_is_method else ("module",))}
+        self.requested = tuple(requested)
+        # Names that are neither inputs, residuals nor reserved must be parameters; they are
+        # checked against the instance's parameters once __init__ has run (_ModuleMeta).
+        known = {*self.inputs, *residuals, *reserved}
+        self.parameter_names = tuple(n for n in requested if n not in known)
+
+        self.forward = forward
+        self.once_differentiable = once_differentiable
+        self.materialize_grads = materialize_grads
+        self.ops: dict[tuple[str, ...], CustomBackward[..., Any]] = {}
+
+    # ---- the op around the module's forward, one per parameter layout ------------------
+
+    def op_for(self, names: tuple[str, ...]) -> CustomBackward[..., Any]:
+        """The op for a module whose parameters are `names` (built once per layout)."""
+        op = self.ops.get(names)
+        if op is None:
+            op = self.ops[names] = self._build(names)
+        return op
+
+    def _build(self, names: tuple[str, ...]) -> CustomBackward[..., Any]:
+        # Each parameter is its own input of the op (slot `_gradoverride_p<i>`), so the common
+        # call has plain tensor arguments and takes the core's generated fast path.
+        forward = self.forward
+        k = len(names)
+        slots = tuple(f"{_PARAM}{i}" for i in range(k))
+        slot_of = dict(zip(names, slots, strict=True))
+        forward_params = list(inspect.signature(forward).parameters.values())[1:]
+        positional = inspect.Parameter.POSITIONAL_ONLY
+        signature = inspect.Signature(
+            [
+                inspect.Parameter(_MODULE, positional),
+                inspect.Parameter(_IDS, positional),
+                *(inspect.Parameter(slot, positional) for slot in slots),
+                *forward_params,
+            ]
+        )
+
+        def module_forward(
+            module: nn.Module, ids: tuple[int, ...], *rest: Any, **kwargs: Any
+        ) -> Any:
+            params, args = rest[:k], rest[k:]
+            if all(id(p) == i for p, i in zip(params, ids, strict=True)):
+                return forward(module, *args, **kwargs)  # the module's own parameters
+            # Owned parameters arrive detached (partial override), or others under a
+            # transform: the forward must see these.
+            swap = dict(zip(names, params, strict=True))
+            with _parameters_as(module, swap, dict(module.named_parameters())):
+                return forward(module, *args, **kwargs)
+
+        module_forward.__signature__ = signature  # type: ignore[attr-defined]
+        module_forward.__name__ = self.where.strip("`")
+        module_forward.__qualname__ = module_forward.__name__
+
+        owns = self.owns
+        owned_inputs = tuple(n for n in self.inputs if owns is None or n in owns)
+        owned_names = tuple(n for n in names if owns is None or n in owns)
+        # The wrapper asks for the module, the owned parameters (saved: they are alive anyway,
+        # so this costs no memory) and the parameters the rule names; `needs_grad` only when
+        # a lone returned tensor could belong to more than one input.
+        wants_needs = len(owned_inputs) > 1 or "needs_grad" in self.requested
+        param_slots = tuple(
+            dict.fromkeys(slot_of[n] for n in (*owned_names, *self.parameter_names) if n in slot_of)
+        )
+        rule_names = [_MODULE, *param_slots]
+        rule_names += [n for n in self.requested if n in self.inputs or n in self.residuals]
+        rule_names += ["output"] if "output" in self.requested else []
+        rule_names += ["needs_grad"] if wants_needs else []
+
+        # Plain values only: dynamo, tracing the backward, cannot wrap a _ModuleRule object.
+        config: _RuleConfig = (
+            self.where,
+            self.inputs,
+            owned_inputs,
+            self.n_grads,
+            self.user_rule,
+            self.rule_is_method,
+            self.parameter_names,
+            self.requested,
+            names,
+            slot_of,
+            owned_names,
+        )
+
+        def rule(*grads: Any, **named: Any) -> Any:
+            return _call_module_rule(config, grads, named)
+
+        rule.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
+            [inspect.Parameter("grads", inspect.Parameter.VAR_POSITIONAL)]
+            + [inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY) for n in rule_names]
+        )
+        rule.__name__ = rule.__qualname__ = f"{self.where.strip('`')}.backward"
+        op: CustomBackward[..., Any] = custom_backward(
+            module_forward,
+            residuals=self.residuals,
+            backward=rule,
+            owns=None if owns is None else (
+                _MODULE, _IDS, *(slot_of[n] for n in owned_names), *owned_inputs
+            ),
+            once_differentiable=self.once_differentiable,
+            materialize_grads=self.materialize_grads,
+        )
+        return op
+
+    def call(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        params = dict(module.named_parameters())
+        values = tuple(params.values())
+        op = self.op_for(tuple(params))
+        return op(module, tuple(id(p) for p in values), *values, *args, **kwargs)
+
+    def check_names(self, module: nn.Module) -> None:
+        """Check the names the rule uses against `module`'s parameters (once it has them)."""
+        params = dict(module.named_parameters())
+        valid = [*self.inputs, *params]
+        for name in self.parameter_names:
+            if name not in params:
+                msg = (
+                    f"the backward of {self.where} names `{name}`, which is neither an input of "
+                    f"its forward nor one of its parameters; it may name "
+                    f"{', '.join(f'`{n}`' for n in valid)}, or `output` / `needs_grad`."
+                )
+                raise GradOverrideTypeError(msg)
+        for name in self.owns or ():
+            if name not in params and name not in self.inputs:
+                msg = (
+                    f"{self.where} declares owns={self.owns!r}, but `{name}` is neither an input "
+                    f"nor a parameter; valid names are {', '.join(f'`{n}`' for n in valid)}."
+                )
+                raise GradOverrideError(msg)
+
+def _call_module_rule(spec: _RuleConfig, grads: tuple[Any, ...], named: dict[str, Any]) -> Any:
+    """Call the user's rule for a module op and translate what it returns."""
+    (where, inputs, _, n_grads, user_rule, rule_is_method, parameter_names,
+     requested, names, slot_of, owned_names) = spec
+    module: nn.Module = named.pop(_MODULE)
+    if n_grads is not None and n_grads != len(grads):
+        msg = (
+            f"the backward of {where} takes {n_grads} upstream gradient(s), but "
+            f"the forward returned {len(grads)} output(s); give it one positional "
+            "parameter per output (or `*grads`)."
+        )
+        raise GradOverrideTypeError(msg)
+    # The parameters as the forward saw them, by name.
+    seen = {
+        n: named.pop(slot_of[n]) for n in (*owned_names, *parameter_names) if slot_of[n] in named
+    }
+    owned = {n: seen[n] for n in owned_names}
+    for name in parameter_names:
+        named[name] = seen[name]
+    needs_inputs: dict[str, bool] = named.pop("needs_grad", {})
+    if "module" in requested and not rule_is_method:
+        named["module"] = module
+    if "needs_grad" in requested:
+        named["needs_grad"] = {
+            **{n: needs_inputs.get(n, False) for n in inputs},
+            **{n: n in owned and owned[n].requires_grad for n in names},
+        }
+    current = {n: _current_parameter(module, n) for n in owned_names}
+    before = [p.grad for p in current.values()]
+    with _parameters_as(module, owned, current):
+        if rule_is_method:
+            result = user_rule(module, *grads, **named)
+        else:
+            result = user_rule(*grads, **named)
+    for (name, p), grad in zip(current.items(), before, strict=True):
+        if p.grad is not grad:
+            msg = (
+                f"the backward of {where} wrote `{name}.grad` itself; return the "
+                f"gradient instead, e.g. `return {{..., '{name}': grad_{_ident(name)}}}`, "
+                "and autograd accumulates it (hooks and DDP see it too)."
+            )
+            raise GradOverrideError(msg)
+    return _translate(spec, result, owned, needs_inputs)
+
+
+def _current_parameter(module: nn.Module, name: str) -> Tensor:
+    if "." not in name:
+        return module._parameters[name]  # type: ignore[return-value]
+    return module.get_parameter(name)
+
+
+def _translate(
+    spec: _RuleConfig, result: Any, owned: dict[str, Tensor], needs_inputs: dict[str, bool]
+) -> Any:
+    """The user's return value in the op's terms: inputs by name, parameters by their slot,
+    each parameter gradient checked under its own name."""
+    where, inputs, owned_inputs = spec[0], spec[1], spec[2]
+    names, slot_of = spec[8], spec[9]
+    if isinstance(result, dict):
+        by_name = result
+    elif isinstance(result, tuple):
+        if len(result) != len(inputs):
+            msg = (
+                f"the backward of {where} returned {len(result)} gradients, but the "
+                f"forward takes {len(inputs)} inputs ({', '.join(inputs)}); return "
+                "a tuple with one entry per input, or a dict by input and parameter name."
+            )
+            raise GradOverrideError(msg)
+        by_name = dict(zip(inputs, result, strict=True))
+    else:
+        # A lone tensor: for the one owned input or parameter that needs a gradient.
+        if len(owned_inputs) > 1:
+            wanted = [n for n in owned_inputs if needs_inputs.get(n, False)]
+        else:
+            wanted = list(owned_inputs)
+        wanted += [n for n, p in owned.items() if p.requires_grad]
+        if result is not None and len(wanted) > 1:
+            msg = (
+                f"the backward of {where} returned a single "
+                f"{type(result).__name__}, but {len(wanted)} owned inputs and parameters "
+                f"need a gradient ({', '.join(f'`{n}`' for n in wanted)}); return a dict "
+                f"by name, e.g. {{{', '.join(repr(n) + ': ...' for n in wanted)}}}."
+            )
+            raise GradOverrideError(msg)
+        by_name = {wanted[0]: result} if wanted and result is not None else {}
+        by_name.update({n: None for n in owned_inputs if n not in by_name})
+    valid = [*inputs, *owned]
+    out: dict[str, Any] = {}
+    for key, grad in by_name.items():
+        if key in inputs:
+            out[key] = grad
+        elif key in owned:
+            p = owned[key]
+            out[slot_of[key]] = None if grad is None else check_gradient(
+                grad, (p.shape, p.dtype, p.device), where.strip("`"), key
+            )
+        else:
+            reason = (
+                "a parameter the rule does not own (it keeps its ordinary gradient); "
+                "return None for it or add it to `owns`"
+                if key in names
+                else "neither an input nor a parameter"
+            )
+            msg = (
+                f"the backward of {where} returned a gradient for `{key}`, which is "
+                f"{reason}; the names it can return are {', '.join(f'`{n}`' for n in valid)}."
+            )
+            raise GradOverrideError(msg)
+    for name, p in owned.items():
+        if name not in by_name:
+            if not p.requires_grad:
+                continue
+            msg = (
+                f"the backward of {where} returned a dict without `{name}`, which it "
+                f"owns; return {{'{name}': None, ...}} if it gets no gradient, or leave "
+                f"`{name}` out of `owns` so it keeps its ordinary autograd gradient."
+            )
+            raise GradOverrideError(msg)
+        out.setdefault(slot_of[name], None)
+    # Inputs left out of a dict stay out, so the core reports an owned one by name.
+    return out
+
+
+def _ident(name: str) -> str:
+    return name.replace(".", "_")
+
+
+class _ModuleMeta(type):
+    """Checks a rule's parameter names once an instance has its parameters (after __init__)."""
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        instance = super().__call__(*args, **kwargs)
+        rule = getattr(cls, "_gradoverride_rule", None)
+        if rule is not None:
+            rule.check_names(instance)
+        return instance
+
+
+class Module(nn.Module, metaclass=_ModuleMeta):
+    """An `nn.Module` whose subclass defines `backward` next to `forward`.
+
+    Example::
+
+        class LayerWithCustomGrad(go.Module):
+            def __init__(self):
+                super().__init__()
+                self.weights = nn.Parameter(torch.randn(200))
+
+            def forward(self, x):
+                return x * self.weights
+
+            def backward(self, grad, *, x):      # names what it needs: here the input x
+                return {"x": grad * self.weights, "weights": grad * x}
+
+    `backward(self, *upstream_grads, *, names...)` follows the `custom_backward` contract; it
+    returns gradients for inputs and parameters by name (`named_parameters()` names). By
+    default it owns every input and parameter; `class Layer(go.Module, owns=("x",))` makes
+    it own only `x`, the rest keeping their ordinary autograd gradients. Class keywords
+    `once_differentiable`, `materialize_grads` and `residuals` are those of
+    `custom_backward`.
+    """
+
+    _gradoverride_rule: _ModuleRule | None = None
+
+    def __init_subclass__(
+        cls,
+        *,
+        owns: str | Iterable[str] | None = None,
+        once_differentiable: bool = False,
+        materialize_grads: bool = True,
+        residuals: str | Iterable[str] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init_subclass__(**kwargs)
+        backward = getattr(cls, "backward", None)
+        if backward is None:
+            return
+        if "forward" not in cls.__dict__ and "backward" not in cls.__dict__:
+            return  # inherits a wrapped forward and its rule unchanged
+        forward = cls.__dict__.get("forward", None)
+        if forward is None:
+            forward = getattr(cls, "_gradoverride_forward", None) or cls.forward
+        if forward is nn.Module.forward:
+            msg = f"`{cls.__qualname__}` defines `backward` but no `forward`; define both."
+            raise GradOverrideTypeError(msg)
+        rule = _ModuleRule(
+            where=f"`{cls.__qualname__}`",
+            forward=forward,
+            rule=backward,
+            rule_is_method=True,
+            owns=owns,
+            residuals=normalize_names(residuals, "residuals", cls.__qualname__),
+            once_differentiable=once_differentiable,
+            materialize_grads=materialize_grads,
+        )
+        cls._gradoverride_rule = rule
+        cls._gradoverride_forward = forward  # type: ignore[attr-defined]
+
+        def wrapped_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+            return rule.call(self, args, kwargs)
+
+        functools.update_wrapper(wrapped_forward, forward)
+        wrapped_forward.__qualname__ = f"{cls.__qualname__}.forward"
+        cls.forward = wrapped_forward
+
+
+class OverrideHandle:
+    """Returned by `override_backward`; `.remove()` restores the module exactly.
+
+    Removing twice is a no-op.
+    """
+
+    def __init__(self, module: nn.Module, forward: Any) -> None:
+        self._module = module
+        self._forward = forward
+
+    @property
+    def active(self) -> bool:
+        """Whether the override is still installed."""
+        return self._module.__dict__.get("forward") is self._forward
+
+    def remove(self) -> None:
+        if self.active:
+            del self._module.__dict__["forward"]
+
+    def __enter__(self) -> OverrideHandle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+    def __repr__(self) -> str:
+        state = "active" if self.active else "removed"
+        return f"<OverrideHandle on {type(self._module).__name__} ({state})>"
+
+
+def override_backward(
+    module: nn.Module,
+    rule: Callable[..., Any],
+    *,
+    owns: str | Iterable[str] | None = None,
+    once_differentiable: bool = False,
+    materialize_grads: bool = True,
+) -> OverrideHandle:
+    """Give an existing module instance a backward rule, in place.
+
+    Example::
+
+        linear = nn.Linear(4, 3)
+
+        def rule(grad, *, input, module):           # `input`: nn.Linear.forward's parameter
+            return {"input": grad @ module.weight, "weight": grad.T @ input, "bias": None}
+
+        handle = go.override_backward(linear, rule)
+        ...
+        handle.remove()                               # back to the ordinary backward
+
+    The module keeps its identity, class, parameters and `state_dict` keys: only calls to it
+    change. The rule follows the `custom_backward` contract with the names of the module's
+    own `forward` parameters, its parameters by `named_parameters()` name, and the reserved
+    name `module` for the module itself.
+
+    Args:
+        module: the `nn.Module` instance.
+        rule: `rule(*upstream_grads, *, names...)`.
+        owns, once_differentiable, materialize_grads: as for `custom_backward`; `owns` may
+            name inputs and parameters.
+
+    Returns:
+        An `OverrideHandle`; `.remove()` restores the original behaviour (bitwise: the
+        module's own forward and backward run again). Overriding a module that already has
+        an override raises `GradOverrideError`; remove the first one before adding another.
+    """
+    if not isinstance(module, nn.Module):
+        msg = (
+            f"override_backward needs an nn.Module instance, got {type(module).__name__} "
+            f"{module!r}; for a function, use `go.custom_backward(fn, backward=rule)`."
+        )
+        raise GradOverrideTypeError(msg)
+    if "forward" in module.__dict__:
+        msg = (
+            f"this {type(module).__name__} already has an overridden forward (an earlier "
+            "`override_backward`?); call `.remove()` on its handle before overriding again."
+        )
+        raise GradOverrideError(msg)
+    if isinstance(module, Module) and type(module)._gradoverride_rule is not None:
+        msg = (
+            f"`{type(module).__qualname__}` is a `go.Module` with its own backward; change "
+            "that method instead of overriding it."
+        )
+        raise GradOverrideError(msg)
+    forward = type(module).forward
+    module_rule = _ModuleRule(
+        where=f"`{type(module).__name__}`",
+        forward=forward,
+        rule=rule,
+        rule_is_method=False,
+        owns=owns,
+        residuals=(),
+        once_differentiable=once_differentiable,
+        materialize_grads=materialize_grads,
+    )
+
+    def overridden_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        return module_rule.call(self, args, kwargs)
+
+    module_rule.check_names(module)
+    # A bound method: `copy.deepcopy` rebinds it to the copy.
+    bound = types.MethodType(overridden_forward, module)
+    module.__dict__["forward"] = bound
+    return OverrideHandle(module, bound)
+
