@@ -19,6 +19,7 @@ from ops import pair_product, quantize, scale, sin_cos
 from torch.func import grad, jacrev, vmap
 
 import gradoverride as go
+from gradoverride.testing import assert_consistent, check_backward
 
 # ---- ops used across the file ---------------------------------------------------------------
 
@@ -39,49 +40,11 @@ def _expected_quantize(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
 
 
 # ---- torch.compile ------------------------------------------------------------------------
-
-
-# Dynamo instantiates `torch.autograd.Function()` for the ctx of a Function it reaches without
-# a source (a closure-held `apply`) inside `warnings.catch_warnings(record=True)`, which does
-# not reset filters, so the project's `filterwarnings = error` turns torch's own, deliberately
-# silenced DeprecationWarning into an error (plain torch does the same; not gradoverride's).
-_TORCH_CTX_WARNING = pytest.mark.filterwarnings(
-    "ignore:.*should not be instantiated:DeprecationWarning"
-)
-
-
-def _leaves(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    return tuple(t.detach().clone().requires_grad_() for t in tensors)
-
-
-def _compile_parity(
-    fn: Callable[..., torch.Tensor],
-    inputs: tuple[torch.Tensor, ...],
-    *,
-    backend: str = "aot_eager",
-) -> tuple[torch.Tensor, ...]:
-    """Loss and gradients of `fn` compiled with fullgraph=True equal eager; returns eager's."""
-    torch._dynamo.reset()
-    eager_in = _leaves(*inputs)
-    eager_loss = fn(*eager_in)
-    eager_grads = torch.autograd.grad(eager_loss, eager_in)
-
-    compiled = torch.compile(fn, backend=backend, fullgraph=True)
-    comp_in = _leaves(*inputs)
-    comp_loss = compiled(*comp_in)
-    comp_grads = torch.autograd.grad(comp_loss, comp_in)
-    torch._dynamo.reset()
-
-    torch.testing.assert_close(comp_loss, eager_loss)
-    for c, e in zip(comp_grads, eager_grads, strict=True):
-        torch.testing.assert_close(c, e)
-    return eager_grads
+# `assert_consistent` compiles with fullgraph=True (a graph break fails) and compares outputs
+# and gradients with eager mode; `check_backward` pins eager mode to the rule's formula.
 
 
 @pytest.mark.compile
-@_TORCH_CTX_WARNING
-# Inductor's first compile imports torch code that calls the deprecated `torch.jit.script_method`.
-@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
 def test_compile_single_output_inductor() -> None:
     """The one test with the default (inductor) backend."""
     x = torch.linspace(-1.5, 1.5, 6)
@@ -90,12 +53,11 @@ def test_compile_single_output_inductor() -> None:
     def loss(x: torch.Tensor) -> torch.Tensor:
         return (quantize(x) * c).sum()
 
-    (gx,) = _compile_parity(loss, (x,), backend="inductor")
-    torch.testing.assert_close(gx, _expected_quantize(x, c))
+    check_backward(loss, x, reference=_expected_quantize(x, c))
+    assert_consistent(loss, x, modes=("compile",), backend="inductor")
 
 
 @pytest.mark.compile
-@_TORCH_CTX_WARNING
 def test_compile_partial_override() -> None:
     x = torch.tensor([0.5, -1.0, 2.0])
     w = torch.tensor([3.0, 0.25, -1.0])
@@ -104,13 +66,12 @@ def test_compile_partial_override() -> None:
     def loss(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return (scale(x, w) * c).sum()
 
-    gx, gw = _compile_parity(loss, (x, w))
-    torch.testing.assert_close(gx, 2 * w * c)  # the rule
-    torch.testing.assert_close(gw, x * c)  # ordinary autograd
+    # the rule for `x`, ordinary autograd for `w`
+    check_backward(loss, x, w, reference={"x": 2 * w * c, "w": x * c})
+    assert_consistent(scale, x, w, modes=("compile",))
 
 
 @pytest.mark.compile
-@_TORCH_CTX_WARNING
 def test_compile_container_input() -> None:
     a = torch.tensor([1.0, -2.0, 0.5])
     b = torch.tensor([0.25, 4.0, -3.0])
@@ -118,13 +79,11 @@ def test_compile_container_input() -> None:
     def loss(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return pair_product((a, b)).sum()
 
-    ga, gb = _compile_parity(loss, (a, b))
-    torch.testing.assert_close(ga, b + 1)
-    torch.testing.assert_close(gb, a - 1)
+    check_backward(loss, a, b, reference={"a": b + 1, "b": a - 1})
+    assert_consistent(pair_product, (a, b), modes=("compile",))
 
 
 @pytest.mark.compile
-@_TORCH_CTX_WARNING
 def test_compile_multi_output() -> None:
     x = torch.tensor([0.1, 1.0, -2.0])
 
@@ -132,12 +91,11 @@ def test_compile_multi_output() -> None:
         s, c = sin_cos(x)
         return (2 * s + 3 * c).sum()
 
-    (gx,) = _compile_parity(loss, (x,))
-    torch.testing.assert_close(gx, 2 * x.cos() - 3 * x.sin() + 0.5)
+    check_backward(loss, x, reference=2 * x.cos() - 3 * x.sin() + 0.5)
+    assert_consistent(sin_cos, x, modes=("compile",))
 
 
 @pytest.mark.compile
-@_TORCH_CTX_WARNING
 def test_compile_residuals() -> None:
     x = torch.tensor([3.0, 4.0])
     c = torch.tensor([1.0, -2.0])
@@ -145,11 +103,15 @@ def test_compile_residuals() -> None:
     def loss(x: torch.Tensor) -> torch.Tensor:
         return (normalize(x) * c).sum()
 
-    (gx,) = _compile_parity(loss, (x,))
-    torch.testing.assert_close(gx, c / 5.0)
+    check_backward(loss, x, reference=c / 5.0)
+    assert_consistent(normalize, x, modes=("compile",))
 
 
 # ---- torch.func ---------------------------------------------------------------------------
+
+
+def _leaves(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return tuple(t.detach().clone().requires_grad_() for t in tensors)
 
 
 def _eager_grads(
@@ -183,14 +145,12 @@ def test_func_grad_vmap_jacrev_full_owning() -> None:
     def loss(x: torch.Tensor) -> torch.Tensor:
         return (quantize(x) * c).sum()
 
-    (eager,) = _eager_grads(loss, x)
-    torch.testing.assert_close(eager, _expected_quantize(x, c))
-    torch.testing.assert_close(grad(loss)(x), eager)
+    check_backward(loss, x, reference=_expected_quantize(x, c))
+    torch.testing.assert_close(grad(loss)(x), _expected_quantize(x, c))
 
+    # vmap of vjp against a loop of eager runs, outputs and gradients, sample by sample
     xb = torch.linspace(-2.0, 2.0, 15).reshape(3, 5)
-    torch.testing.assert_close(vmap(quantize)(xb), torch.stack([quantize(r) for r in xb]))
-    loop = torch.stack([_eager_grads(loss, r)[0] for r in xb])
-    torch.testing.assert_close(vmap(grad(loss))(xb), loop)
+    assert_consistent(quantize, x, modes=("vmap",), samples=[(r,) for r in xb])
 
     (eager_jac,) = _eager_jacobian(quantize, x)
     torch.testing.assert_close(jacrev(quantize)(x), eager_jac)
@@ -205,18 +165,15 @@ def test_func_grad_vmap_jacrev_partial_override() -> None:
     def loss(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return (scale(x, w) * c).sum()
 
-    eager = _eager_grads(loss, x, w)
-    torch.testing.assert_close(eager, (2 * w * c, x * c))
-    torch.testing.assert_close(grad(loss, argnums=(0, 1))(x, w), eager)
+    expected = (2 * w * c, x * c)
+    check_backward(loss, x, w, reference=expected)
+    torch.testing.assert_close(grad(loss, argnums=(0, 1))(x, w), expected)
 
     xb = torch.randn(4, 3, generator=torch.Generator().manual_seed(0))
     wb = torch.randn(4, 3, generator=torch.Generator().manual_seed(1))
     torch.testing.assert_close(vmap(scale)(xb, wb), xb * wb)
-    got = vmap(grad(loss, argnums=(0, 1)))(xb, wb)
-    loops = [_eager_grads(loss, xi, wi) for xi, wi in zip(xb, wb, strict=True)]
-    torch.testing.assert_close(got[0], torch.stack([g[0] for g in loops]))
-    torch.testing.assert_close(got[1], torch.stack([g[1] for g in loops]))
-    # w unbatched: its gradient per example
+    assert_consistent(scale, x, w, modes=("vmap",), samples=list(zip(xb, wb, strict=True)))
+    # w unbatched (in_dims=None), which assert_consistent does not form: per-example gradients
     got_x = vmap(grad(loss), in_dims=(0, None))(xb, w)
     torch.testing.assert_close(got_x, torch.stack([_eager_grads(loss, xi, w)[0] for xi in xb]))
 

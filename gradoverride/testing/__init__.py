@@ -1,2 +1,28 @@
-"""Tools to check backward rules: `gradoverride.testing.strategies` (Hypothesis strategies
-for tensors; needs the `hypothesis` package)."""
+"""Tools to check the backward rules you write: `check_backward` and `assert_consistent`.
+
+    from gradoverride.testing import assert_consistent, check_backward
+
+    check_backward(spike, x, reference=lambda x: x / (1 + x.abs()))  # the surrogate's proxy
+    assert_consistent(spike, x)  # the same gradients eagerly, compiled and vmapped
+
+`gradcheck` cannot check a straight-through or surrogate rule, whose backward is on purpose
+not the derivative of its forward; `check_backward` checks each input's gradient for shape,
+dtype, device and finiteness, and against what the rule stands for (a smooth proxy function,
+finite differences, or given tensors). `assert_consistent` checks that eager mode,
+`torch.compile(fullgraph=True)` and `torch.func.vmap` agree, and reports graph breaks.
+
+`gradoverride.testing.strategies` holds Hypothesis strategies for tensors; import it
+explicitly (it needs the `hypothesis` package, which `import gradoverride.testing` does not).
+
+No pytest plugin or fixtures: both tools are plain functions that raise `GradOverrideError`
+with a full message, so a test is one call, and a fixture would only wrap that call; an
+auto-loaded plugin would run in every pytest session of every project that installs
+gradoverride. Parametrize over devices with your own `device` fixture (ours is in
+`tests/conftest.py`).
+"""
+
+from ._check import check_backward
+from ._consistent import MODES, assert_consistent
+from ._report import BackwardReport, GradientRow
+
+__all__ = ["MODES", "BackwardReport", "GradientRow", "assert_consistent", "check_backward"]

@@ -1,0 +1,176 @@
+"""`check_backward`: run a function forward and backward, and check each input's gradient."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .._errors import GradOverrideError
+from ._compare import compare, format_index, tolerances
+from ._inputs import Call
+from ._reference import FINITE_DIFFERENCES, Reference, reference_gradients
+from ._report import BackwardReport, GradientRow
+from ._vjp import GradOutputs, backward, describe_upstream, forward, upstream
+
+__all__ = ["check_backward"]
+
+# gradcheck's tolerances: central differences are only so accurate.
+_FINITE_DIFFERENCE_TOLERANCES = (1e-3, 1e-5)
+
+
+def check_backward(
+    fn: Callable[..., Any],
+    *inputs: Any,
+    reference: Reference | None = None,
+    grad_outputs: GradOutputs | None = None,
+    rtol: float | None = None,
+    atol: float | None = None,
+    min_cosine: float | None = None,
+    allow_nonfinite: bool = False,
+    step: float = 1e-6,
+    seed: int = 0,
+    raise_on_mismatch: bool = True,
+) -> BackwardReport:
+    """Run `fn(*inputs)` forward and backward, and check the gradient of each input.
+
+    Example::
+
+        from gradoverride.testing import check_backward
+
+        report = check_backward(spike, x, reference=lambda x: x / (1 + x.abs()))
+        report["x"].difference.cosine  # 1.0
+
+    Every floating-point tensor among `inputs` (also inside tuples, lists and dicts) gets a
+    gradient, named as `fn`'s signature names it (`x`, `xs[0]`). Each gradient must have the
+    input's shape, dtype and device and be finite; with a `reference`, it must also be close
+    to the reference's gradient: `|got - expected| <= atol + rtol * |expected|` element-wise.
+    `gradcheck` cannot check a straight-through or surrogate rule, whose backward is on
+    purpose not the derivative of its forward; a proxy reference states what it stands for.
+
+    Args:
+        fn: the function to check: a `go.custom_backward` op, or any function calling one.
+        *inputs: its positional inputs. Bind keyword arguments with `functools.partial`.
+        reference: what the gradients should be:
+            a **proxy**, a differentiable function of the same inputs whose autograd gradient
+            the rule stands for (`torch.tanh` for a tanh surrogate);
+            `"finite_differences"`, central differences of `fn`'s own forward in float64,
+            for a rule meant to be the exact derivative (costs two calls per element);
+            or the **expected gradients**: a tensor (one input), a sequence in input order,
+            or a dict by input name (inputs left out are not compared; None = no gradient).
+        grad_outputs: the upstream gradient for each output: `"random"` (seeded normal), or
+            `"ones"` (the gradient of `output.sum()`), or tensors. Default: `"ones"` when the
+            reference is given tensors (the gradients of `output.sum()` you wrote down),
+            else `"random"`, which catches a rule that forgets to multiply by `grad`.
+        rtol, atol: the tolerances; default `torch.testing.assert_close`'s for the input's
+            dtype, and with finite differences at least gradcheck's (1e-3, 1e-5).
+        min_cosine: also require this cosine similarity with the reference (set `rtol` and
+            `atol` to `float("inf")` to check only the direction).
+        allow_nonfinite: accept NaN or infinite gradients.
+        step: the finite-difference step.
+        seed: the seed of the random upstream gradient.
+        raise_on_mismatch: raise on a failed check (default); False only reports.
+
+    Returns:
+        A `BackwardReport`: one row per input (gradient shape, dtype, device, finite, and
+        with a reference the max abs/rel difference and cosine similarity); `repr` prints it.
+
+    Raises:
+        GradOverrideError: naming the input whose gradient failed, with the report.
+    """
+    call = Call(fn, inputs)
+    if grad_outputs is None:
+        given = reference is not None and not callable(reference) and not isinstance(reference, str)
+        grad_outputs = "ones" if given else "random"
+    leaves = call.leaves()
+    outputs = forward(call, leaves)
+    grads_out = upstream(outputs, grad_outputs, seed, call.fn_name)
+    try:
+        grads = backward(call.fn_name, outputs, leaves, grads_out)
+    except Exception as exc:
+        exc.add_note(f"(raised in the backward of `{call.fn_name}` run by check_backward)")
+        raise
+
+    expected: dict[str, Tensor | None] = {}
+    description: str | None = None
+    if reference is not None:
+        description, expected = reference_gradients(reference, call, outputs, grads_out, step=step)
+    by_differences = isinstance(reference, str) and reference == FINITE_DIFFERENCES
+    at_least = _FINITE_DIFFERENCE_TOLERANCES if by_differences else (0.0, 0.0)
+
+    rows: list[GradientRow] = []
+    for name, tensor, grad in zip(call.names, call.tensors, grads, strict=True):
+        # Autograd itself gives each gradient its input's shape, dtype and device (the rule's
+        # own mistakes there are GradOverrideErrors from the op); the report shows them.
+        problems = [] if grad is None or allow_nonfinite else _finiteness_problems(grad)
+        difference = None
+        if description is not None and name in expected and not problems:
+            want = expected[name]
+            rtol_, atol_ = tolerances(tensor.dtype, rtol, atol, at_least=at_least)
+            got = torch.zeros_like(tensor) if grad is None else grad
+            difference = compare(
+                got, torch.zeros_like(tensor) if want is None else want, rtol_, atol_
+            )
+            if not difference.close:
+                problems.append(
+                    f"it differs from {description}: the largest difference is "
+                    f"{difference.max_abs:.3g}{format_index(difference.worst)} (got "
+                    f"{difference.got:.6g}, expected {difference.expected:.6g}), over "
+                    f"atol={atol_:g} + rtol={rtol_:g} * |expected|; max relative difference "
+                    f"{difference.max_rel:.3g}, cosine similarity {difference.cosine:.6f}."
+                )
+            if min_cosine is not None and difference.cosine < min_cosine:
+                problems.append(
+                    f"its cosine similarity with {description} is {difference.cosine:.6f}, "
+                    f"below min_cosine={min_cosine:g}."
+                )
+        rows.append(GradientRow(name, grad, expected.get(name), difference, tuple(problems)))
+
+    report = BackwardReport(
+        call.fn_name, rows, reference=description, upstream=describe_upstream(grad_outputs, seed)
+    )
+    if raise_on_mismatch and not report.ok:
+        raise GradOverrideError(_mismatch_message(report, reference))
+    return report
+
+
+def _finiteness_problems(grad: Tensor) -> list[str]:
+    bad = ~torch.isfinite(grad)
+    count = int(bad.sum())
+    if not count:
+        return []
+    first = tuple(int(i) for i in bad.nonzero()[0]) if grad.dim() else ()
+    return [
+        f"its gradient is not finite: {count} of {grad.numel()} values are NaN or infinite "
+        f"(the first{format_index(first)}: {float(grad[first]):g})."
+    ]
+
+
+def _mismatch_message(report: BackwardReport, reference: Reference | None) -> str:
+    first = next(row for row in report.rows if not row.ok)
+    others = [name for name in report.mismatches if name != first.name]
+    also = f" (and for {', '.join(f'`{n}`' for n in others)})" if others else ""
+    problem = first.problems[0]
+    if not first.finite:
+        fix = (
+            "Make the rule safe where it divides or takes a log or square root (`torch.where`, "
+            "`clamp`), or pass `allow_nonfinite=True` if infinite gradients are intended."
+        )
+    else:
+        fix = (
+            f"Fix the rule's formula for `{first.name}`, or, if the reference only "
+            "approximates the rule, loosen `atol=`/`rtol=` (or check only the direction "
+            "with `min_cosine=`)."
+        )
+        if isinstance(reference, str) and reference == FINITE_DIFFERENCES:
+            fix += (
+                " Finite differences need a smooth forward: check a straight-through or "
+                "surrogate rule against a proxy function instead."
+            )
+    return (
+        f"check_backward(`{report.fn_name}`): the gradient for `{first.name}` fails{also}: "
+        f"{problem} {fix} Pass `raise_on_mismatch=False` to get "
+        f"the report without raising.\n\n{report!r}"
+    )

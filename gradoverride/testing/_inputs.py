@@ -1,0 +1,153 @@
+"""Naming a call's inputs, and the floating-point tensors in them, by the function's signature.
+
+`check_backward(quantize, x, 4)` calls its first input `x`, as the forward does, so reports
+and errors say "the gradient for `x`". Tensors inside containers are named by their place
+(`xs[0]`, `params['w']`), values of a `*args` parameter by position (`args[1]`), and inputs
+beyond what the signature names as `inputs[2]`.
+
+Every floating-point tensor among the inputs is differentiated; integer and bool tensors and
+non-tensor values are passed through unchanged. Containers are tuples (named tuples too),
+lists and dicts, nested.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .._decorators import CustomBackward
+from .._errors import GradOverrideError
+from .._signature import describe
+
+__all__ = ["Call", "floating_leaves", "function_name", "input_names"]
+
+_POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+
+
+def function_name(fn: object) -> str:
+    """The name messages use for a checked function, a proxy or a builtin (`torch.tanh`)."""
+    if isinstance(fn, functools.partial):
+        return function_name(fn.func)
+    # torch's builtins live on a private class; `torch.tanh` is how users write them.
+    return describe(fn).replace("_VariableFunctionsClass.", "torch.", 1)
+
+
+def _parameters(fn: Callable[..., Any]) -> list[inspect.Parameter]:
+    try:
+        return list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        pass
+    # An op over a builtin (`go.custom_backward(torch.sign, ...)`) has no Python signature,
+    # but knows the names it read from the builtin's documented one.
+    if isinstance(fn, CustomBackward):
+        return [
+            inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD) for n in fn.parameters
+        ]
+    return []
+
+
+def input_names(fn: Callable[..., Any], count: int) -> tuple[str, ...]:
+    """The names of `count` positional inputs of `fn`, as its signature calls them.
+
+    Example::
+
+        input_names(lambda x, *rest: x, 3)  # ('x', 'rest[0]', 'rest[1]')
+    """
+    names: list[str] = []
+    for param in _parameters(fn):
+        if len(names) == count:
+            break
+        if param.kind in _POSITIONAL:
+            names.append(param.name)
+        elif param.kind is inspect.Parameter.VAR_POSITIONAL:
+            start = len(names)
+            names.extend(f"{param.name}[{i - start}]" for i in range(start, count))
+        else:
+            break
+    names.extend(f"inputs[{i}]" for i in range(len(names), count))
+    return tuple(names)
+
+
+def _map_floating(value: Any, path: str, fn: Callable[[str, Tensor], Any]) -> Any:
+    """`value` with each floating-point tensor `t` at `path` replaced by `fn(path, t)`.
+
+    Visits tuples, lists and dicts in order, so two walks over equal structures meet the
+    tensors in the same order.
+    """
+    if isinstance(value, Tensor):
+        return fn(path, value) if value.is_floating_point() else value
+    if isinstance(value, tuple):
+        items = [_map_floating(v, f"{path}[{i}]", fn) for i, v in enumerate(value)]
+        if type(value) is tuple:
+            return tuple(items)
+        if hasattr(value, "_fields"):  # a named tuple
+            return type(value)(*items)
+        return type(value)(items)
+    if isinstance(value, list):
+        return [_map_floating(v, f"{path}[{i}]", fn) for i, v in enumerate(value)]
+    if isinstance(value, dict):
+        return {k: _map_floating(v, f"{path}[{k!r}]", fn) for k, v in value.items()}
+    return value
+
+
+def floating_leaves(value: Any, name: str) -> list[tuple[str, Tensor]]:
+    """The floating-point tensors in `value` (a tensor or nested containers), named."""
+    found: list[tuple[str, Tensor]] = []
+
+    def record(path: str, tensor: Tensor) -> Tensor:
+        found.append((path, tensor))
+        return tensor
+
+    _map_floating(value, name, record)
+    return found
+
+
+class Call:
+    """A call's positional inputs, with each floating-point tensor in them named.
+
+    `leaves()` gives fresh tensors that require grad and `rebuild(tensors)` the inputs with
+    those tensors in place, so the caller's tensors are never modified or given a `.grad`.
+    """
+
+    def __init__(self, fn: Callable[..., Any], inputs: Sequence[Any]) -> None:
+        self.fn = fn
+        self.fn_name = function_name(fn)
+        self.inputs = tuple(inputs)
+        found: list[tuple[str, Tensor]] = []
+        for name, value in zip(input_names(fn, len(self.inputs)), self.inputs, strict=True):
+            found.extend(floating_leaves(value, name))
+        if not found:
+            msg = (
+                f"`{self.fn_name}` was given no floating-point tensor to differentiate "
+                f"(inputs: {', '.join(type(v).__name__ for v in self.inputs) or 'none'}); "
+                "pass the tensors whose gradients the rule computes as positional inputs."
+            )
+            raise GradOverrideError(msg)
+        self.names: tuple[str, ...] = tuple(name for name, _ in found)
+        self.tensors: tuple[Tensor, ...] = tuple(t for _, t in found)
+
+    def leaves(self, dtype: torch.dtype | None = None) -> tuple[Tensor, ...]:
+        """Fresh leaf tensors that require grad, one per named tensor, with the same strides.
+
+        With `dtype`, copies in that dtype instead (for finite differences in float64).
+        """
+        if dtype is not None:
+            return tuple(t.detach().to(dtype, copy=True) for t in self.tensors)
+        return tuple(t.detach().requires_grad_() for t in self.tensors)
+
+    def rebuild(self, tensors: Sequence[Tensor]) -> tuple[Any, ...]:
+        """The inputs with the named tensors replaced by `tensors`, in order."""
+        replacements: Iterator[Tensor] = iter(tensors)
+        return tuple(
+            _map_floating(value, "", lambda _path, _old: next(replacements))
+            for value in self.inputs
+        )
+
+    def __call__(self, tensors: Sequence[Tensor]) -> Any:
+        """Call the function with the named tensors replaced by `tensors`."""
+        return self.fn(*self.rebuild(tensors))

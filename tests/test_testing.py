@@ -1,0 +1,531 @@
+"""`gradoverride.testing`: `check_backward` and `assert_consistent` catch real mistakes in
+rules (a wrong shape, a surrogate that is not its proxy's derivative, a rule that breaks
+under compile or vmap) and pass correct ones."""
+
+from __future__ import annotations
+
+import functools
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given
+from ops import pair_product, quantize, scale, sin_cos
+
+import gradoverride as go
+from gradoverride.testing import BackwardReport, assert_consistent, check_backward
+from gradoverride.testing import strategies as gst
+
+X = torch.linspace(-2.0, 2.0, 9)
+
+
+# ---- rules under test ---------------------------------------------------------------------
+
+
+def fast_sigmoid(x: torch.Tensor) -> torch.Tensor:
+    """The smooth function the spike's surrogate stands for: its derivative is 1/(1+|x|)^2."""
+    return x / (1 + x.abs())
+
+
+@go.custom_backward
+def spike(x: torch.Tensor) -> torch.Tensor:
+    return (x > 0).to(x.dtype)
+
+
+@spike.backward
+def _(grad: torch.Tensor, *, x: torch.Tensor) -> torch.Tensor:
+    return grad / (1 + x.abs()) ** 2
+
+
+@go.custom_backward
+def spike_wrong_formula(x: torch.Tensor) -> torch.Tensor:
+    return (x > 0).to(x.dtype)
+
+
+@spike_wrong_formula.backward
+def _(grad: torch.Tensor, *, x: torch.Tensor) -> torch.Tensor:
+    return grad / (1 + x.abs())  # the square is missing
+
+
+@go.custom_backward
+def spike_forgets_grad(x: torch.Tensor) -> torch.Tensor:
+    return (x > 0).to(x.dtype)
+
+
+@spike_forgets_grad.backward
+def _(grad: torch.Tensor, *, x: torch.Tensor) -> torch.Tensor:
+    return (1 + x.abs()) ** -2  # right for an upstream gradient of ones only
+
+
+@go.custom_backward
+def wrong_shape(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+@wrong_shape.backward
+def _(grad: torch.Tensor) -> torch.Tensor:
+    return grad[:3]
+
+
+@go.custom_backward
+def log_abs(x: torch.Tensor) -> torch.Tensor:
+    return x.abs().log()
+
+
+@log_abs.backward
+def _(grad: torch.Tensor, *, x: torch.Tensor) -> torch.Tensor:
+    return grad / x  # infinite at 0
+
+
+@go.custom_backward
+def branches_on_value(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+@branches_on_value.backward
+def _(grad: torch.Tensor, *, x: torch.Tensor) -> torch.Tensor:
+    if x.sum() > 0:  # a Python `if` on a tensor's value: a graph break, and fails under vmap
+        return grad * 2
+    return grad * 2
+
+
+@go.custom_backward
+def calls_item(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+@calls_item.backward
+def _(grad: torch.Tensor, *, x: torch.Tensor) -> torch.Tensor:
+    return grad * (x.abs().max().item() > 0) * 2
+
+
+@go.custom_backward
+def calls_numpy(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+@calls_numpy.backward
+def _(grad: torch.Tensor) -> torch.Tensor:
+    return torch.from_numpy(grad.numpy() * 2)
+
+
+@go.custom_backward
+def differs_when_compiled(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+@differs_when_compiled.backward
+def _(grad: torch.Tensor) -> torch.Tensor:
+    # Stands for a rule that compile drops or traces differently.
+    return grad * (3 if torch.compiler.is_compiling() else 2)
+
+
+# ---- check_backward: passes correct rules --------------------------------------------------
+
+
+def test_surrogate_matching_its_proxy_passes_and_reports() -> None:
+    report = check_backward(spike, X, reference=fast_sigmoid)
+    assert isinstance(report, BackwardReport)
+    assert report.ok
+    assert report.mismatches == ()
+    row = report["x"]
+    assert row.ok and row.finite
+    assert row.grad is not None and row.grad.shape == X.shape and row.grad.dtype == X.dtype
+    assert row.difference is not None
+    assert row.difference.cosine == pytest.approx(1.0)
+    assert row.difference.max_abs <= 1e-6
+    text = repr(report)
+    assert "check_backward(`spike`) against the proxy `fast_sigmoid`" in text
+    assert "random normal (seed 0): ok" in text
+    lines = text.splitlines()
+    assert lines[1].split() == [
+        *("input", "grad", "shape", "dtype", "device", "finite"),
+        *("max", "abs", "diff", "max", "rel", "diff", "cosine", "status"),
+    ]
+    assert lines[2].split()[:5] == ["x", "(9,)", "float32", "cpu", "yes"]
+    assert lines[2].split()[-1] == "ok"
+
+
+def test_without_reference_reports_shape_dtype_device_finite() -> None:
+    report = check_backward(quantize, X)
+    assert repr(report).splitlines()[1].split() == [
+        *("input", "grad", "shape", "dtype", "device", "finite", "status"),
+    ]
+    assert repr(report).splitlines()[2].split() == ["x", "(9,)", "float32", "cpu", "yes", "ok"]
+    torch.testing.assert_close(report.grads["x"], report["x"].grad)
+
+
+def test_inputs_are_named_by_the_signature() -> None:
+    a, b = X, X.flip(0)
+    assert [r.name for r in check_backward(scale, a, b)] == ["x", "w"]
+    assert [r.name for r in check_backward(pair_product, (a, b))] == ["xs[0]", "xs[1]"]
+
+    def star(first: torch.Tensor, *rest: torch.Tensor) -> torch.Tensor:
+        return first * rest[0] * rest[1]
+
+    assert [r.name for r in check_backward(star, a, b, a)] == ["first", "rest[0]", "rest[1]"]
+    mapping = check_backward(lambda d, k: d["w"] * k, {"w": a}, 3)  # 3: not differentiated
+    assert [r.name for r in mapping] == ["d['w']"]
+    # an op over a builtin: the names come from the op's `.parameters`
+    sign = go.custom_backward(torch.sign, backward=lambda grad: grad)
+    assert [r.name for r in check_backward(sign, a)] == ["input"]
+    bits4 = functools.partial(quantize, bits=4)
+    assert [r.name for r in check_backward(bits4, a)] == ["x"]
+
+
+def test_inputs_are_not_modified_and_get_no_grad() -> None:
+    x = X.clone().requires_grad_()
+    check_backward(spike, x, reference=fast_sigmoid)
+    assert x.grad is None
+    torch.testing.assert_close(x.detach(), X)
+
+
+def test_finite_differences_pass_an_exact_rule() -> None:
+    @go.custom_backward
+    def cube(x: torch.Tensor) -> torch.Tensor:
+        return x**3
+
+    @cube.backward
+    def _(grad: torch.Tensor, *, x: torch.Tensor) -> torch.Tensor:
+        return 3 * x * x * grad
+
+    report = check_backward(cube, X.double(), reference="finite_differences")
+    assert report.ok
+    assert report.reference is not None and "finite differences" in report.reference
+    assert check_backward(cube, X, reference="finite_differences").ok  # float32 input
+
+
+def test_given_gradients_by_name_sequence_and_tensor() -> None:
+    x, w = X, X.flip(0) + 3
+    # the gradients of `scale(x, w).sum()`: the rule doubles `x`'s, `w` keeps autograd's
+    assert check_backward(scale, x, w, reference={"x": 2 * w, "w": x}).ok
+    assert check_backward(scale, x, w, reference=[2 * w, x]).ok
+    assert check_backward(scale, x, w, reference={"w": x}).ok  # `x` not compared
+    assert check_backward(quantize, x, reference=(x.abs() <= 1).float()).ok
+
+
+def test_gradients_that_do_not_flow_are_reported_as_none() -> None:
+    @go.custom_backward
+    def first_only(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return x * w
+
+    @first_only.backward
+    def _(grad: torch.Tensor, *, w: torch.Tensor) -> Any:
+        return grad * w, None
+
+    report = check_backward(first_only, X, X, reference={"x": X, "w": None})
+    assert report["w"].grad is None
+    assert "no gradient" in repr(report)
+
+
+def test_several_outputs_each_get_an_upstream_gradient() -> None:
+    @go.custom_backward
+    def exact_sin_cos(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x.sin(), x.cos()
+
+    @exact_sin_cos.backward
+    def _(g_sin: torch.Tensor, g_cos: torch.Tensor, *, x: torch.Tensor) -> torch.Tensor:
+        return g_sin * x.cos() - g_cos * x.sin()
+
+    def proxy(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x.sin(), x.cos()
+
+    assert check_backward(exact_sin_cos, X, reference=proxy).ok
+
+    # `sin_cos`'s rule adds 0.5 whatever the upstream gradients: with ones it looks like the
+    # gradient of (sin x + x / 2, cos x), with random ones it is no gradient of anything.
+    def shifted(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x.sin() + 0.5 * x, x.cos()
+
+    assert check_backward(sin_cos, X, reference=shifted, grad_outputs="ones").ok
+    with pytest.raises(go.GradOverrideError, match="the gradient for `x` fails: it differs"):
+        check_backward(sin_cos, X, reference=shifted)
+
+
+def test_min_cosine_checks_only_the_direction() -> None:
+    @go.custom_backward
+    def scaled_spike(x: torch.Tensor) -> torch.Tensor:
+        return (x > 0).to(x.dtype)
+
+    @scaled_spike.backward
+    def _(grad: torch.Tensor, *, x: torch.Tensor) -> torch.Tensor:
+        return 4 * grad / (1 + x.abs()) ** 2  # the right direction, four times longer
+
+    direction_only: dict[str, Any] = {
+        "rtol": float("inf"),
+        "atol": float("inf"),
+        "min_cosine": 0.999,
+    }
+    report = check_backward(scaled_spike, X, reference=fast_sigmoid, **direction_only)
+    assert report.ok
+    with pytest.raises(go.GradOverrideError, match=r"cosine similarity .* below min_cosine"):
+        check_backward(spike_wrong_formula, X, reference=fast_sigmoid, **direction_only)
+
+
+@go.custom_backward
+def exact_sin(x: torch.Tensor) -> torch.Tensor:
+    return x.sin()
+
+
+@exact_sin.backward
+def _(grad: torch.Tensor, *, x: torch.Tensor) -> torch.Tensor:
+    return grad * x.cos()
+
+
+@given(x=gst.tensors())
+def test_exact_rule_passes_for_any_shape_dtype_and_layout(x: torch.Tensor) -> None:
+    """0-d, empty and non-contiguous inputs in every floating dtype, against autograd of sin."""
+    report = check_backward(exact_sin, x, reference=torch.sin)
+    row = report["x"]
+    assert row.grad is not None
+    assert (row.grad.shape, row.grad.dtype) == (x.shape, x.dtype)
+    assert_consistent(exact_sin, x, modes=("vmap",))
+
+
+def test_tools_on_each_device(device: torch.device) -> None:
+    x = X.to(device)
+    report = check_backward(spike, x, reference=fast_sigmoid)
+    assert report["x"].grad is not None and report["x"].grad.device == x.device
+    assert str(x.device) in repr(report).splitlines()[2].split()
+    assert check_backward(exact_sin, x.double(), reference="finite_differences").ok
+    assert_consistent(scale, x, x.flip(0), modes=("vmap",))
+
+
+# ---- check_backward: catches mistakes ------------------------------------------------------
+
+
+def test_surrogate_whose_formula_differs_from_its_proxy_fails() -> None:
+    with pytest.raises(
+        go.GradOverrideError,
+        match=(
+            r"check_backward\(`spike_wrong_formula`\): the gradient for `x` fails: it differs "
+            r"from the proxy `fast_sigmoid`: the largest difference is .* Fix the rule's "
+            r"formula for `x`"
+        ),
+    ) as info:
+        check_backward(spike_wrong_formula, X, reference=fast_sigmoid)
+    assert "MISMATCH" in str(info.value)  # the report is in the message
+
+
+def test_report_only() -> None:
+    report = check_backward(spike_wrong_formula, X, reference=fast_sigmoid, raise_on_mismatch=False)
+    assert not report.ok
+    assert report.mismatches == ("x",)
+    assert report["x"].difference is not None and not report["x"].difference.close
+    assert "MISMATCH in x" in repr(report)
+    assert "`x`: it differs from the proxy `fast_sigmoid`" in repr(report)
+
+
+def test_random_upstream_catches_a_rule_that_forgets_grad() -> None:
+    # With an upstream gradient of ones the mistake is invisible ...
+    assert check_backward(spike_forgets_grad, X, reference=fast_sigmoid, grad_outputs="ones").ok
+    # ... the default random upstream gradient shows it.
+    with pytest.raises(go.GradOverrideError, match="the gradient for `x` fails: it differs"):
+        check_backward(spike_forgets_grad, X, reference=fast_sigmoid)
+
+
+def test_wrong_shaped_gradient_fails_naming_the_input() -> None:
+    with pytest.raises(
+        go.GradOverrideError,
+        match=r"backward of `wrong_shape` returned a gradient of shape \(3,\) for `x`, which "
+        r"has shape \(9,\)",
+    ) as info:
+        check_backward(wrong_shape, X)
+    assert any("check_backward" in note for note in info.value.__notes__)
+
+
+def test_finite_differences_catch_a_wrong_exact_rule() -> None:
+    with pytest.raises(
+        go.GradOverrideError,
+        match=r"the gradient for `x` fails: it differs from central finite differences .*"
+        r"Finite differences need a smooth forward",
+    ):
+        check_backward(sin_cos, X.double(), reference="finite_differences")
+
+
+def test_given_gradient_that_differs_names_the_input() -> None:
+    x, w = X, X.flip(0) + 3
+    with pytest.raises(go.GradOverrideError, match=r"the gradient for `w` fails: it differs"):
+        check_backward(scale, x, w, reference={"x": 2 * w, "w": 2 * x})
+    with pytest.raises(go.GradOverrideError, match=r"the gradient for `x` fails \(and for `w`\)"):
+        check_backward(scale, x, w, reference={"x": w, "w": 2 * x})
+
+
+def test_nonfinite_gradient_fails_unless_allowed() -> None:
+    with pytest.raises(
+        go.GradOverrideError,
+        match=r"the gradient for `x` fails: its gradient is not finite: 1 of 9 values are NaN "
+        r"or infinite \(the first at index \(4,\): -?inf\)\. Make the rule safe",
+    ):
+        check_backward(log_abs, X)
+    report = check_backward(log_abs, X, allow_nonfinite=True)
+    assert report.ok and not report["x"].finite
+    assert "NO" in repr(report).splitlines()[2].split()
+
+
+@pytest.mark.parametrize(
+    ("fn", "reference", "message"),
+    [
+        (quantize, "finite_diff", r"unknown reference 'finite_diff'; the string reference is "),
+        (quantize, torch.zeros(3), r"gradient for `x` has shape \(3,\), but `x` has shape \(9,"),
+        (scale, {"y": X}, r"the reference names `y`, which is not an input of `scale`"),
+        (scale, [X], r"the reference has 1 gradient\(s\), but `scale` has 2 inputs"),
+        (scale, X, r"the reference is one tensor, but `scale` has 2 inputs to differentiate"),
+        (scale, lambda x, w: (x * w)[:2], r"the proxy `.*<lambda>` returned outputs of shapes"),
+        (scale, 3, r"`reference` must be a proxy function, 'finite_differences', or the"),
+    ],
+    ids=["string", "shape", "name", "count", "tensor", "proxy_shape", "type"],
+)
+def test_reference_misuse_is_explained(fn: Any, reference: Any, message: str) -> None:
+    inputs = (X,) if fn is quantize else (X, X)
+    with pytest.raises(go.GradOverrideError, match=message):
+        check_backward(fn, *inputs, reference=reference)
+
+
+def test_nothing_to_differentiate_is_explained() -> None:
+    with pytest.raises(go.GradOverrideError, match="was given no floating-point tensor"):
+        check_backward(lambda n: torch.ones(n), 3)
+    with pytest.raises(go.GradOverrideError, match=r"no output of `.*` requires grad"):
+        check_backward(lambda x: x.detach(), X)
+    with pytest.raises(go.GradOverrideError, match=r"`grad_outputs` for `output` of .* shape"):
+        check_backward(spike, X, grad_outputs=torch.ones(2))
+
+
+# ---- assert_consistent ---------------------------------------------------------------------
+
+
+@pytest.mark.compile
+def test_consistent_rule_passes_every_mode() -> None:
+    assert_consistent(spike, X)  # eager, compile (aot_eager), vmap
+
+
+def test_consistent_under_vmap_with_containers_partial_and_several_outputs() -> None:
+    assert_consistent(scale, X, X.flip(0) + 1, modes=("vmap",))
+    assert_consistent(pair_product, (X, X + 1), modes=("vmap",))
+    assert_consistent(sin_cos, X, modes=("vmap",))
+    samples = [(X + k,) for k in range(3)]
+    assert_consistent(quantize, X, modes=("vmap",), samples=samples)
+
+
+@pytest.mark.compile
+def test_graph_break_under_compile_is_reported() -> None:
+    with pytest.raises(
+        go.GradOverrideError,
+        match=r"`branches_on_value` does not compile under torch\.compile\(fullgraph=True, "
+        r"backend='aot_eager'\): the forward or its backward rule has a graph break: "
+        r"Data-dependent branching\. It is at .*test_testing\.py.*: `if x\.sum\(\) > 0:",
+    ):
+        assert_consistent(branches_on_value, X, modes=("compile",))
+
+
+@pytest.mark.compile
+def test_gradient_that_differs_under_compile_is_reported() -> None:
+    with pytest.raises(
+        go.GradOverrideError,
+        match=r"under torch\.compile\(fullgraph=True, backend='aot_eager'\), the gradient for "
+        r"`x` differs from eager mode: the largest difference is",
+    ):
+        assert_consistent(differs_when_compiled, X, modes=("compile",))
+
+
+@pytest.mark.parametrize(
+    ("op", "message"),
+    [
+        (calls_item, r"RuntimeError: vmap: It looks like you're calling \.item\(\)"),
+        (calls_numpy, r"RuntimeError: Cannot access data pointer"),
+        (branches_on_value, r"RuntimeError: vmap: .* data-dependent control flow"),
+    ],
+    ids=["item", "numpy", "if"],
+)
+def test_rule_that_breaks_under_vmap_is_reported(op: Any, message: str) -> None:
+    check_backward(op, X)  # fine in eager mode
+    with pytest.raises(
+        go.GradOverrideError,
+        match=rf"runs in eager mode but raises under torch\.func\.vmap \(over a batch of 2 "
+        rf"samples stacked along a new dim 0\): {message}",
+    ):
+        assert_consistent(op, X, modes=("vmap",))
+
+
+class _FirstSampleOnly(torch.autograd.Function):
+    """A hand-written vmap rule with a bug: every sample gets the first sample's output."""
+
+    @staticmethod
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: Any, output: Any) -> None:
+        pass
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad * 2
+
+    @staticmethod
+    def vmap(info: Any, in_dims: Any, x: torch.Tensor) -> Any:
+        x = x.movedim(in_dims[0], 0)
+        return _FirstSampleOnly.apply(x[:1].expand_as(x)), 0
+
+
+def test_wrong_batching_is_reported_naming_the_sample() -> None:
+    def doubled(x: torch.Tensor) -> Any:
+        return _FirstSampleOnly.apply(x)
+
+    # identical samples cannot show it; the default batch (inputs, then flipped) does
+    assert_consistent(doubled, X, modes=("vmap",), samples=[(X,), (X,)])
+    with pytest.raises(
+        go.GradOverrideError,
+        match=r"under torch\.func\.vmap .*, the output `output` in sample 1 differs from eager "
+        r"mode: the largest difference is 8 at index \(0,\) \(-4 against 4 in eager mode\)",
+    ):
+        assert_consistent(doubled, X, modes=("vmap",))
+
+
+def test_rule_with_state_differs_under_vmap() -> None:
+    calls: list[None] = []
+
+    @go.custom_backward
+    def counted(x: torch.Tensor) -> torch.Tensor:
+        return x * 1
+
+    @counted.backward
+    def _(grad: torch.Tensor) -> torch.Tensor:
+        calls.append(None)
+        return grad * len(calls)
+
+    with pytest.raises(
+        go.GradOverrideError,
+        match=r"the gradient for `x` in sample 0 differs from eager mode.* A rule that reads or "
+        r"writes state outside its arguments",
+    ):
+        assert_consistent(counted, X, modes=("vmap",))
+
+
+def test_assert_consistent_misuse_is_explained() -> None:
+    with pytest.raises(go.GradOverrideError, match=r"unknown mode 'jit'; the modes are 'eager'"):
+        assert_consistent(spike, X, modes=("eager", "jit"))
+    with pytest.raises(go.GradOverrideError, match="sample 1 does not match sample 0"):
+        assert_consistent(spike, X, modes=("vmap",), samples=[(X,), (X[:3],)])
+    with pytest.raises(go.GradOverrideError, match="returned a gradient of shape") as info:
+        assert_consistent(wrong_shape, X, modes=("vmap",))
+    assert any("eager mode, the baseline" in note for note in info.value.__notes__)
+
+
+# ---- import isolation ----------------------------------------------------------------------
+
+
+def test_importing_gradoverride_does_not_import_testing_or_hypothesis() -> None:
+    code = (
+        "import sys, gradoverride; "
+        "assert 'gradoverride.testing' not in sys.modules; "
+        "assert 'hypothesis' not in sys.modules; "
+        "import gradoverride.testing; "
+        "assert 'hypothesis' not in sys.modules, 'gradoverride.testing imports hypothesis'"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert result.returncode == 0, result.stderr
