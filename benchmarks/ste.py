@@ -1,0 +1,267 @@
+"""Straight-through estimators and recipes against their baselines, in one run.
+
+1. Identity straight-through (`go.straight_through` on `torch.sign`) against the
+   `x + (f(x) - x).detach()` idiom and a hand-written classic `autograd.Function`, forward +
+   backward on a 4096x4096 float32 tensor: time ratio to the idiom and bytes saved for
+   backward (contract: at most 0.4x the idiom, 0 bytes).
+2. Clipped straight-through, `keep="input"` vs `keep="mask"`, eager and compiled (Inductor):
+   time, peak memory of forward + backward, and memory held between forward and backward
+   when the input is an activation that would otherwise be freed.
+3. Each recipe against the installed peer implementation of the same formula (snnTorch,
+   SpikingJelly, norse, brevitas): time ratio ours / peer, forward + backward.
+
+Timings are interleaved in shuffled rounds with paired ratios (see `_timing.py`), on one
+thread. Peak memory is read from the profiler's allocation events.
+
+    python benchmarks/ste.py [--quick] [--size N] [--no-compile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import os
+import sys
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import gradoverride as go
+from gradoverride import recipes as R
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _timing import compare
+
+Tensor = torch.Tensor
+
+
+# ---- 1. identity ------------------------------------------------------------------------------
+
+
+@go.straight_through
+def ste_sign(x: Tensor) -> Tensor:
+    return torch.sign(x)
+
+
+def detach_idiom(x: Tensor) -> Tensor:
+    return x + (torch.sign(x) - x).detach()
+
+
+class HandWritten(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor) -> Tensor:  # type: ignore[override]
+        return torch.sign(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:  # type: ignore[override]
+        return grad
+
+
+def saved_bytes(fn: Callable[[Tensor], Tensor], x: Tensor) -> int:
+    total = 0
+
+    def pack(t: Tensor) -> Tensor:
+        nonlocal total
+        total += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn(x)
+    return total
+
+
+def step(op: Callable[[Tensor], Tensor], x: Tensor, g: Tensor) -> Callable[[], None]:
+    def run() -> None:
+        torch.autograd.grad(op(x), x, g)
+
+    return run
+
+
+def identity_section(n: int, rounds: int) -> None:
+    x = torch.randn(n, n, requires_grad=True)
+    g = torch.randn(n, n)
+    cases = {
+        "x + (f(x) - x).detach()": step(detach_idiom, x, g),
+        "hand-written Function": step(HandWritten.apply, x, g),
+        "go.straight_through": step(ste_sign, x, g),
+    }
+    result = compare(cases, rounds=rounds, number=1)
+    print(f"\n1. identity straight-through, sign, ({n}, {n}) float32, forward + backward:")
+    for name, (seconds, ratio) in result.items():
+        fn = {"x + (f(x) - x).detach()": detach_idiom, "hand-written Function": HandWritten.apply,
+              "go.straight_through": ste_sign}[name]
+        print(
+            f"  {name:26s} {seconds * 1e3:8.1f} ms   ratio to idiom {ratio:.3f}   "
+            f"saved bytes {saved_bytes(fn, x)}"
+        )
+
+
+# ---- 2. clipped -------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _quiet_stderr() -> Any:
+    """The profiler's C++ side prints start/stop lines on fd 2; keep the report readable."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with open(os.devnull, "w") as null:
+        os.dup2(null.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+
+
+def peak_memory(fn: Callable[[], None]) -> float:
+    """Peak MiB allocated while `fn` runs, from the profiler's allocation events."""
+    with _quiet_stderr(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    events.sort(key=lambda e: e.start_ns())
+    current = peak = 0
+    for event in events:
+        current += event.nbytes()
+        peak = max(peak, current)
+    return peak / 2**20
+
+
+def held_after_forward(op: Callable[[Tensor], Tensor], x: Tensor) -> float:
+    """MiB still allocated after the forward of `op(x * 2)`, the activation freed: what the
+    backward keeps (output included)."""
+    with _quiet_stderr(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        h = x * 2
+        y = op(h)
+        del h
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    del y
+    return sum(e.nbytes() for e in events) / 2**20
+
+
+def clipped_section(n: int, rounds: int, compiled: bool) -> None:
+    @go.straight_through(clip=1.0, keep="input")
+    def clip_input(x: Tensor) -> Tensor:
+        return torch.sign(x)
+
+    @go.straight_through(clip=1.0, keep="mask")
+    def clip_mask(x: Tensor) -> Tensor:
+        return torch.sign(x)
+
+    x = torch.randn(n, n, requires_grad=True)
+    g = torch.randn(n, n)
+    modes = [("eager", lambda f: f)]
+    if compiled:
+        modes.append(("compiled", lambda f: torch.compile(f, fullgraph=True)))
+    print(f"\n2. clipped straight-through (clip=1.0), ({n}, {n}) float32, forward + backward:")
+    for mode, wrap in modes:
+        torch._dynamo.reset()
+        ops = {"keep='input'": wrap(clip_input), "keep='mask'": wrap(clip_mask)}
+        result = compare({k: step(op, x, g) for k, op in ops.items()}, rounds=rounds, number=1)
+        for name, (seconds, ratio) in result.items():
+            op = ops[name]
+            peak = peak_memory(step(op, x, g))
+            held = held_after_forward(op, x)
+            print(
+                f"  {mode:8s} {name:13s} {seconds * 1e3:8.1f} ms  ratio {ratio:.3f}   "
+                f"peak {peak:6.1f} MiB   held for backward (activation input) {held:6.1f} MiB"
+            )
+
+
+# ---- 3. recipes against peers -----------------------------------------------------------------
+
+
+def _maybe(module: str) -> Any:
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return importlib.import_module(module)
+    except Exception:  # any failure means the peer is not usable here
+        return None
+
+
+def peer_pairs() -> list[tuple[str, Callable[[Tensor], Tensor], Callable[[Tensor], Tensor]]]:
+    """(label, ours, peer) for every installed peer."""
+    pairs: list[tuple[str, Callable[[Tensor], Tensor], Callable[[Tensor], Tensor]]] = []
+    sn = _maybe("snntorch.surrogate")
+    if sn is not None:
+        pairs += [
+            ("snntorch atan", R.spike.preset("snntorch.atan"), sn.atan()),
+            ("snntorch sigmoid", R.spike.preset("snntorch.sigmoid"), sn.sigmoid()),
+            ("snntorch fast_sigmoid", R.spike.preset("snntorch.fast_sigmoid"),
+             sn.fast_sigmoid()),
+            ("snntorch straight_through", R.spike.preset("snntorch.straight_through_estimator"),
+             sn.straight_through_estimator()),
+        ]
+    sj = _maybe("spikingjelly.activation_based.surrogate")
+    if sj is not None:
+        for name in ("ATan", "Sigmoid", "SoftSign", "SuperSpike", "Erf", "PiecewiseQuadratic",
+                     "PiecewiseExp", "Rect"):
+            pairs.append((f"spikingjelly {name}", R.spike.preset(f"spikingjelly.{name}"),
+                          getattr(sj, name)()))
+    nt = _maybe("norse.torch.functional.threshold")
+    if nt is not None:
+        for method, preset in (("super", "norse.super"), ("triangle", "norse.triangle"),
+                               ("heavi_erfc", "norse.heavi_erfc"), ("tanh", "norse.tanh")):
+            pairs.append((
+                f"norse {method}", R.spike.preset(preset, alpha=2.0),
+                lambda x, m=method: nt.threshold(x, m, 2.0),
+            ))
+    bv = _maybe("brevitas.function.ops_ste")
+    if bv is not None:
+        pairs += [
+            ("brevitas round_ste", R.ste_round(), bv.round_ste),
+            ("brevitas floor_ste", R.ste_floor(), bv.floor_ste),
+            ("brevitas ceil_ste", R.ste_ceil(), bv.ceil_ste),
+            ("brevitas ternary_sign_ste", R.ste_sign(), bv.ternary_sign_ste),
+            ("brevitas binary_sign_ste", R.binarize(clip=None), bv.binary_sign_ste),
+            ("brevitas scalar_clamp_ste", R.ste_clamp(-1.0, 1.0, outside="pass"),
+             lambda x: bv.scalar_clamp_ste(x, -1.0, 1.0)),
+        ]
+    return pairs
+
+
+def peers_section(n: int, rounds: int, number: int) -> None:
+    pairs = peer_pairs()
+    print(f"\n3. recipes against peers, ({n}, {n}) float32, forward + backward (ratio ours/peer):")
+    if not pairs:
+        print("  no peer installed (pip install -e '.[peers]')")
+        return
+    x = torch.randn(n, n, requires_grad=True)
+    g = torch.randn(n, n)
+    worst = 0.0
+    for label, ours, peer in pairs:
+        result = compare({"peer": step(peer, x, g), "ours": step(ours, x, g)},
+                         rounds=rounds, number=number)
+        ratio = result["ours"][1]
+        worst = max(worst, ratio)
+        print(f"  {label:34s} peer {result['peer'][0] * 1e3:7.2f} ms   ours "
+              f"{result['ours'][0] * 1e3:7.2f} ms   ratio {ratio:.3f}")
+    print(f"  worst ratio {worst:.3f} (contract: never slower, at most 1.0)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small and few rounds (tests)")
+    parser.add_argument("--size", type=int, default=4096, help="side of sections 1 and 2")
+    parser.add_argument("--peer-size", type=int, default=1024, help="side of section 3")
+    parser.add_argument("--no-compile", action="store_true", help="skip the compiled runs")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    size, peer_size = (256, 64) if args.quick else (args.size, args.peer_size)
+    rounds = 3 if args.quick else 9
+    print(f"torch {torch.__version__}, 1 thread")
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(warnings.catch_warnings())
+        warnings.simplefilter("ignore")
+        identity_section(size, rounds)
+        clipped_section(size, rounds, compiled=not (args.no_compile or args.quick))
+        peers_section(peer_size, rounds if args.quick else 15, 1 if args.quick else 3)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,449 @@
+"""`straight_through`: a non-differentiable forward with a chosen backward (DESIGN §2.2).
+
+Built on `custom_backward`: each form is a generated rule registered on the user's forward,
+so it has the same composition (`torch.compile(fullgraph=True)`, `torch.func`, autocast,
+CUDA) and the same `nn.Module` form.
+
+Measured choices (see `benchmarks/ste.py`; figures at 4096x4096 float32, one CPU thread):
+
+* identity: the rule names nothing, so nothing is saved, and it returns the upstream
+  gradient itself (no copy): 0.32x the time of `x + (f(x) - x).detach()`;
+* clip, keeping the input (the default): the eager backward is one `aten.hardtanh_backward`
+  kernel with the bounds moved one step outwards in the input's dtype (it tests
+  `low < x < high`), so the window is inclusive; it reads the input and the gradient and
+  writes the result, with no temporary. `torch.where(mask, grad, 0)` needs the mask as a
+  temporary and ran ~2x slower; `grad * mask` also converts the mask to the gradient's dtype
+  (a full-size temporary: 208 vs 144 MiB peak);
+* clip, keeping a mask: the forward stores one byte per element (where the input is outside
+  the window) and the backward zeroes the gradient there: 80 instead of 128 MiB held between
+  forward and backward when the input is an activation, at ~2.7x the eager time;
+* compiled, both windows are arithmetic rather than comparisons (see `window_gradient`).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import math
+from collections.abc import Callable
+from typing import Any, Literal, TypeVar, overload
+
+import torch
+from torch import Tensor
+from typing_extensions import ParamSpec
+
+from ._decorators import CustomBackward, custom_backward
+from ._errors import GradOverrideError, GradOverrideTypeError
+
+__all__ = [
+    "DEFAULT_KEEP",
+    "Keep",
+    "masked_gradient",
+    "parse_clip",
+    "straight_through",
+    "window_gradient",
+    "window_mask",
+    "window_outside",
+]
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+Keep = Literal["input", "mask"]
+
+#: What a clipped straight-through keeps for backward unless told otherwise: the input. It
+#: costs no memory when the input stays alive anyway (a weight, or an activation another
+#: layer keeps), and the forward then does no extra work; `keep="mask"` stores one byte
+#: per element instead, for inputs that would otherwise be freed.
+DEFAULT_KEEP: Keep = "input"
+
+_POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+
+
+# ---- the clip window ------------------------------------------------------------------------
+
+
+def _is_real(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def parse_clip(clip: object, where: str, argument: str = "clip") -> tuple[float, float]:
+    """The window `(low, high)` from `clip`: a bound `c` (the window [-c, c]) or a pair."""
+    if _is_real(clip):
+        bound = float(clip)  # type: ignore[arg-type]
+        if math.isnan(bound) or bound < 0:
+            msg = (
+                f"{where}: `{argument}` must be a bound c >= 0 (the window [-c, c]) or a "
+                f"pair (low, high); got {clip!r}. Pass a non-negative number, e.g. "
+                f"`{argument}=1.0`."
+            )
+            raise GradOverrideError(msg)
+        return (-bound, bound)
+    if isinstance(clip, (tuple, list)) and len(clip) == 2 and all(map(_is_real, clip)):
+        low, high = float(clip[0]), float(clip[1])
+        if math.isnan(low) or math.isnan(high) or low > high:
+            msg = (
+                f"{where}: `{argument}` as a pair must be (low, high) with low <= high; "
+                f"got {tuple(clip)!r}. Swap the bounds or pass a single bound c for [-c, c]."
+            )
+            raise GradOverrideError(msg)
+        return (low, high)
+    msg = (
+        f"{where}: `{argument}` must be a number c (the window [-c, c]) or a pair "
+        f"(low, high) of numbers; got {type(clip).__name__} {clip!r}."
+    )
+    raise GradOverrideTypeError(msg)
+
+
+# The window is two plain floats, not an object: dynamo cannot wrap a user object met in a
+# closure while it speculates a Function's forward or backward.
+#
+# Eager and compiled code use different forms of the same window, each the fastest measured
+# (benchmarks/ste.py). Eager: one `hardtanh_backward` kernel, or a bool mask. Compiled: the
+# window as arithmetic, sign(sign(high - x) + 1) (1 inside, bounds included; 0 outside),
+# because Inductor's CPU kernels that write bool tensors ran ~3x slower than eager, and a
+# comparison in the backward let the partitioner save a bool mask in place of the input
+# (the arithmetic form took 0.25x the time of `torch.where` at 4096x4096).
+
+
+def window_gradient(grad: Tensor, x: Tensor, low: float, high: float) -> Tensor:
+    """`grad` where `low <= x <= high`, zero elsewhere. The gradient at a NaN input is not
+    specified: torch's `hardtanh_backward` gives 0 or the upstream gradient depending on
+    where the element falls in its vectorized loop (the input is NaN either way)."""
+    if torch.compiler.is_compiling():
+        return grad * _inside(x, low, high)
+    if grad.dtype == x.dtype:
+        bounds = _open_bounds(low, high, x.dtype)
+        if bounds is not None:
+            result: Tensor = torch.ops.aten.hardtanh_backward(grad, x, bounds[0], bounds[1])
+            return result
+    return torch.where(window_outside(x, low, high), 0, grad)
+
+
+def window_outside(x: Tensor, low: float, high: float) -> Tensor:
+    """The bool mask of inputs outside `[low, high]`."""
+    if low == -high:
+        return x.abs() > high
+    return (x < low) | (x > high)
+
+
+def _inside(x: Tensor, low: float, high: float) -> Tensor:
+    """1 where `low <= x <= high`, else 0, in x's dtype, without comparisons."""
+    if low == -high:
+        return torch.sign(torch.sign(high - x.abs()) + 1)
+    inside = torch.sign(torch.sign(high - x) + 1)
+    if not math.isinf(low):
+        inside = inside * torch.sign(torch.sign(x - low) + 1)
+    return inside
+
+
+def window_mask(x: Tensor, low: float, high: float) -> Tensor:
+    """What `keep="mask"` saves, one byte per element: where x is outside the window (bool)
+    in eager mode, where it is inside (uint8, no bool kernel) while compiling."""
+    if torch.compiler.is_compiling():
+        return _inside(x, low, high).to(torch.uint8)
+    return window_outside(x, low, high)
+
+
+def masked_gradient(grad: Tensor, mask: Tensor) -> Tensor:
+    """The gradient through a mask made by `window_mask`."""
+    if mask.dtype == torch.bool:
+        return grad.masked_fill(mask, 0)
+    return grad * mask
+
+
+def _window_repr(window: tuple[float, float]) -> str:
+    low, high = window
+    return repr(high) if low == -high else repr(window)
+
+
+@functools.lru_cache(maxsize=256)
+def _open_bounds(low: float, high: float, dtype: torch.dtype) -> tuple[float, float] | None:
+    """Bounds `(b_low, b_high)` for the strict test `b_low < x < b_high` that
+    `hardtanh_backward` makes, equal to `low <= x <= high` for every x of `dtype`, the
+    bounds being rounded to that dtype first (as `x <= high` does): the neighbours of the
+    rounded bounds, outwards. None when there are none to give (an infinite bound, a dtype
+    without `nextafter`): the caller then uses `torch.where`."""
+    if not dtype.is_floating_point or math.isinf(low) or math.isinf(high):
+        return None
+    try:
+        inf = torch.tensor(math.inf, dtype=dtype)
+        b_low = torch.nextafter(torch.tensor(low, dtype=torch.float64).to(dtype), -inf)
+        b_high = torch.nextafter(torch.tensor(high, dtype=torch.float64).to(dtype), inf)
+    except (RuntimeError, TypeError):  # pragma: no cover - dtypes without nextafter
+        return None
+    return float(b_low.item()), float(b_high.item())
+
+
+# ---- the decorator ---------------------------------------------------------------------------
+
+
+_UNSET: Any = object()
+
+
+def _first_parameter(op: CustomBackward[..., Any], where: str) -> str:
+    sig = op._signature
+    if not sig.names or sig.kinds[0] not in _POSITIONAL:
+        msg = (
+            f"{where}: the gradient goes to the forward's first argument, so the forward must "
+            f"take the tensor first, as a positional parameter; `{sig.name}` has the "
+            f"signature {sig.signature}. Write it as `def {sig.name.split('.')[-1]}(x, ...)`."
+        )
+        raise GradOverrideTypeError(msg)
+    return sig.names[0]
+
+
+def _rule(
+    body: Callable[..., Tensor], first: str, n_params: int, requested: tuple[str, ...], name: str
+) -> Callable[..., Any]:
+    """A rule `rule(grad, /, *, <requested>)` returning `body(grad, **saved)` for the first
+    parameter and no gradient for the others."""
+    if n_params == 1 and body is _identity:
+
+        def rule(upstream: Tensor, /, **saved: Any) -> Any:
+            return upstream
+
+    elif n_params == 1:
+
+        def rule(upstream: Tensor, /, **saved: Any) -> Any:
+            return body(upstream, **saved)
+
+    else:
+        rest = (None,) * (n_params - 1)
+
+        def rule(upstream: Tensor, /, **saved: Any) -> Any:
+            return (body(upstream, **saved), *rest)
+
+    params = [inspect.Parameter("upstream", inspect.Parameter.POSITIONAL_ONLY)]
+    params += [inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY) for n in requested]
+    rule.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
+    rule.__name__ = rule.__qualname__ = name
+    return rule
+
+
+def _identity(upstream: Tensor, **saved: Any) -> Tensor:
+    return upstream
+
+
+def _options_repr(**options: Any) -> str:
+    parts = []
+    for key, value in options.items():
+        if value is None:
+            continue
+        text = value if key == "clip" else getattr(value, "__name__", None) or repr(value)
+        parts.append(f"{key}={text}")
+    return f"straight_through({', '.join(parts)})"
+
+
+def _build(
+    fn: Callable[..., Any],
+    *,
+    clip: object,
+    keep: Any,
+    surrogate: Callable[..., Any] | None,
+    derivative: Callable[..., Any] | None,
+) -> CustomBackward[..., Any]:
+    where = "straight_through"
+    if not callable(fn):
+        msg = (
+            f"straight_through needs a forward function to decorate, got "
+            f"{type(fn).__name__} {fn!r}."
+        )
+        raise GradOverrideTypeError(msg)
+    if surrogate is not None and derivative is not None:
+        msg = (
+            "straight_through got both `surrogate=` and `derivative=`; pass one: "
+            "`surrogate=f` takes the derivative of `f` by autograd, `derivative=df` gives it "
+            "directly."
+        )
+        raise GradOverrideError(msg)
+    for argument, value in (("surrogate", surrogate), ("derivative", derivative)):
+        if value is not None and not callable(value):
+            msg = (
+                f"straight_through: `{argument}` must be a function of the input tensor, "
+                f"got {type(value).__name__} {value!r}."
+            )
+            raise GradOverrideTypeError(msg)
+    window = None if clip is None else parse_clip(clip, where)
+    if keep is _UNSET:
+        keep = DEFAULT_KEEP
+    elif window is None:
+        msg = (
+            f"straight_through got keep={keep!r} without `clip=`; `keep` chooses what a "
+            "clipped straight-through saves for backward. Add `clip=` or drop `keep`."
+        )
+        raise GradOverrideError(msg)
+    if keep not in ("input", "mask"):
+        msg = (
+            f"straight_through: `keep` must be 'input' (save the input: no extra memory when "
+            f"it stays alive anyway) or 'mask' (save one byte per element); got {keep!r}."
+        )
+        raise GradOverrideError(msg)
+    if keep == "mask" and (surrogate is not None or derivative is not None):
+        msg = (
+            "straight_through: keep='mask' does not apply with a surrogate or derivative, "
+            "whose backward needs the input itself; drop `keep` (the window is then tested "
+            "on the saved input)."
+        )
+        raise GradOverrideError(msg)
+    name = _options_repr(
+        clip=None if window is None else _window_repr(window),
+        keep=keep if window is not None else None,
+        surrogate=surrogate,
+        derivative=derivative,
+    )
+
+    if window is not None and keep == "mask" and surrogate is None and derivative is None:
+        return _build_mask(fn, window, name)
+
+    op: CustomBackward[..., Any] = custom_backward(fn)
+    first = _first_parameter(op, where)
+    n_params = len(op.parameters)
+    lh = window
+
+    if surrogate is not None:
+        sur = surrogate
+
+        def body(upstream: Tensor, **saved: Any) -> Tensor:
+            x = saved[first]
+            value, vjp = torch.func.vjp(sur, x)[:2]
+            if not isinstance(value, Tensor) or value.shape != upstream.shape:
+                got = getattr(value, "shape", type(value).__name__)
+                msg = (
+                    f"the surrogate `{getattr(sur, '__name__', sur)}` of `{op._name}` "
+                    f"returned {tuple(got) if isinstance(got, torch.Size) else got}, but "
+                    f"the forward's output has shape {tuple(upstream.shape)}; a surrogate "
+                    "maps the input to a tensor shaped like the forward's output."
+                )
+                raise GradOverrideError(msg)
+            (grad,) = vjp(upstream.to(value.dtype))
+            return grad if lh is None else window_gradient(grad, x, *lh)
+
+        requested: tuple[str, ...] = (first,)
+    elif derivative is not None:
+        deriv = derivative
+
+        def body(upstream: Tensor, **saved: Any) -> Tensor:
+            x = saved[first]
+            grad = upstream * deriv(x)
+            return grad if lh is None else window_gradient(grad, x, *lh)
+
+        requested = (first,)
+    elif window is not None:
+        low, high = window
+
+        def body(upstream: Tensor, **saved: Any) -> Tensor:
+            return window_gradient(upstream, saved[first], low, high)
+
+        requested = (first,)
+    else:
+        body = _identity
+        requested = ()
+    op.backward(_rule(body, first, n_params, requested, name))
+    return op
+
+
+def _build_mask(
+    fn: Callable[..., Any], window: tuple[float, float], name: str
+) -> CustomBackward[..., Any]:
+    """keep='mask': the forward also returns where its input is outside the window."""
+    low, high = window
+
+    @functools.wraps(fn)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        return fn(*args, **kwargs), {"mask": window_mask(args[0], low, high)}
+
+    op: CustomBackward[..., Any] = custom_backward(forward, residuals=("mask",))
+    op.__wrapped__ = fn
+    _first_parameter(op, "straight_through")  # the mask is taken from the first argument
+
+    op.backward(_rule(masked_gradient, "mask", len(op.parameters), ("mask",), name))
+    return op
+
+
+@overload
+def straight_through(fn: Callable[P, R], /) -> CustomBackward[P, R]: ...
+
+
+@overload
+def straight_through(
+    fn: Callable[P, R],
+    /,
+    *,
+    clip: float | tuple[float, float] | None = ...,
+    keep: Keep = ...,
+    surrogate: Callable[[Tensor], Tensor] | None = ...,
+    derivative: Callable[[Tensor], Tensor] | None = ...,
+) -> CustomBackward[P, R]: ...
+
+
+@overload
+def straight_through(
+    fn: None = None,
+    /,
+    *,
+    clip: float | tuple[float, float] | None = ...,
+    keep: Keep = ...,
+    surrogate: Callable[[Tensor], Tensor] | None = ...,
+    derivative: Callable[[Tensor], Tensor] | None = ...,
+) -> Callable[[Callable[P, R]], CustomBackward[P, R]]: ...
+
+
+def straight_through(
+    fn: Callable[..., Any] | None = None,
+    /,
+    *,
+    clip: float | tuple[float, float] | None = None,
+    keep: Keep = _UNSET,
+    surrogate: Callable[[Tensor], Tensor] | None = None,
+    derivative: Callable[[Tensor], Tensor] | None = None,
+) -> Any:
+    """Keep a non-differentiable forward; choose its backward.
+
+    Example::
+
+        @go.straight_through                      # backward: the upstream gradient
+        def binarize(x):
+            return torch.sign(x)
+
+        @go.straight_through(clip=1.0)            # grad where |x| <= 1, else 0
+        def binarize_clipped(x):
+            return torch.sign(x)
+
+        @go.straight_through(surrogate=torch.tanh)  # grad * tanh'(x), by autograd
+        def spike(x):
+            return (x > 0).to(x.dtype)
+
+    The gradient goes to the first argument; further arguments (a bit width, a threshold)
+    are passed to the forward and get no gradient. The result is a `custom_backward` op:
+    same name, signature and `nn.Module` form (`op.module(...)`), and the same composition
+    with `torch.compile(fullgraph=True)`, `torch.func`, autocast and CUDA.
+
+    Args:
+        fn: the forward; its first parameter takes the tensor that gets the gradient.
+        clip: zero the gradient outside a window: a bound `c` for `-c <= x <= c`, or a pair
+            `(low, high)` for `low <= x <= high`. Both ends are inclusive (the gradient at
+            `x == c` passes). The bounds are compared in the input's dtype (rounded to it,
+            as `x <= c` does); the gradient at a NaN input is not specified.
+        keep: what a clipped backward keeps: `"input"` (the default, `DEFAULT_KEEP`; no
+            extra memory when the input stays alive anyway, as a weight does) or `"mask"`
+            (one byte per element, computed in forward; for inputs that would otherwise be
+            freed). Only with `clip`.
+        surrogate: a differentiable function whose derivative shapes the backward: the
+            gradient is the vector-Jacobian product of `surrogate` at the input (by
+            `torch.func.vjp`, so it composes with `torch.compile` and `torch.func`).
+        derivative: the surrogate's derivative given directly, `derivative(x)`; the gradient
+            is `grad * derivative(x)`. Faster than `surrogate=` (no autograd in backward).
+
+    Without `surrogate`/`derivative` the backward is the identity: the upstream gradient,
+    returned without a copy, and nothing is saved.
+    """
+    def decorate(forward: Callable[P, R]) -> CustomBackward[P, R]:
+        op: CustomBackward[P, R] = _build(  # type: ignore[assignment]
+            forward, clip=clip, keep=keep, surrogate=surrogate, derivative=derivative
+        )
+        return op
+
+    if fn is None:
+        return decorate
+    return decorate(fn)
