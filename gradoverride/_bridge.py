@@ -1,0 +1,801 @@
+"""`bridge`: run code outside PyTorch (numpy, scipy, a simulator, a solver) inside a
+differentiable graph, with a backward you write or an estimator chosen by name.
+
+The bridged function is a `custom_backward` op underneath: its forward converts tensors to
+numpy arrays, calls the user's function, and converts the result back; its backward rule is
+the user's rule wrapped the same way, or a finite-difference / SPSA estimator that calls the
+function again on perturbed inputs. So the rule contract, the gradient checks and the error
+messages are those of `custom_backward`.
+
+By nature the call leaves PyTorch's graph: under `torch.compile` a bridge call is a graph
+break (it runs eagerly between compiled pieces), and under `fullgraph=True` compiling fails
+with an error that names the bridge and says so.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import math
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar, overload
+
+import torch
+from torch import Tensor
+from torch.utils import _pytree as pytree
+from typing_extensions import ParamSpec
+
+from ._decorators import CustomBackward, custom_backward
+from ._errors import GradOverrideError, GradOverrideTypeError
+from ._signature import describe
+
+try:
+    import numpy as np
+except ImportError:  # pragma: no cover - torch and the rest of gradoverride work without numpy
+    np = None  # type: ignore[assignment]
+
+__all__ = ["Bridge", "Estimator", "bridge", "finite_differences", "spsa"]
+
+P = ParamSpec("P")
+F = TypeVar("F", bound=Callable[..., Any])
+
+_POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+_ARRAY_KINDS = "biuf"  # bool, int, unsigned, float: what converts to a torch tensor here
+
+
+# ---- conversions ------------------------------------------------------------------------------
+
+
+def to_numpy(value: Any) -> Any:
+    """A tensor as a read-only numpy array (a view for CPU tensors); anything else as is."""
+    if not isinstance(value, Tensor):
+        return value
+    t = value.detach()
+    if t.dtype == torch.bfloat16:  # numpy has no bfloat16
+        t = t.float()
+    array = t.cpu().numpy()
+    array.flags.writeable = False  # `fn` must not write into the caller's tensor
+    return array
+
+
+def _tree_to_numpy(values: Any) -> Any:
+    return pytree.tree_map(to_numpy, values)
+
+
+def as_array(value: Any, what: str) -> np.ndarray[Any, Any]:
+    """`value` as a numeric numpy array, or a GradOverrideError saying what it was."""
+    if isinstance(value, Tensor):
+        value = value.detach().cpu()
+        if value.dtype == torch.bfloat16:
+            value = value.float()
+        converted: np.ndarray[Any, Any] = value.numpy()
+        return converted
+    try:
+        array = np.asarray(value)
+    except (TypeError, ValueError):
+        array = None
+    if array is None or array.dtype.kind not in _ARRAY_KINDS:
+        shown = repr(value)
+        if len(shown) > 60:
+            shown = shown[:57] + "..."
+        msg = (
+            f"{what} returned {type(value).__name__} {shown}, which is not array-like; "
+            "return a numpy array, a number, or a tuple of them for several outputs "
+            "(real numbers only: bool, int or float)."
+        )
+        raise GradOverrideError(msg)
+    return array
+
+
+def _outputs(result: Any) -> tuple[Any, ...]:
+    """A plain tuple is several outputs; any other value is one."""
+    return result if type(result) is tuple else (result,)
+
+
+def _target(tree: Any) -> tuple[torch.device, torch.dtype | None]:
+    """The device of the first tensor argument and the floating dtype outputs get: the
+    promoted dtype of the floating tensor arguments (None when there is none)."""
+    device = None
+    dtype: torch.dtype | None = None
+    for leaf in pytree.tree_leaves(tree):
+        if isinstance(leaf, Tensor):
+            if device is None:
+                device = leaf.device
+            if leaf.is_floating_point():
+                dtype = leaf.dtype if dtype is None else torch.promote_types(dtype, leaf.dtype)
+    return (device or torch.device("cpu")), dtype
+
+
+def _to_tensor(array: np.ndarray[Any, Any], device: torch.device, dtype: torch.dtype | None
+               ) -> Tensor:
+    """A copy of `array` as a tensor; floating arrays get `dtype` when there is one."""
+    out = torch.tensor(array, device=device)
+    if dtype is not None and out.is_floating_point():
+        out = out.to(dtype)
+    return out
+
+
+def _count_nonfinite(array: np.ndarray[Any, Any]) -> str:
+    n_nan = int(np.isnan(array).sum())
+    n_inf = int(np.isinf(array).sum())
+    return f"{n_nan} NaN and {n_inf} infinite of {array.size} values"
+
+
+def graph_break(fn: Callable[..., Any], reason: str) -> Callable[..., Any]:
+    """`fn` as an explicit graph break under torch.compile; `reason` appears in the error
+    that `fullgraph=True` raises (torch >= 2.7 takes a reason; older ones get none)."""
+    disable: Any = torch.compiler.disable
+    try:
+        wrapped: Callable[..., Any] = disable(fn, reason=reason)
+    except TypeError:  # pragma: no cover - torch < 2.7
+        wrapped = disable(fn)
+    return wrapped
+
+
+# ---- estimators -------------------------------------------------------------------------------
+
+
+class Estimator:
+    """Base of the gradient estimators `bridge` accepts as `backward=`."""
+
+    vectorized: bool = False
+    batch_size: int | None = None
+
+    def __repr__(self) -> str:
+        fields = ", ".join(
+            f"{name}={getattr(self, name)!r}"
+            for name in self.__dataclass_fields__  # type: ignore[attr-defined]
+        )
+        return f"{type(self).__name__}({fields})"
+
+    def vjp(self, problem: _Problem) -> list[np.ndarray[Any, Any] | None]:
+        """Per differentiable leaf, the estimated vector-Jacobian product (float64)."""
+        raise NotImplementedError
+
+
+def _check_batch_size(estimator: Estimator) -> None:
+    size = estimator.batch_size
+    if size is not None and not (isinstance(size, int) and size > 0):
+        msg = (
+            f"{type(estimator).__name__} needs `batch_size` to be a positive int (the most "
+            f"perturbed inputs per call of a vectorized function) or None, got {size!r}."
+        )
+        raise GradOverrideError(msg)
+
+
+def _default_step(dtype: np.dtype[Any]) -> float:
+    """eps ** (1/3), the step that balances truncation and rounding error of a central
+    difference (1.8e-16 ** (1/3) = 6.1e-6 for float64, 4.9e-3 for float32)."""
+    return float(np.finfo(dtype).eps ** (1.0 / 3.0))
+
+
+def _steps(array: np.ndarray[Any, Any], step: float | None) -> np.ndarray[Any, Any]:
+    """Per-element steps: `step * max(1, |x|)`, relative for large values."""
+    base = _default_step(array.dtype) if step is None else step
+    steps: np.ndarray[Any, Any] = base * np.maximum(1.0, np.abs(array.astype(np.float64)))
+    return steps
+
+
+@dataclass(frozen=True, repr=False)
+class finite_differences(Estimator):
+    """Central finite differences, one element at a time: 2 calls of `fn` per input element.
+
+    Exact up to O(h^2) for a smooth function.
+
+    Formula, for each differentiable input element ``x_i`` with step ``h_i``::
+
+        grad_x_i = sum_k < grad_out_k, (fn(x + h_i e_i)_k - fn(x - h_i e_i)_k) > / (2 h_i)
+
+    with ``h_i = step * max(1, |x_i|)`` and the denominator the representable difference
+    ``(x_i + h_i) - (x_i - h_i)``. The default step is ``eps ** (1/3)`` of the input's
+    dtype (6e-6 for float64), as for `torch.autograd.gradcheck`-level accuracy.
+
+    Example::
+
+        op = go.bridge(scipy_fn, backward=go.finite_differences(vectorized=True))
+
+    Args:
+        step: the relative step (default: ``eps ** (1/3)`` of the input's dtype).
+        vectorized: `fn` accepts a leading batch axis on the input being differentiated
+            (the other arguments unchanged) and returns every output with that leading axis,
+            as numpy ufuncs and broadcasting code do. The perturbed inputs are then sent in
+            one call (or in calls of `batch_size`) instead of one call each.
+        batch_size: with `vectorized`, the most perturbed inputs per call (None: all).
+
+    Returns: an estimator for `bridge(fn, backward=...)`.
+    """
+
+    step: float | None = None
+    vectorized: bool = False
+    batch_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.step is not None and not (
+            isinstance(self.step, int | float) and self.step > 0 and math.isfinite(self.step)
+        ):
+            msg = f"finite_differences needs `step` to be a positive number, got {self.step!r}."
+            raise GradOverrideError(msg)
+        _check_batch_size(self)
+
+    def vjp(self, problem: _Problem) -> list[np.ndarray[Any, Any] | None]:
+        grads: list[np.ndarray[Any, Any] | None] = []
+        for leaf in problem.leaves:
+            if leaf not in problem.differentiable:
+                grads.append(None)
+                continue
+            base = problem.arrays[leaf]
+            h = _steps(base, self.step).reshape(-1)
+            flat_grad = np.zeros(base.size)
+            for chunk in _chunks(base.size, self.vectorized, self.batch_size):
+                m = len(chunk)
+                batch = np.repeat(base.reshape(1, -1), 2 * m, axis=0)
+                rows = np.arange(m)
+                batch[rows, chunk] = base.reshape(-1)[chunk] + h[chunk]
+                batch[m + rows, chunk] = base.reshape(-1)[chunk] - h[chunk]
+                actual = (
+                    batch[rows, chunk].astype(np.float64)
+                    - batch[m + rows, chunk].astype(np.float64)
+                )
+                batch = batch.reshape(2 * m, *base.shape)
+                values = problem.evaluate({leaf: batch}, 2 * m, self.vectorized)
+                flat_grad[chunk] = (values[:m] - values[m:]) / actual
+            grads.append(flat_grad.reshape(base.shape))
+        return grads
+
+
+@dataclass(frozen=True, repr=False)
+class spsa(Estimator):
+    """Simultaneous perturbation (SPSA, Spall 1992): 2 calls of `fn` per sample, any input size.
+
+    Every input element is perturbed at once along a random ±1 direction.
+
+    Formula, averaged over `samples` directions ``d`` with independent ±1 entries (one
+    direction per differentiable input, drawn together)::
+
+        s = sum_k < grad_out_k, fn(x + h*d)_k - fn(x - h*d)_k >
+        grad_x_i = mean over samples of  s / (2 h_i d_i)
+
+    with ``h_i = step * max(1, |x_i|)``. It is unbiased up to O(h^2) and its variance falls
+    as 1/samples; the relative error is about ``sqrt(n / samples)`` for n input elements, so
+    cosine similarity with the true gradient reaches 0.9 near ``samples = 5 n``. Use it for
+    large inputs where finite differences cost too many calls.
+
+    Example::
+
+        op = go.bridge(simulate, backward=go.spsa(samples=64, seed=0))
+
+    Args:
+        samples: the number of random directions (default 32).
+        step: the relative step (default: ``eps ** (1/3)`` of the input's dtype).
+        seed: a seed for the directions; each backward then draws the same directions, so
+            the gradient is reproducible call after call.
+        generator: a CPU `torch.Generator` or a `numpy.random.Generator` to draw from instead
+            (its state advances, so successive backwards differ but a run is reproducible
+            from its seed). With neither, torch's global RNG is used (`torch.manual_seed`).
+        vectorized: `fn` accepts a leading batch axis on its differentiated inputs and
+            returns every output with it; the 2 * samples calls become one (or a few).
+        batch_size: with `vectorized`, the most perturbed inputs per call (None: all).
+
+    Returns: an estimator for `bridge(fn, backward=...)`.
+    """
+
+    samples: int = 32
+    step: float | None = None
+    seed: int | None = None
+    generator: torch.Generator | np.random.Generator | None = None
+    vectorized: bool = False
+    batch_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.samples, int) and self.samples > 0):
+            msg = f"spsa needs `samples` to be a positive int, got {self.samples!r}."
+            raise GradOverrideError(msg)
+        if self.step is not None and not (
+            isinstance(self.step, int | float) and self.step > 0 and math.isfinite(self.step)
+        ):
+            msg = f"spsa needs `step` to be a positive number, got {self.step!r}."
+            raise GradOverrideError(msg)
+        if self.seed is not None and self.generator is not None:
+            msg = (
+                "spsa takes a `seed` or a `generator`, not both: a seed draws the same "
+                "directions at every backward; a generator continues its stream."
+            )
+            raise GradOverrideError(msg)
+        if self.generator is not None and not isinstance(
+            self.generator, torch.Generator | np.random.Generator
+        ):
+            msg = (
+                "spsa needs `generator` to be a torch.Generator or a numpy.random.Generator, "
+                f"got {type(self.generator).__name__}."
+            )
+            raise GradOverrideTypeError(msg)
+        _check_batch_size(self)
+
+    def _directions(self, shape: tuple[int, ...]) -> np.ndarray[Any, Any]:
+        """(samples, *shape) entries of ±1 as float64."""
+        size = (self.samples, *shape)
+        if isinstance(self.generator, np.random.Generator):
+            bits = self.generator.integers(0, 2, size=size)
+        else:
+            gen = self.generator
+            if self.seed is not None:
+                gen = torch.Generator().manual_seed(self.seed)
+            bits = torch.randint(0, 2, size, generator=gen, dtype=torch.int8).numpy()
+        return bits.astype(np.float64) * 2.0 - 1.0
+
+    def vjp(self, problem: _Problem) -> list[np.ndarray[Any, Any] | None]:
+        leaves = [leaf for leaf in problem.leaves if leaf in problem.differentiable]
+        directions = {leaf: self._directions(problem.arrays[leaf].shape) for leaf in leaves}
+        steps = {leaf: _steps(problem.arrays[leaf], self.step) for leaf in leaves}
+        sums = {leaf: np.zeros(problem.arrays[leaf].shape) for leaf in leaves}
+        for chunk in _chunks(self.samples, self.vectorized, self.batch_size):
+            m = len(chunk)
+            replaced: dict[int, np.ndarray[Any, Any]] = {}
+            actual: dict[int, np.ndarray[Any, Any]] = {}
+            for leaf in leaves:
+                base = problem.arrays[leaf]
+                delta = steps[leaf] * directions[leaf][chunk]
+                plus = (base + delta).astype(base.dtype)
+                minus = (base - delta).astype(base.dtype)
+                replaced[leaf] = np.concatenate([plus, minus])
+                actual[leaf] = plus.astype(np.float64) - minus.astype(np.float64)
+            values = problem.evaluate(replaced, 2 * m, self.vectorized)
+            projection = values[:m] - values[m:]  # (m,)
+            for leaf in leaves:
+                scale = projection.reshape(m, *([1] * problem.arrays[leaf].ndim))
+                sums[leaf] += (scale / actual[leaf]).sum(axis=0)
+        return [sums[leaf] / self.samples if leaf in sums else None for leaf in problem.leaves]
+
+
+def _chunks(n: int, vectorized: bool, batch_size: int | None) -> Iterator[np.ndarray[Any, Any]]:
+    """Index ranges: one at a time, or (vectorized) batch_size at a time."""
+    size = (batch_size or n) if vectorized else 1
+    for start in range(0, n, max(size, 1)):
+        yield np.arange(start, min(start + size, n))
+
+
+ESTIMATORS: dict[str, type[Estimator]] = {
+    "finite_differences": finite_differences,
+    "spsa": spsa,
+}
+
+
+# ---- the problem an estimator solves: fn, its arguments as numpy leaves, the upstream grads --
+
+
+class _Problem:
+    """`fn` at the saved arguments, with the upstream gradients: `evaluate` returns the
+    projections ``sum_k <grad_out_k, fn(args')_k>`` for a batch of perturbed arguments."""
+
+    def __init__(
+        self,
+        bridge: Bridge[...],
+        values: tuple[Any, ...],
+        needs_grad: dict[str, bool],
+        grads: tuple[Any, ...],
+        check_finite: bool,
+    ) -> None:
+        self.bridge = bridge
+        leaves, self.spec = pytree.tree_flatten(values)
+        self.leaves = list(range(len(leaves)))
+        self.originals = leaves
+        self.arrays: dict[int, np.ndarray[Any, Any]] = {}
+        self.differentiable: set[int] = set()
+        self.slot_of: dict[int, str] = {}
+        names = bridge._parameters
+        # Which slot each leaf belongs to: flatten slot by slot.
+        position = 0
+        for name, value in zip(names, values, strict=True):
+            for _ in pytree.tree_leaves(value):
+                self.slot_of[position] = name
+                position += 1
+        for i, leaf in enumerate(leaves):
+            if isinstance(leaf, Tensor):
+                self.arrays[i] = to_numpy(leaf)
+                if leaf.is_floating_point() and needs_grad.get(self.slot_of[i], False):
+                    self.differentiable.add(i)
+        self.grads = [
+            None if g is None else np.asarray(to_numpy(g), dtype=np.float64) for g in grads
+        ]
+        self.check_finite = check_finite
+
+    def _call(self, replaced: dict[int, Any]) -> tuple[Any, ...]:
+        leaves = [
+            replaced.get(i, self.arrays.get(i, self.originals[i])) for i in self.leaves
+        ]
+        values = pytree.tree_unflatten(leaves, self.spec)
+        return _outputs(self.bridge._call_numpy(values))
+
+    def evaluate(self, replaced: dict[int, np.ndarray[Any, Any]], batch: int,
+                 vectorized: bool) -> np.ndarray[Any, Any]:
+        """``sum_k <grad_out_k, fn(...)_k>`` for each of `batch` perturbed argument sets;
+        `replaced` holds, per perturbed leaf, the stacked (batch, *shape) arrays."""
+        if vectorized:
+            outs = [self._outputs(self._call(replaced), batch, replaced)]
+        else:
+            outs = [
+                self._outputs(self._call({i: a[b] for i, a in replaced.items()}), None, replaced)
+                for b in range(batch)
+            ]
+        result = np.zeros(batch)
+        for k, g in enumerate(self.grads):
+            if g is None:
+                continue
+            if vectorized:
+                result += np.tensordot(outs[0][k], g, axes=g.ndim)
+            else:
+                result += np.array([float(np.vdot(g, out[k])) for out in outs])
+        return result
+
+    def _outputs(self, outs: tuple[Any, ...], batch: int | None,
+                 replaced: dict[int, np.ndarray[Any, Any]]) -> list[np.ndarray[Any, Any]]:
+        name = self.bridge._name
+        if len(outs) != len(self.grads):
+            msg = (
+                f"`{name}` returned {len(outs)} outputs on perturbed inputs but "
+                f"{len(self.grads)} at the forward; it must return the same outputs."
+            )
+            raise GradOverrideError(msg)
+        arrays = []
+        inputs = ", ".join(f"`{self.slot_of[i]}`" for i in replaced)
+        for k, (out, g) in enumerate(zip(outs, self.grads, strict=True)):
+            array = as_array(out, f"`{name}` (output {k}, on perturbed inputs)")
+            expected = tuple(g.shape) if g is not None else tuple(array.shape)
+            if batch is not None:
+                expected = (batch, *expected)
+            if g is not None and tuple(array.shape) != expected:
+                hint = (
+                    " With vectorized=True, `fn` gets a leading batch axis on the perturbed "
+                    "input and must return each output with it, also an output that does not "
+                    "depend on that input (`np.broadcast_to(out, (len(x), *out.shape))`); "
+                    "pass vectorized=False if it cannot."
+                    if batch is not None
+                    else ""
+                )
+                msg = (
+                    f"`{name}` returned output {k} with shape {tuple(array.shape)} when "
+                    f"{inputs} was perturbed; expected {expected}.{hint}"
+                )
+                raise GradOverrideError(msg)
+            if self.check_finite and array.dtype.kind == "f" and not np.isfinite(array).all():
+                msg = (
+                    f"`{name}` returned non-finite values in output {k} when {inputs} was "
+                    f"perturbed by the estimator ({_count_nonfinite(array)}), so the "
+                    "estimated gradient would not be finite. Make `fn` finite near the input, "
+                    "use a smaller `step`, or pass `check_finite=False` to bridge."
+                )
+                raise GradOverrideError(msg)
+            arrays.append(array.astype(np.float64, copy=False))
+        return arrays
+
+
+# ---- the bridge -------------------------------------------------------------------------------
+
+
+def _read_signature(fn: Callable[..., Any]) -> inspect.Signature:
+    try:
+        return inspect.signature(fn)
+    except (TypeError, ValueError):
+        return inspect.Signature(
+            [
+                inspect.Parameter("args", inspect.Parameter.VAR_POSITIONAL),
+                inspect.Parameter("kwargs", inspect.Parameter.VAR_KEYWORD),
+            ]
+        )
+
+
+_COMPILE_REASON = (
+    "go.bridge of `{name}` calls a function outside PyTorch (on numpy arrays), which "
+    "torch.compile cannot trace: the call runs eagerly between compiled graphs (a graph "
+    "break), so it cannot be inside a fullgraph=True region; compile the parts before and "
+    "after it instead"
+)
+
+
+class Bridge(Generic[P]):
+    """A function outside PyTorch, callable on tensors and differentiable. Made by `bridge`.
+
+    Call it like `fn`, with tensors where `fn` takes arrays. `bridged.op` is the underlying
+    `custom_backward` op; `bridged.backward` the rule or estimator.
+    """
+
+    __wrapped__: Callable[P, Any]
+
+    def __init__(
+        self,
+        fn: Callable[P, Any],
+        backward: Callable[..., Any] | Estimator | str,
+        *,
+        check_finite: bool = True,
+    ) -> None:
+        if np is None:  # pragma: no cover - numpy is installed wherever the tests run
+            msg = "go.bridge passes numpy arrays to the function it bridges; install numpy."
+            raise GradOverrideError(msg)
+        if not callable(fn):
+            msg = (
+                "bridge needs a function to call on numpy arrays, got "
+                f"{type(fn).__name__} {fn!r}."
+            )
+            raise GradOverrideTypeError(msg)
+        functools.update_wrapper(self, fn)
+        self._fn = fn
+        self._name = describe(fn)
+        self._signature = _read_signature(fn)
+        self._parameters = tuple(self._signature.parameters)
+        self.check_finite = check_finite
+        if isinstance(backward, str):
+            if backward not in ESTIMATORS:
+                msg = (
+                    f"bridge of `{self._name}` got backward={backward!r}, which is not an "
+                    f"estimator; the estimators are {', '.join(map(repr, ESTIMATORS))}, or "
+                    "pass a rule `def rule(grad, *, x): ...` written in numpy."
+                )
+                raise GradOverrideError(msg)
+            backward = ESTIMATORS[backward]()
+        if not (isinstance(backward, Estimator) or callable(backward)):
+            msg = (
+                f"bridge of `{self._name}` needs `backward` to be a rule (a function of the "
+                f"upstream gradient), an estimator name ({', '.join(map(repr, ESTIMATORS))}) "
+                f"or an estimator object such as go.spsa(samples=64), got "
+                f"{type(backward).__name__} {backward!r}."
+            )
+            raise GradOverrideTypeError(msg)
+        self.backward = backward
+        forward = self._make_forward()
+        rule = (
+            self._make_estimator_rule(backward)
+            if isinstance(backward, Estimator)
+            else self._make_user_rule(backward)
+        )
+        # A numpy rule or an estimator has no graph to differentiate again.
+        op: CustomBackward[..., Any] = custom_backward(
+            forward, backward=rule, once_differentiable=True
+        )
+        self.op = op
+
+        def run(*args: Any, **kwargs: Any) -> Any:
+            return op(*args, **kwargs)
+
+        run.__name__ = run.__qualname__ = f"bridge({self._name})"
+
+        # Dynamo cannot trace `fn` (it leaves PyTorch): make the call an explicit graph break
+        # whose reason, shown by fullgraph=True's error, names the function.
+        self._run = graph_break(run, _COMPILE_REASON.format(name=self._name))
+
+    # -- forward ------------------------------------------------------------------------------
+
+    def _call_numpy(self, values: tuple[Any, ...]) -> Any:
+        """Call `fn` with one value per parameter slot (already numpy)."""
+        positional: list[Any] = []
+        keywords: dict[str, Any] = {}
+        for param, value in zip(self._signature.parameters.values(), values, strict=True):
+            if param.kind in _POSITIONAL:
+                positional.append(value)
+            elif param.kind is inspect.Parameter.VAR_POSITIONAL:
+                positional.extend(value)
+            elif param.kind is inspect.Parameter.KEYWORD_ONLY:
+                if value is not param.default:
+                    keywords[param.name] = value
+            else:
+                keywords.update(value)
+        return self._fn(*positional, **keywords)
+
+    def _make_forward(self) -> Callable[..., Any]:
+        signature = self._signature
+        name = self._name
+        check_finite = self.check_finite
+
+        defaults = {
+            p.name: p.default
+            for p in signature.parameters.values()
+            if p.kind is inspect.Parameter.KEYWORD_ONLY
+        }
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            device, dtype = _target((args, kwargs))
+            # custom_backward passes every keyword-only default explicitly; some functions
+            # (numpy ufuncs: `signature=None, dtype=None`) reject that, so leave them out.
+            kwargs = {
+                k: v for k, v in kwargs.items() if k not in defaults or v is not defaults[k]
+            }
+            result = self._fn(*_tree_to_numpy(args), **_tree_to_numpy(kwargs))
+            outs = []
+            for k, out in enumerate(_outputs(result)):
+                array = as_array(out, f"`{name}` (output {k})")
+                if check_finite and array.dtype.kind == "f" and not np.isfinite(array).all():
+                    msg = (
+                        f"`{name}` returned non-finite values in output {k} "
+                        f"({_count_nonfinite(array)}). Check `{name}` at this input, or "
+                        "pass `check_finite=False` to bridge if they are expected."
+                    )
+                    raise GradOverrideError(msg)
+                outs.append(_to_tensor(array, device, dtype))
+            return tuple(outs) if type(result) is tuple else outs[0]
+
+        functools.update_wrapper(forward, self._fn)
+        forward.__signature__ = signature  # type: ignore[attr-defined]
+        return forward
+
+    # -- backward -----------------------------------------------------------------------------
+
+    def _rule_signature(self, extra: Sequence[str]) -> inspect.Signature:
+        params = [inspect.Parameter("grads", inspect.Parameter.VAR_POSITIONAL)]
+        params += [
+            inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY) for n in (*self._parameters,
+                                                                             *extra)
+        ]
+        return inspect.Signature(params)
+
+    def _make_estimator_rule(self, estimator: Estimator) -> Callable[..., Any]:
+        names = self._parameters
+
+        def rule(*grads: Any, **named: Any) -> dict[str, Any]:
+            values = tuple(named[n] for n in names)
+            problem = _Problem(self, values, named["needs_grad"], grads, self.check_finite)
+            estimates = estimator.vjp(problem)
+            leaves: list[Any] = []
+            for i, estimate in enumerate(estimates):
+                original = problem.originals[i]
+                if estimate is None or not isinstance(original, Tensor):
+                    leaves.append(None)
+                    continue
+                self._check_gradient(estimate, problem.slot_of[i])
+                leaves.append(torch.as_tensor(estimate, device=original.device).to(
+                    original.dtype))
+            tree = pytree.tree_unflatten(leaves, problem.spec)
+            return dict(zip(names, tree, strict=True))
+
+        rule.__name__ = rule.__qualname__ = f"{type(estimator).__name__}"
+        rule.__signature__ = self._rule_signature(("needs_grad",))  # type: ignore[attr-defined]
+        return rule
+
+    def _make_user_rule(self, user_rule: Callable[..., Any]) -> Callable[..., Any]:
+        def rule(*grads: Any, **named: Any) -> Any:
+            device = next((g.device for g in grads if isinstance(g, Tensor)), None)
+            result = user_rule(*_tree_to_numpy(grads), **_tree_to_numpy(named))
+            return self._convert_rule_result(result, device, describe(user_rule))
+
+        functools.update_wrapper(rule, user_rule)
+        return rule
+
+    def _convert_rule_result(self, result: Any, device: torch.device | None, rule: str) -> Any:
+        """Arrays in a rule's result become tensors on the bridge's device, checked finite.
+        The result's form (one gradient, tuple, dict) is kept for custom_backward to read."""
+
+        def label(path: tuple[Any, ...]) -> str:
+            if not path:
+                return "its gradient"
+            key = getattr(path[0], "key", getattr(path[0], "idx", None))
+            if isinstance(key, int) and key < len(self._parameters):
+                key = self._parameters[key]
+            return f"the gradient for `{key}`"
+
+        def convert(path: tuple[Any, ...], leaf: Any) -> Any:
+            if leaf is None:
+                return None
+            if isinstance(leaf, Tensor):
+                array = None
+                tensor = leaf
+            else:
+                array = as_array(leaf, f"the backward rule `{rule}` of `{self._name}`")
+                tensor = torch.as_tensor(array, device=device)
+            if self.check_finite and tensor.is_floating_point():
+                finite = torch.isfinite(tensor).all()
+                if not finite:
+                    shown = array if array is not None else tensor.detach().cpu().numpy()
+                    msg = (
+                        f"the backward rule `{rule}` of `{self._name}` returned non-finite "
+                        f"values in {label(path)} ({_count_nonfinite(shown)}). Fix the rule, "
+                        "or pass `check_finite=False` to bridge if they are expected."
+                    )
+                    raise GradOverrideError(msg)
+            return tensor
+
+        if type(result) is tuple or isinstance(result, dict):
+            flat, spec = pytree.tree_flatten_with_path(result)
+            return pytree.tree_unflatten([convert(p, v) for p, v in flat], spec)
+        return convert((), result)
+
+    def _check_gradient(self, estimate: np.ndarray[Any, Any], slot: str) -> None:
+        if self.check_finite and not np.isfinite(estimate).all():
+            msg = (
+                f"the {self.backward!r} estimate for `{slot}` of `{self._name}` is not finite "
+                f"({_count_nonfinite(estimate)}). Use a larger `step`, or make `{self._name}` "
+                "smooth near the input."
+            )
+            raise GradOverrideError(msg)
+
+    # -- calling ------------------------------------------------------------------------------
+
+    def __call__(self, *args: P.args, **kwargs: P.kwargs) -> Any:
+        return self._run(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        backward = self.backward
+        shown = backward if isinstance(backward, Estimator) else describe(backward)
+        return f"<bridge {self._name}{self._signature}, backward={shown}>"
+
+
+@overload
+def bridge(
+    fn: Callable[P, Any],
+    /,
+    *,
+    backward: Callable[..., Any] | Estimator | str,
+    check_finite: bool = ...,
+) -> Bridge[P]: ...
+
+
+@overload
+def bridge(
+    fn: None = None,
+    /,
+    *,
+    backward: Callable[..., Any] | Estimator | str,
+    check_finite: bool = ...,
+) -> Callable[[Callable[P, Any]], Bridge[P]]: ...
+
+
+def bridge(
+    fn: Callable[..., Any] | None = None,
+    /,
+    *,
+    backward: Callable[..., Any] | Estimator | str,
+    check_finite: bool = True,
+) -> Any:
+    """Run a function outside PyTorch (numpy, scipy, a simulator) in a differentiable graph.
+
+    Example::
+
+        def energy(x, k=2.0):                       # numpy in, numpy out
+            return np.sum(np.cos(k * x) * x ** 2)
+
+        op = go.bridge(energy, backward="finite_differences")
+        loss = op(params, k=3.0)                    # a tensor on params' device and dtype
+        loss.backward()
+
+        @go.bridge(backward=lambda grad, *, x: grad * np.cos(x))   # a numpy rule
+        def sine(x): return np.sin(x)
+
+    Forward: tensor arguments (also inside tuples, lists and dicts) are passed to `fn` as
+    read-only numpy arrays (bfloat16 as float32); other arguments are passed through. `fn`
+    returns an array-like (an array, a number, a list, a CPU tensor) or a tuple of them for
+    several outputs. Each output comes back as a tensor on the device of the first tensor
+    argument; floating outputs take the promoted dtype of the floating tensor arguments,
+    integer and bool outputs keep their type (and get no gradient).
+
+    Backward, by `backward=`:
+
+    * a rule, with the `custom_backward` contract (positional parameters receive the
+      upstream gradients, keyword-only ones name the inputs it needs, `output`,
+      `needs_grad`), given numpy arrays and returning numpy arrays (or tensors): one
+      gradient, a tuple aligned with the parameters, or a dict by name;
+    * ``"finite_differences"`` or ``go.finite_differences(step=..., vectorized=...)``;
+    * ``"spsa"`` or ``go.spsa(samples=..., seed=...)``, for large inputs.
+
+    A gradient of the wrong shape is an error naming the input and both shapes; the
+    estimated or returned gradients, and the outputs, must be finite unless
+    ``check_finite=False``. The backward is once-differentiable.
+
+    `torch.compile`: a bridge call cannot be traced (it leaves PyTorch), so it is a graph
+    break: the code before and after it is compiled, the call runs eagerly. Under
+    ``fullgraph=True`` compiling raises an error whose message says that a bridge call
+    cannot be part of a fullgraph region.
+
+    Args:
+        fn: the function, called on numpy arrays.
+        backward: a rule, an estimator name, or an estimator object.
+        check_finite: raise `GradOverrideError` on non-finite outputs and gradients
+            (default True).
+
+    Returns:
+        A `Bridge`, callable like `fn` on tensors; usable as a decorator with options.
+    """
+
+    def make(f: Callable[P, Any]) -> Bridge[P]:
+        return Bridge(f, backward, check_finite=check_finite)
+
+    if fn is None:
+        return make
+    return make(fn)

@@ -1,0 +1,476 @@
+"""Gradient flow: reversal, scaling, clipping and NaN/inf sanitizing of the gradient that
+passes through a point of the graph.
+
+Each recipe is a `GradientTransform`: its forward is the identity (the value passes through
+untouched, as a view) and its backward maps the upstream gradient. So each one works three
+ways: called on a tensor (`reverse_grad()(features)`), as a module (`.module()`, for
+`nn.Sequential`), and as a `go.grad_hook` transform (`.transform(grad)`).
+
+Every backward here is branch-free (no Python `if` on tensor values: `torch.clamp`,
+`torch.where` and `torch._assert_async` instead), so each recipe compiles with
+`torch.compile(fullgraph=True)`; a backward such as `if norm > max_norm: ...` fails there
+with "Data-dependent branching". The gradient keeps the input's dtype.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from .._decorators import custom_backward
+from .._errors import GradOverrideError, GradOverrideTypeError
+from ._base import GradientTransform, RecipeModule, keep_dtype
+
+__all__ = [
+    "ScaledGradientModule",
+    "clip_grad_norm",
+    "clip_grad_value",
+    "ganin_ramp",
+    "reverse_grad",
+    "sanitize_grad",
+    "scale_grad",
+]
+
+#: A scale: a number, a tensor (0-d, or broadcastable to the input), or a schedule, that is a
+#: callable from a step counter (a 0-d int64 tensor) to a number or tensor.
+Scale = float | Tensor | Callable[[Tensor], float | Tensor]
+
+
+# ---- schedules ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, repr=False)
+class ganin_ramp:
+    """The gradient-reversal ramp of Ganin et al. (2016), a schedule for `reverse_grad`.
+
+    Formula: ``scale(step) = max_scale * (2 / (1 + exp(-gamma * p)) - 1)`` with the training
+    progress ``p = clamp(step / total_steps, 0, 1)``. It is 0 at step 0 (the domain classifier
+    cannot disturb the features early on), rises smoothly, and tends to `max_scale` (0.9999
+    of it at the end with the paper's gamma = 10).
+
+    Example::
+
+        grl = reverse_grad(scale=ganin_ramp(total_steps=10_000)).module()
+        for batch in loader:
+            loss = task_loss + domain_head(grl(features)).loss
+            loss.backward(); optimizer.step()
+            grl.step()                  # advance the schedule once per training step
+
+    Args:
+        total_steps: the number of training steps over which `p` goes from 0 to 1.
+        gamma: the ramp's steepness; 10 in the paper (DANN, Ganin et al., JMLR 2016).
+        max_scale: the scale the ramp tends to; 1 in the paper.
+
+    Returns (when called with a step): a 0-d floating tensor, computed with torch ops so a
+    schedule driven by a step buffer compiles with `fullgraph=True`.
+    """
+
+    total_steps: int
+    gamma: float = 10.0
+    max_scale: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.total_steps, int) and self.total_steps > 0):
+            msg = (
+                f"ganin_ramp needs `total_steps` to be a positive int (the steps over which the "
+                f"progress p goes from 0 to 1), got {self.total_steps!r}."
+            )
+            raise GradOverrideError(msg)
+
+    def __call__(self, step: Tensor | int) -> Tensor:
+        p = torch.clamp(torch.as_tensor(step) / self.total_steps, 0.0, 1.0)
+        return self.max_scale * (2.0 / (1.0 + torch.exp(-self.gamma * p)) - 1.0)
+
+    def __repr__(self) -> str:
+        return (
+            f"ganin_ramp(total_steps={self.total_steps!r}, gamma={self.gamma!r}, "
+            f"max_scale={self.max_scale!r})"
+        )
+
+
+# ---- reversal and scaling -------------------------------------------------------------------
+
+
+@custom_backward
+def _multiply_gradient(x: Tensor, factor: float | Tensor) -> Tensor:
+    """Identity forward; the backward multiplies the upstream gradient by `factor`."""
+    return x.view_as(x)
+
+
+@_multiply_gradient.backward
+def _(grad: Tensor, *, factor: float | Tensor) -> Tensor | tuple[Tensor, None]:
+    if isinstance(factor, Tensor):
+        # A tensor factor gets no gradient: it is a setting, not a model input.
+        return keep_dtype(grad * factor, grad), None
+    if factor == -1.0:  # the default reversal: a negation is the cheapest kernel
+        return torch.neg(grad)
+    return grad * factor  # a Python number never changes grad's dtype
+
+
+def _is_schedule(scale: object) -> bool:
+    return callable(scale) and not isinstance(scale, Tensor)
+
+
+class _ScaledGradient(GradientTransform):
+    """Shared by `reverse_grad` and `scale_grad`: a gradient multiplied by a (signed) scale."""
+
+    scale: Scale
+    _sign = 1.0
+    _constant: float | None
+
+    def __post_init__(self) -> None:
+        scale = self.scale
+        if isinstance(scale, bool) or not (
+            isinstance(scale, int | float | Tensor) or _is_schedule(scale)
+        ):
+            msg = (
+                f"{type(self).__name__} needs `scale` to be a number, a tensor or a schedule "
+                f"(a callable from the step count to a scale, such as ganin_ramp(...)), got "
+                f"{type(scale).__name__} {scale!r}."
+            )
+            raise GradOverrideTypeError(msg)
+        if isinstance(scale, Tensor) and not scale.is_floating_point():
+            msg = (
+                f"{type(self).__name__} needs a floating-point `scale` tensor, got dtype "
+                f"{scale.dtype}; pass `scale.float()` or a Python number."
+            )
+            raise GradOverrideTypeError(msg)
+        # The common call (a constant number) skips `factor()`: reversal is often applied to
+        # small tensors, where a Python frame is a measurable share of the cost.
+        constant = self._sign * scale if isinstance(scale, int | float) else None
+        object.__setattr__(self, "_constant", constant)
+
+    @property
+    def scheduled(self) -> bool:
+        """Whether the scale is a schedule (then calls need the step count)."""
+        return _is_schedule(self.scale)
+
+    def factor(self, step: Tensor | int | None = None) -> float | Tensor:
+        """The signed multiplier for the gradient: the scale (at `step`, for a schedule)."""
+        scale = self.scale
+        if _is_schedule(scale):
+            if step is None:
+                msg = (
+                    f"{self!r} has a schedule for its scale, so it needs the step count: call "
+                    "it as `recipe(x, step=step)` or `recipe.transform(grad, step=step)`, or "
+                    "use its module form `recipe.module()`, which keeps the step count in its "
+                    "state_dict (advance it with `module.step()`)."
+                )
+                raise GradOverrideError(msg)
+            assert callable(scale)
+            scale = scale(torch.as_tensor(step))
+        elif step is not None:
+            msg = (
+                f"{self!r} has a constant scale, so it takes no `step`; give it a schedule "
+                "(`scale=ganin_ramp(total_steps=...)`) for a scale that changes with the step."
+            )
+            raise GradOverrideTypeError(msg)
+        if self._sign < 0:
+            return -scale  # type: ignore[operator]
+        return scale  # type: ignore[return-value]
+
+    def transform(self, grad: Tensor, *, step: Tensor | int | None = None) -> Tensor:
+        """The gradient passed on: `grad` times the signed scale, in `grad`'s dtype."""
+        return keep_dtype(grad * self.factor(step), grad)
+
+    def __call__(self, x: Tensor, /, *, step: Tensor | int | None = None) -> Tensor:
+        constant = self._constant
+        if constant is not None and step is None:
+            return _multiply_gradient(x, constant)
+        return _multiply_gradient(x, self.factor(step))
+
+    def module(self) -> ScaledGradientModule:
+        """This recipe as an `nn.Module`; with a schedule, it keeps the step count in a
+        `steps` buffer (saved in `state_dict`) and `module.step()` advances it."""
+        return ScaledGradientModule(self)
+
+
+@dataclass(frozen=True, repr=False)
+class reverse_grad(_ScaledGradient):
+    """Gradient reversal: identity forward, ``-scale * grad`` backward (Ganin & Lempitsky).
+
+    From "Unsupervised Domain Adaptation by Backpropagation" (ICML 2015). Put between a
+    feature extractor and a domain classifier, it makes the features maximise the domain loss
+    that the classifier minimises (domain-adversarial training, DANN). Same formula as
+    pytorch-revgrad's `RevGrad(alpha)` and the `GradientReversal` layers of domain-adaptation
+    libraries, with one kernel in backward instead of two (a negation for the default scale,
+    else one multiply; pytorch-revgrad negates, then multiplies).
+
+    Example::
+
+        features = encoder(x)
+        domain_logits = domain_head(reverse_grad(scale=0.1)(features))
+
+        grl = reverse_grad(scale=ganin_ramp(total_steps=10_000)).module()   # scheduled
+        ...; grl.step()                                                     # per step
+
+    Args:
+        scale: a number (default 1.0), a tensor (0-d, or broadcastable to the input, on the
+            input's device; the value it holds when the recipe is called is used; it gets no
+            gradient), or a schedule: a callable from the step count to the scale, such as
+            `ganin_ramp(total_steps=...)`. A scheduled recipe needs the step:
+            `recipe(x, step=step)`, or its module form, which keeps the count.
+
+    Returns (when called): the input unchanged (a view), whose gradient is
+    ``-scale * grad``, in the input's dtype. ``scale=0`` blocks the gradient.
+    """
+
+    scale: Scale = 1.0
+    _sign = -1.0
+
+
+@dataclass(frozen=True, repr=False)
+class scale_grad(_ScaledGradient):
+    """Gradient scaling: identity forward, ``scale * grad`` backward.
+
+    Slows down or speeds up learning below this point without touching the forward (a
+    smaller learning rate for a pretrained backbone, a loss-balancing weight for a shared
+    trunk). ``scale_grad(-s)`` is ``reverse_grad(s)``.
+
+    Example::
+
+        features = scale_grad(scale=0.1)(backbone(x))   # the backbone learns 10x slower
+
+    Args:
+        scale: a number (default 1.0), a tensor (0-d or broadcastable to the input) or a
+            schedule, as for `reverse_grad`.
+
+    Returns (when called): the input unchanged (a view), whose gradient is
+    ``scale * grad``, in the input's dtype.
+    """
+
+    scale: Scale = 1.0
+
+
+class ScaledGradientModule(RecipeModule):
+    """The module form of `reverse_grad` / `scale_grad`.
+
+    With a schedule, the module keeps the step count in a 0-d int64 buffer `steps` (so it is
+    saved in `state_dict` and restored by `load_state_dict`), evaluates the schedule at it in
+    `forward`, and `step()` advances it, like an LR scheduler's `step()`. The count does not
+    advance by itself in `forward`: a model may call the layer several times per training
+    step, and a buffer mutated inside a compiled forward is read back after the mutation when
+    the backward recomputes from it (torch's partitioner, pytorch/pytorch#197039), which gives
+    wrong gradients. Call `step()` after `backward()`.
+    """
+
+    recipe: _ScaledGradient
+    steps: Tensor
+
+    def __init__(self, recipe: _ScaledGradient) -> None:
+        super().__init__(recipe)
+        self.scheduled = recipe.scheduled
+        if self.scheduled:
+            self.register_buffer("steps", torch.zeros((), dtype=torch.int64))
+
+    def forward(self, x: Tensor) -> Tensor:
+        constant = self.recipe._constant
+        if constant is not None:  # the common call, one frame shorter
+            return _multiply_gradient(x, constant)
+        if self.scheduled:
+            return self.recipe(x, step=self.steps)
+        return self.recipe(x)
+
+    def transform(self, grad: Tensor) -> Tensor:
+        """The recipe's gradient map at the current step (for `go.grad_hook`)."""
+        if self.scheduled:
+            return self.recipe.transform(grad, step=self.steps)
+        return self.recipe.transform(grad)
+
+    def scale(self) -> float | Tensor:
+        """The current (unsigned) scale: the schedule evaluated at `steps`, or the constant."""
+        factor = self.recipe.factor(self.steps if self.scheduled else None)
+        return -factor if self.recipe._sign < 0 else factor
+
+    @torch.no_grad()
+    def step(self, n: int = 1) -> None:
+        """Advance the schedule by `n` steps (does nothing for a constant scale)."""
+        if self.scheduled:
+            self.steps.add_(n)
+
+
+# ---- clipping -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, repr=False)
+class clip_grad_value(GradientTransform):
+    """Clipping by value: identity forward, ``clamp(grad, -clip_value, clip_value)`` backward.
+
+    The per-tensor, inside-the-graph form of `torch.nn.utils.clip_grad_value_` (same
+    formula), for a gradient that should be bounded where it flows rather than where it
+    lands. NaN stays NaN (as in `torch.clamp`); see `sanitize_grad`.
+
+    Example::
+
+        logits = clip_grad_value(clip_value=1.0)(logits)
+
+    Args:
+        clip_value: the bound, at least 0.
+
+    Returns (when called): the input unchanged, whose gradient is the upstream gradient
+    clamped elementwise to ``[-clip_value, clip_value]``, in the input's dtype.
+    """
+
+    clip_value: float
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.clip_value, int | float) and self.clip_value >= 0):
+            msg = (
+                f"clip_grad_value needs `clip_value` to be a number >= 0 (gradients are "
+                f"clamped to [-clip_value, clip_value]), got {self.clip_value!r}."
+            )
+            raise GradOverrideError(msg)
+
+    def transform(self, grad: Tensor) -> Tensor:
+        """The upstream gradient clamped to ``[-clip_value, clip_value]``."""
+        return torch.clamp(grad, -self.clip_value, self.clip_value)
+
+
+Dims = int | tuple[int, ...] | None
+
+
+@dataclass(frozen=True, repr=False)
+class clip_grad_norm(GradientTransform):
+    """Clipping by norm: identity forward; the gradient rescaled to norm at most `max_norm`.
+
+    Formula (that of `torch.nn.utils.clip_grad_norm_`, per tensor or per slice)::
+
+        norm = vector_norm(grad, ord=norm_type, dim=dim, keepdim=True)
+        grad * clamp(max_norm / (norm + eps), max=1)
+
+    A gradient whose norm is at most `max_norm` passes (almost) unchanged; a larger one keeps
+    its direction and gets norm `max_norm` (up to `eps`). With `dim`, each slice is clipped on
+    its own: for a `(batch, ...)` gradient, `dim=tuple(range(1, ndim))` clips per sample, as
+    DP-SGD does. The norm is computed in at least float32, so a float16 gradient with a large
+    sum of squares is not zeroed by overflow. A non-finite norm zeroes (inf) or poisons (NaN)
+    the slice, as in torch; put `sanitize_grad` first when that can happen.
+
+    Example::
+
+        h = clip_grad_norm(max_norm=1.0)(h)                     # whole tensor
+        h = clip_grad_norm(max_norm=1.0, dim=(1, 2))(h)         # per sample, h: (B, T, C)
+
+    Args:
+        max_norm: the largest norm passed on, at least 0.
+        dim: the dimensions the norm is taken over (as in `torch.linalg.vector_norm`);
+            None (default) means the whole tensor.
+        norm_type: the order of the norm (default 2; `math.inf` for the max-abs norm).
+        eps: added to the norm before dividing, as in torch (default 1e-6).
+
+    Returns (when called): the input unchanged, with the clipped gradient, in its dtype.
+    """
+
+    max_norm: float
+    dim: Dims = None
+    norm_type: float = 2.0
+    eps: float = 1e-6
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.max_norm, int | float) and self.max_norm >= 0):
+            msg = (
+                f"clip_grad_norm needs `max_norm` to be a number >= 0, got {self.max_norm!r}."
+            )
+            raise GradOverrideError(msg)
+        dim = self.dim
+        if not (
+            dim is None
+            or isinstance(dim, int)
+            or (isinstance(dim, tuple) and all(isinstance(d, int) for d in dim))
+        ):
+            msg = (
+                f"clip_grad_norm needs `dim` to be None (the whole tensor), an int or a tuple "
+                f"of ints (the dimensions the norm is taken over), got {dim!r}."
+            )
+            raise GradOverrideTypeError(msg)
+
+    def transform(self, grad: Tensor) -> Tensor:
+        """The upstream gradient rescaled to norm at most `max_norm` (over `dim`)."""
+        compute = torch.promote_types(grad.dtype, torch.float32)
+        norm = torch.linalg.vector_norm(
+            grad, ord=self.norm_type, dim=self.dim, keepdim=True, dtype=compute
+        )
+        # Branch-free: the coefficient is 1 where the norm is within bounds.
+        coef = torch.clamp(self.max_norm / (norm + self.eps), max=1.0)
+        return grad * coef.to(grad.dtype)
+
+
+# ---- NaN / inf ------------------------------------------------------------------------------
+
+_MODES = ("replace", "raise")
+
+
+@dataclass(frozen=True, repr=False)
+class sanitize_grad(GradientTransform):
+    """NaN/inf sanitizing: identity forward; non-finite gradient values replaced, or an error.
+
+    ``mode="replace"`` (default) is `torch.nan_to_num(grad, nan, posinf, neginf)`: NaN becomes
+    `nan` (0.0), +inf becomes `posinf` and -inf `neginf` (default: the dtype's largest and
+    lowest finite values, as in `torch.nan_to_num`). ``mode="raise"`` stops the backward with
+    `GradOverrideError` naming `name` and counting the NaN and infinite values; under
+    `torch.compile` the check is `torch._assert_async` (no graph break), which raises a
+    `RuntimeError` with the same message.
+
+    Example::
+
+        logits = sanitize_grad()(logits)                               # replace with 0
+        h = sanitize_grad(mode="raise", name="encoder output")(h)      # find where they start
+
+    Args:
+        mode: ``"replace"`` or ``"raise"``.
+        nan: the value NaN becomes (replace mode).
+        posinf: the value +inf becomes; None: the dtype's largest finite value.
+        neginf: the value -inf becomes; None: the dtype's lowest finite value.
+        name: the tensor's name in the error (raise mode); None: "a gradient".
+
+    Returns (when called): the input unchanged, with the sanitized (or checked) gradient.
+    """
+
+    mode: Literal["replace", "raise"] = "replace"
+    nan: float = 0.0
+    posinf: float | None = None
+    neginf: float | None = None
+    name: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.mode not in _MODES:
+            msg = (
+                f"sanitize_grad got mode={self.mode!r}; the modes are "
+                f"{', '.join(repr(m) for m in _MODES)}."
+            )
+            raise GradOverrideError(msg)
+        for field in ("nan", "posinf", "neginf"):
+            value = getattr(self, field)
+            if value is not None and not (
+                isinstance(value, int | float) and math.isfinite(value)
+            ):
+                msg = f"sanitize_grad needs `{field}` to be a finite number, got {value!r}."
+                raise GradOverrideError(msg)
+
+    def _message(self, grad: Tensor | None) -> str:
+        what = f"the gradient of `{self.name}`" if self.name else "a gradient"
+        counts = ""
+        if grad is not None:
+            n_nan = int(torch.isnan(grad).sum())
+            n_inf = int(torch.isinf(grad).sum())
+            counts = f" ({n_nan} NaN and {n_inf} infinite of {grad.numel()} values)"
+        return (
+            f"{what} passing through {self!r} is not finite{counts}. Find the op that makes "
+            "it with `torch.autograd.set_detect_anomaly(True)`, or replace the values with "
+            "`sanitize_grad(mode='replace')`."
+        )
+
+    def transform(self, grad: Tensor) -> Tensor:
+        """The upstream gradient with NaN/inf replaced, or checked (raise mode)."""
+        if self.mode == "replace":
+            return torch.nan_to_num(grad, nan=self.nan, posinf=self.posinf, neginf=self.neginf)
+        finite = torch.isfinite(grad).all()
+        if torch.compiler.is_compiling():
+            torch._assert_async(finite, self._message(None))
+        elif not finite:
+            raise GradOverrideError(self._message(grad))
+        return grad

@@ -1,0 +1,369 @@
+"""Gradients through black-box combinatorial solvers: shortest paths, rankings, matchings,
+assignments, any `solver(w) -> y` whose output jumps between discrete solutions.
+
+Two recipes, each taking any solver callable (torch or numpy) and batching:
+
+* `blackbox_solver`: the interpolation gradient of Vlastelica et al., "Differentiation of
+  Blackbox Combinatorial Solvers" (ICLR 2020). Forward: the solver's exact solution. Backward:
+  one more solver call, at costs shifted by the upstream gradient.
+* `perturbed_optimizer`: the perturbed optimizer of Berthet et al., "Learning with
+  Differentiable Perturbed Optimizers" (NeurIPS 2020). Forward: the mean solution over
+  randomly perturbed inputs (a smooth function of the input). Backward: a Monte-Carlo
+  estimate of its Jacobian from the same samples, with no further solver call.
+
+The solver is called on one problem instance at a time (the trailing `instance_dims`
+dimensions of the input; leading dimensions are a batch), or with `batched=True` on a stack
+of instances at once. With `numpy=True` it gets numpy arrays instead of tensors. Its result
+(a tensor, a numpy array, or anything array-like) is converted to the input's dtype and
+device.
+
+A solver is arbitrary Python (loops, heaps, numpy, a C library), which `torch.compile` cannot
+trace, so under `torch.compile` a call of either recipe is a graph break: the code around it
+is compiled and the recipe runs eagerly. Under `fullgraph=True` compiling fails with an error
+that says so.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from torch import Tensor
+
+from .._bridge import as_array, graph_break, to_numpy
+from .._decorators import custom_backward
+from .._errors import GradOverrideError, GradOverrideTypeError
+from .._signature import describe
+from ._base import Recipe
+
+__all__ = ["blackbox_solver", "perturbed_optimizer"]
+
+Solver = Callable[[Any], Any]
+
+_COMPILE_REASON = (
+    "gradoverride's {name} calls a black-box solver (Python or numpy code), which "
+    "torch.compile cannot trace: the call runs eagerly between compiled graphs (a graph "
+    "break), so it cannot be inside a fullgraph=True region"
+)
+
+
+def _eager(fn: Callable[..., Tensor], name: str) -> Callable[..., Tensor]:
+    """`fn` as an explicit graph break under torch.compile, with a reason naming `name`."""
+    return graph_break(fn, _COMPILE_REASON.format(name=name))
+
+
+class _SolverRecipe(Recipe):
+    """Calling a user's solver on each instance (or on the stack) and converting back."""
+
+    solver: Solver
+    instance_dims: int
+    batched: bool
+    numpy: bool
+
+    def _check_common(self) -> None:
+        name = type(self).__name__
+        if not callable(self.solver):
+            msg = (
+                f"{name} needs a solver callable (`solver(w) -> solution`), got "
+                f"{type(self.solver).__name__} {self.solver!r}."
+            )
+            raise GradOverrideTypeError(msg)
+        if not (isinstance(self.instance_dims, int) and self.instance_dims >= 1):
+            msg = (
+                f"{name} needs `instance_dims` to be an int >= 1 (the trailing dimensions of "
+                f"one problem instance: 1 for a vector of scores, 2 for a grid of costs), got "
+                f"{self.instance_dims!r}."
+            )
+            raise GradOverrideError(msg)
+
+    def _split(self, w: Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """The batch shape and the instance shape of `w`."""
+        if w.ndim < self.instance_dims:
+            msg = (
+                f"{self!r} got an input of shape {tuple(w.shape)}, which has fewer than "
+                f"instance_dims={self.instance_dims} dimensions; pass one instance of "
+                f"{self.instance_dims} dimensions or a batch of them."
+            )
+            raise GradOverrideError(msg)
+        cut = w.ndim - self.instance_dims
+        return tuple(w.shape[:cut]), tuple(w.shape[cut:])
+
+    def _solve(self, w: Tensor) -> Tensor:
+        """The solver's solutions for every instance in `w`, stacked, in `w`'s dtype/device.
+
+        Returns a tensor of shape ``(*batch, *solution)``.
+        """
+        batch, instance = self._split(w)
+        flat = w.detach().reshape(-1, *instance)
+        n = flat.shape[0]
+        inputs: Any = to_numpy(flat) if self.numpy else flat
+        name = describe(self.solver)
+
+        def convert(value: Any, what: str) -> Tensor:
+            if isinstance(value, Tensor):
+                return value.detach().to(device=w.device, dtype=w.dtype)
+            array = as_array(value, f"the solver `{name}` ({what})")
+            return torch.tensor(array, device=w.device, dtype=w.dtype)  # a copy
+
+        if self.batched:
+            solutions = convert(self.solver(inputs), f"on a batch of {n}")
+            if solutions.ndim == 0 or solutions.shape[0] != n:
+                msg = (
+                    f"the solver `{name}` of {self!r} was called with batched=True on a stack "
+                    f"of {n} instances and returned shape {tuple(solutions.shape)}; it must "
+                    f"return one solution per instance, stacked along the first axis."
+                )
+                raise GradOverrideError(msg)
+        elif n == 0:
+            msg = (
+                f"{self!r} got an empty batch (input shape {tuple(w.shape)}); with "
+                "batched=False the solution shape is unknown without a solver call."
+            )
+            raise GradOverrideError(msg)
+        else:
+            solutions = torch.stack(
+                [convert(self.solver(inputs[i]), f"instance {i}") for i in range(n)]
+            )
+        return solutions.reshape(*batch, *solutions.shape[1:])
+
+    def _solver_repr(self) -> str:
+        return describe(self.solver)
+
+
+# ---- Vlastelica et al. ----------------------------------------------------------------------
+
+
+@custom_backward
+def _interpolated(w: Tensor, recipe: blackbox_solver) -> Tensor:
+    return recipe._solve_same_shape(w)
+
+
+@_interpolated.backward(once_differentiable=True)
+def _(grad: Tensor, *, w: Tensor, recipe: blackbox_solver, output: Tensor) -> Tensor:
+    sign = -1.0 if recipe.maximize else 1.0
+    shifted = recipe._solve_same_shape(w + sign * recipe.lambda_ * grad)
+    return sign * (shifted - output) / recipe.lambda_
+
+
+@dataclass(frozen=True, repr=False)
+class blackbox_solver(_SolverRecipe):
+    """The interpolation gradient of Vlastelica et al. (ICLR 2020) through a black-box solver.
+
+    The solver minimises a linear objective, ``y(w) = argmin_{y in Y} <w, y>``. Forward:
+    ``y = solver(w)``, exactly. Backward, for the upstream gradient ``g = dL/dy``::
+
+        w' = w + lambda_ * g
+        grad_w = -(y(w) - y(w')) / lambda_
+
+    the gradient of a piecewise-linear interpolation of ``L(y(w))`` (the paper's
+    Algorithm 1). `lambda_` trades the interpolation's faithfulness (small) against how far
+    it sees (large); tune it to the scale of the costs. With
+    ``maximize=True`` the solver maximises ``<w, y>`` and the formula is applied to ``-w``:
+    ``w' = w - lambda_ * g`` and ``grad_w = (y(w) - y(w')) / lambda_``.
+
+    Example::
+
+        shortest_path = blackbox_solver(dijkstra, lambda_=20.0, instance_dims=2, numpy=True)
+        path = shortest_path(costs)              # costs: (batch, H, W); path: 0/1 masks
+        loss = (path - true_path).abs().sum()    # Hamming loss, as in the paper
+        loss.backward()
+
+    Args:
+        solver: the solver: one instance (or, with `batched`, a stack) in, the solution in the
+            same shape out (an indicator vector or mask, a rank vector, ...).
+        lambda_: the interpolation strength, > 0.
+        instance_dims: the trailing dimensions of one instance (default 1).
+        batched: the solver takes a stack of instances (first axis) and returns a stack.
+        numpy: call the solver with numpy arrays instead of tensors.
+        maximize: the solver maximises ``<w, y>`` instead of minimising it.
+
+    Returns (when called): the solutions, shape of the input, in its dtype and device.
+    """
+
+    solver: Solver
+    lambda_: float
+    instance_dims: int = 1
+    batched: bool = False
+    numpy: bool = False
+    maximize: bool = False
+
+    def __post_init__(self) -> None:
+        self._check_common()
+        if not (isinstance(self.lambda_, int | float) and self.lambda_ > 0):
+            msg = (
+                f"blackbox_solver needs `lambda_` to be a number > 0 (the interpolation "
+                f"strength of Vlastelica et al.), got {self.lambda_!r}."
+            )
+            raise GradOverrideError(msg)
+
+    def _solve_same_shape(self, w: Tensor) -> Tensor:
+        y = self._solve(w)
+        if y.shape != w.shape:
+            _, instance = self._split(w)
+            msg = (
+                f"the solver `{self._solver_repr()}` of {self!r} returned solutions of shape "
+                f"{tuple(y.shape[len(w.shape) - self.instance_dims:])} for instances of shape "
+                f"{instance}; the interpolation gradient needs a solution y in the space of "
+                "the costs w (the objective is <w, y>), so of the same shape."
+            )
+            raise GradOverrideError(msg)
+        return y
+
+    def __call__(self, w: Tensor, /) -> Tensor:
+        return _call_interpolated(w, self)
+
+    def __repr__(self) -> str:
+        return (
+            f"blackbox_solver({self._solver_repr()}, lambda_={self.lambda_!r}, "
+            f"instance_dims={self.instance_dims!r}, batched={self.batched!r}, "
+            f"numpy={self.numpy!r}, maximize={self.maximize!r})"
+        )
+
+
+# ---- Berthet et al. -------------------------------------------------------------------------
+
+_NOISES = ("normal", "gumbel")
+
+
+@custom_backward(residuals=("solutions", "score"))
+def _perturbed(theta: Tensor, recipe: perturbed_optimizer) -> Any:
+    noise, score = recipe._noise(theta)
+    solutions = recipe._solve(theta.detach().unsqueeze(0) + recipe.sigma * noise)
+    return solutions.mean(0), {"solutions": solutions, "score": score}
+
+
+@_perturbed.backward(once_differentiable=True)
+def _(
+    grad: Tensor, *, theta: Tensor, recipe: perturbed_optimizer, solutions: Tensor,
+    score: Tensor,
+) -> Tensor:
+    # (samples, *batch): <y(theta + sigma Z_n), g> per sample and instance.
+    batch_dims = theta.ndim - recipe.instance_dims
+    out_dims = tuple(range(1 + batch_dims, solutions.ndim))
+    projection = solutions * grad.unsqueeze(0)
+    if out_dims:  # (`sum(dim=())` would sum everything)
+        projection = projection.sum(dim=out_dims)
+    projection = projection.reshape(*projection.shape, *([1] * recipe.instance_dims))
+    return (projection * score).mean(0) / recipe.sigma
+
+
+@dataclass(frozen=True, repr=False)
+class perturbed_optimizer(_SolverRecipe):
+    """A solver made smooth by random perturbations of its input (Berthet et al., 2020).
+
+    The perturbed optimizer of "Learning with Differentiable Perturbed Optimizers" (NeurIPS
+    2020): the solutions are averaged over random perturbations of the input.
+
+    Forward, with ``Z_1..Z_M`` drawn from the noise (M = `samples`)::
+
+        y_sigma(theta) = mean_m  solver(theta + sigma * Z_m)
+
+    Backward, from the same samples (no further solver call), for the upstream ``g``::
+
+        grad_theta = mean_m  <solver(theta + sigma Z_m), g> * grad_nu(Z_m) / sigma
+
+    where ``grad_nu`` is the gradient of the noise's negative log-density: ``Z`` for
+    ``noise="normal"``, ``1 - exp(-Z)`` for ``noise="gumbel"`` (paper, section 3). This is
+    an unbiased estimate of the Jacobian of the expectation, for any solver; for an argmax
+    solver with Gumbel noise, ``y_sigma`` is ``softmax(theta / sigma)``. Defaults match the
+    reference implementation (google-research/perturbations): ``sigma=0.05``,
+    ``samples=1000``, normal noise. The solver's output may have any shape per instance (a
+    solution, or the optimal value).
+
+    Example::
+
+        ranks = perturbed_optimizer(rank, sigma=0.1, samples=100, noise="gumbel")
+        soft_ranks = ranks(scores)               # scores: (batch, n)
+
+    Args:
+        solver: the solver: one instance (or, with `batched`, a stack) in, a solution out.
+        sigma: the noise scale, > 0.
+        samples: the number of perturbations M (default 1000).
+        noise: ``"normal"`` (default) or ``"gumbel"``.
+        seed: a seed for the noise; each call then draws the same perturbations.
+        generator: a `torch.Generator` to draw from instead (its state advances).
+            With neither, torch's global RNG is used.
+        instance_dims: the trailing dimensions of one instance (default 1).
+        batched: the solver takes a stack of instances (first axis) and returns a stack; it
+            then gets all ``samples * batch`` perturbed instances in one call.
+        numpy: call the solver with numpy arrays instead of tensors.
+
+    Returns (when called): the mean solution, shape ``(*batch, *solution)``, in the input's
+    dtype and device. It keeps ``samples`` solutions and noise gradients for backward.
+    """
+
+    solver: Solver
+    sigma: float = 0.05
+    samples: int = 1000
+    noise: Literal["normal", "gumbel"] = "normal"
+    seed: int | None = None
+    generator: torch.Generator | None = None
+    instance_dims: int = 1
+    batched: bool = False
+    numpy: bool = False
+
+    def __post_init__(self) -> None:
+        self._check_common()
+        if not (isinstance(self.sigma, int | float) and self.sigma > 0):
+            msg = f"perturbed_optimizer needs `sigma` to be a number > 0, got {self.sigma!r}."
+            raise GradOverrideError(msg)
+        if not (isinstance(self.samples, int) and self.samples > 0):
+            msg = (
+                f"perturbed_optimizer needs `samples` to be a positive int, got "
+                f"{self.samples!r}."
+            )
+            raise GradOverrideError(msg)
+        if self.noise not in _NOISES:
+            msg = (
+                f"perturbed_optimizer got noise={self.noise!r}; the noises are "
+                f"{', '.join(repr(n) for n in _NOISES)}."
+            )
+            raise GradOverrideError(msg)
+        if self.seed is not None and self.generator is not None:
+            msg = (
+                "perturbed_optimizer takes a `seed` or a `generator`, not both: a seed draws "
+                "the same perturbations at every call; a generator continues its stream."
+            )
+            raise GradOverrideError(msg)
+
+    def _noise(self, theta: Tensor) -> tuple[Tensor, Tensor]:
+        """Noise ``Z`` of shape ``(samples, *theta.shape)`` and ``grad_nu(Z)``, drawn on the
+        generator's device (CPU for a seed or the global RNG) in float64 for a float64 input,
+        else float32, then moved to `theta`'s device and dtype."""
+        generator = self.generator
+        if self.seed is not None:
+            generator = torch.Generator().manual_seed(self.seed)
+        device = generator.device if generator is not None else torch.device("cpu")
+        kind = torch.float64 if theta.dtype == torch.float64 else torch.float32
+        shape = (self.samples, *theta.shape)
+        if self.noise == "normal":
+            noise = torch.randn(shape, generator=generator, device=device, dtype=kind)
+            score = noise
+        else:
+            # -log(E) with E ~ Exp(1) is a standard Gumbel variable.
+            exponential = torch.empty(shape, device=device, dtype=kind)
+            exponential.exponential_(generator=generator)
+            noise = -torch.log(exponential)
+            score = 1.0 - exponential  # 1 - exp(-Z)
+        return (
+            noise.to(device=theta.device, dtype=theta.dtype),
+            score.to(device=theta.device, dtype=theta.dtype),
+        )
+
+    def __call__(self, theta: Tensor, /) -> Tensor:
+        return _call_perturbed(theta, self)
+
+    def __repr__(self) -> str:
+        generator = "" if self.generator is None else ", generator=<torch.Generator>"
+        return (
+            f"perturbed_optimizer({self._solver_repr()}, sigma={self.sigma!r}, "
+            f"samples={self.samples!r}, noise={self.noise!r}, seed={self.seed!r}"
+            f"{generator}, instance_dims={self.instance_dims!r}, batched={self.batched!r}, "
+            f"numpy={self.numpy!r})"
+        )
+
+
+_call_interpolated = _eager(_interpolated, "blackbox_solver")
+_call_perturbed = _eager(_perturbed, "perturbed_optimizer")
