@@ -12,18 +12,32 @@
         return grad * (x.abs() <= 1)
 """
 
+from ._bridge import Bridge, bridge, finite_differences, spsa
 from ._decorators import CustomBackward, CustomBackwardModule, custom_backward
 from ._errors import GradOverrideError, GradOverrideTypeError
+from ._hooks import HookHandle, grad_hook
+from ._module import Module, OverrideHandle, override_backward
 from ._rule import RESERVED_NAMES
+from ._straight_through import straight_through
 
 __version__ = "0.1.0"
 
 __all__ = [
     "RESERVED_NAMES",
+    "Bridge",
     "CustomBackward",
     "CustomBackwardModule",
     "GradOverrideError",
     "GradOverrideTypeError",
+    "HookHandle",
+    "Module",
+    "OverrideHandle",
     "__version__",
+    "bridge",
     "custom_backward",
+    "finite_differences",
+    "grad_hook",
+    "override_backward",
+    "spsa",
+    "straight_through",
 ]

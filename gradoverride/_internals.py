@@ -15,6 +15,15 @@ path gives the same gradients.
   `tests/test_internals.py` checks. While compiling or under a transform callers use
   `cls.apply`, so dynamo and functorch see exactly what they expect.
 * `any_autocast_enabled()`: one C call instead of one per device type (dynamo folds it).
+
+Private torch pieces used elsewhere, each with a test that fails if it goes missing:
+
+* `torch.nn.utils.stateless._reparametrize_module` (`_module.py`): what
+  `torch.func.functional_call` is built on; lets a module rule see the parameters the forward
+  saw. Without it, only partial ownership of parameters is refused, with a clear error.
+* `torch.ops.aten._softmax_backward_data` (`recipes/_discrete.py`), with a written-out fallback.
+* `torch._assert_async` (`recipes/_flow.py`, `sanitize_grad(mode="raise")` under compile).
+* `torch.utils._pytree`: flattening container inputs and outputs (also used by torch.func).
 """
 
 from __future__ import annotations

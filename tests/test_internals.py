@@ -145,3 +145,13 @@ def test_vjp_fn_with_dead_wrappers_is_differentiable(
     gx, ggy = torch.autograd.grad(result, (x, gy), torch.ones_like(result))
     torch.testing.assert_close(gx, (-gy * x.sin()).detach())
     torch.testing.assert_close(ggy, x.detach().cos())
+
+
+def test_private_pieces_used_by_modules_and_recipes_exist() -> None:
+    # Listed in gradoverride/_internals.py; each has a fallback or a clear error, but a torch
+    # upgrade that removes one should fail here first.
+    from torch.nn.utils.stateless import _reparametrize_module
+
+    assert callable(_reparametrize_module)
+    assert callable(torch._assert_async)
+    assert hasattr(torch.ops.aten, "_softmax_backward_data")

@@ -6,5 +6,57 @@ Every recipe is a small frozen object with a readable repr, callable on tensors,
 """
 
 from ._base import GradientTransform, Recipe, RecipeModule
+from ._discrete import gumbel_softmax, ste_argmax
+from ._flow import (
+    ScaledGradientModule,
+    clip_grad_norm,
+    clip_grad_value,
+    ganin_ramp,
+    reverse_grad,
+    sanitize_grad,
+    scale_grad,
+)
+from ._solvers import blackbox_solver, perturbed_optimizer
+from ._ste import (
+    LearnedStepQuantizer,
+    binarize,
+    lsq,
+    quantize,
+    ste_ceil,
+    ste_clamp,
+    ste_floor,
+    ste_round,
+    ste_sign,
+    ternarize,
+)
+from ._surrogate import SPIKE_PRESETS, SURROGATES, spike
 
-__all__ = ["GradientTransform", "Recipe", "RecipeModule"]
+__all__ = [
+    "SPIKE_PRESETS",
+    "SURROGATES",
+    "GradientTransform",
+    "LearnedStepQuantizer",
+    "Recipe",
+    "RecipeModule",
+    "ScaledGradientModule",
+    "binarize",
+    "blackbox_solver",
+    "clip_grad_norm",
+    "clip_grad_value",
+    "ganin_ramp",
+    "gumbel_softmax",
+    "lsq",
+    "perturbed_optimizer",
+    "quantize",
+    "reverse_grad",
+    "sanitize_grad",
+    "scale_grad",
+    "spike",
+    "ste_argmax",
+    "ste_ceil",
+    "ste_clamp",
+    "ste_floor",
+    "ste_round",
+    "ste_sign",
+    "ternarize",
+]
