@@ -192,6 +192,30 @@ def generate(
                 f"                result = check_gradient(result, {meta_of(i)}, op, {names[i]!r})",
                 f"            return {_tuple(out)}",
             ]
+        # A tuple with one entry per parameter (`return grad_x, None`), checked entry by entry.
+        entries = [f"r{i}" for i in range(n)]
+        lines += [
+            f"    if type(result) is tuple and len(result) == {n}:",
+            f"        {_tuple(entries)} = result",
+        ]
+        for i in range(n):
+            if i in saved_slot:
+                saved_x = f"s{saved_slot[i]}"
+                mismatch = (
+                    f"r{i}.shape != {saved_x}.shape or r{i}.dtype != {saved_x}.dtype "
+                    f"or r{i}.device != {saved_x}.device"
+                )
+            else:
+                mismatch = (
+                    f"r{i}.shape != m{i}[0] or r{i}.dtype != m{i}[1] or r{i}.device != m{i}[2]"
+                )
+            lines += [
+                f"        if r{i} is not None:",
+                f"            if m{i} is None or not isinstance(r{i}, Tensor) or {mismatch}:",
+                f"                r{i} = check_gradient(r{i}, "
+                f"{full_meta(i)}, op, {names[i]!r})",
+            ]
+        lines.append(f"        return (None, {', '.join(entries)}{',' if n == 1 else ''})")
     lines += [
         "    return (None, *flat_gradients(result, op=op, names=names, owned=owned, "
         f"layout=None, meta={_tuple([full_meta(i) for i in range(n)])}))",
