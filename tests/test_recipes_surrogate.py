@@ -198,9 +198,9 @@ def test_presets_are_spikes_with_the_stated_conventions() -> None:
         (lambda: R.spike("tanh"), go.GradOverrideError,
          r"spike: unknown surrogate 'tanh'; choose one of 'arctan', 'sigmoid', "),
         (lambda: R.spike(alpha=0.0), go.GradOverrideError,
-         r"spike\(surrogate='arctan'\): `alpha` must be a positive finite number; got 0\.0\."),
+         r"spike\(surrogate='arctan'\): `alpha` must be a positive finite number; got float 0\.0\."),
         (lambda: R.spike(scale=math.inf), go.GradOverrideError,
-         r"`scale` must be a positive finite number; got inf\."),
+         r"`scale` must be a positive finite number; got float inf\."),
         (lambda: R.spike(at_zero=2.0), go.GradOverrideError,
          r"spike: `at_zero`, the step's value at x == 0, must be a number from 0 to 1 \(0: "
          r"spike when x > 0; 1: when x >= 0\); got 2\.0\."),

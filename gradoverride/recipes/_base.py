@@ -22,11 +22,13 @@ Two kinds:
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 from torch import Tensor, nn
 
 from .._decorators import custom_backward
+from .._errors import GradOverrideError
 
 __all__ = ["GradientTransform", "Recipe", "RecipeModule"]
 
@@ -86,6 +88,23 @@ class RecipeModule(nn.Module):
 
     def __repr__(self) -> str:
         return repr(self.recipe)
+
+
+def positive_number(recipe: str, name: str, value: object, hint: str = "") -> float:
+    """`value` as a float if it is a positive finite number, else a GradOverrideError naming
+    the recipe and the argument (`hint`, if given, ends the message with the fix)."""
+    if (
+        not isinstance(value, (int, float))
+        or isinstance(value, bool)
+        or not math.isfinite(value)
+        or value <= 0
+    ):
+        msg = (
+            f"{recipe}: `{name}` must be a positive finite number; got "
+            f"{type(value).__name__} {value!r}.{' ' + hint if hint else ''}"
+        )
+        raise GradOverrideError(msg)
+    return float(value)
 
 
 def keep_dtype(value: Tensor, like: Tensor) -> Tensor:

@@ -8,7 +8,6 @@ without computing the soft value in the forward graph or keeping two graphs aliv
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -17,7 +16,7 @@ from torch import Tensor
 
 from .._decorators import custom_backward
 from .._errors import GradOverrideError, GradOverrideTypeError
-from ._base import Recipe
+from ._base import Recipe, positive_number
 
 __all__ = ["gumbel_softmax", "ste_argmax"]
 
@@ -52,19 +51,10 @@ def _one_hot_argmax(scores: Tensor, dim: int, dtype: torch.dtype) -> Tensor:
 
 
 def _check_temperature(recipe: str, value: object) -> float:
-    if (
-        not isinstance(value, (int, float))
-        or isinstance(value, bool)
-        or not math.isfinite(value)
-        or value <= 0
-    ):
-        msg = (
-            f"{recipe}: `temperature` must be a positive finite number; got "
-            f"{type(value).__name__} {value!r}. Use a small positive value (say 0.1) for "
-            "samples close to one-hot."
-        )
-        raise GradOverrideError(msg)
-    return float(value)
+    return positive_number(
+        recipe, "temperature", value,
+        "Use a small positive value (say 0.1) for samples close to one-hot.",
+    )
 
 
 def _check_dim(recipe: str, dim: object) -> int:

@@ -30,7 +30,7 @@ from .._straight_through import (
     window_gradient,
     window_mask,
 )
-from ._base import Recipe
+from ._base import Recipe, positive_number
 
 __all__ = [
     "LearnedStepQuantizer",
@@ -137,21 +137,6 @@ def _check_int(recipe: str, name: str, value: object, low: int, high: int) -> in
         )
         raise GradOverrideError(msg)
     return value
-
-
-def _check_positive(recipe: str, name: str, value: object) -> float:
-    if (
-        not isinstance(value, (int, float))
-        or isinstance(value, bool)
-        or not math.isfinite(value)
-        or value <= 0
-    ):
-        msg = (
-            f"{recipe}: `{name}` must be a positive finite number; got "
-            f"{type(value).__name__} {value!r}."
-        )
-        raise GradOverrideError(msg)
-    return float(value)
 
 
 def _set(obj: object, name: str, value: Any) -> None:
@@ -387,7 +372,7 @@ class quantize(Recipe):
                         ", or `symmetric=False` for an asymmetric (low, high) range."
                     )
                     raise GradOverrideError(msg)
-                _check_positive("quantize", "bound", self.bound)
+                positive_number("quantize", "bound", self.bound)
         else:
             _set(self, "_codes", (0, 2**bits - 1))
             if self.bound is not None:
@@ -503,7 +488,7 @@ class lsq(Recipe):
     def __post_init__(self) -> None:
         bits = _check_int("lsq", "bits", self.bits, 2 if self.signed else 1, 16)
         if self.grad_scale is not None:
-            _check_positive("lsq", "grad_scale", self.grad_scale)
+            positive_number("lsq", "grad_scale", self.grad_scale)
         if self.signed:
             _set(self, "code_range", (2 ** (bits - 1), 2 ** (bits - 1) - 1))
         else:

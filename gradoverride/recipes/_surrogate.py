@@ -33,7 +33,7 @@ from torch import Tensor
 from .._decorators import custom_backward
 from .._errors import GradOverrideError, GradOverrideTypeError
 from .._internals import transforms_active
-from ._base import Recipe
+from ._base import Recipe, positive_number
 
 __all__ = ["SPIKE_PRESETS", "SURROGATES", "spike"]
 
@@ -254,17 +254,7 @@ class spike(Recipe):
         default = _SHAPES[name][2]
         alpha = default if self.alpha is None else self.alpha
         for arg, value in (("alpha", alpha), ("scale", self.scale)):
-            if (
-                not isinstance(value, (int, float))
-                or isinstance(value, bool)
-                or not math.isfinite(value)
-                or value <= 0
-            ):
-                msg = (
-                    f"spike(surrogate={self.surrogate!r}): `{arg}` must be a positive finite "
-                    f"number; got {value!r}."
-                )
-                raise GradOverrideError(msg)
+            positive_number(f"spike(surrogate={self.surrogate!r})", arg, value)
         at_zero = self.at_zero
         if (
             not isinstance(at_zero, (int, float))
