@@ -198,7 +198,8 @@ def test_presets_are_spikes_with_the_stated_conventions() -> None:
         (lambda: R.spike("tanh"), go.GradOverrideError,
          r"spike: unknown surrogate 'tanh'; choose one of 'arctan', 'sigmoid', "),
         (lambda: R.spike(alpha=0.0), go.GradOverrideError,
-         r"spike\(surrogate='arctan'\): `alpha` must be a positive finite number; got float 0\.0\."),
+         r"spike\(surrogate='arctan'\): `alpha` must be a positive finite number; "
+         r"got float 0\.0\."),
         (lambda: R.spike(scale=math.inf), go.GradOverrideError,
          r"`scale` must be a positive finite number; got float inf\."),
         (lambda: R.spike(at_zero=2.0), go.GradOverrideError,
