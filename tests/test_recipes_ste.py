@@ -19,6 +19,7 @@ from torch.func import vmap
 
 import gradoverride as go
 from gradoverride import recipes as R
+from gradoverride.testing import assert_consistent
 from gradoverride.testing import strategies as gst
 
 EDGES = (0.0, -0.0, 1.0, -1.0, 0.5, -0.5, 1.5, -1.5)
@@ -330,15 +331,7 @@ def test_every_recipe_compiles_with_fullgraph_and_matches_eager() -> None:
             total = total + (recipe(x) * w).sum()
         return total
 
-    torch._dynamo.reset()
-    eager_in = (x0.clone().requires_grad_(), s0.clone().requires_grad_())
-    eager = torch.autograd.grad(loss(*eager_in), eager_in)
-    compiled_in = (x0.clone().requires_grad_(), s0.clone().requires_grad_())
-    compiled = torch.compile(loss, backend="aot_eager", fullgraph=True)
-    got = torch.autograd.grad(compiled(*compiled_in), compiled_in)
-    torch._dynamo.reset()
-    for a, b in zip(got, eager, strict=True):
-        torch.testing.assert_close(a, b)
+    assert_consistent(loss, x0, s0, modes=("compile",))
 
 
 @pytest.mark.parametrize(

@@ -16,6 +16,7 @@ from torch.func import grad as func_grad
 from torch.func import vmap
 
 import gradoverride as go
+from gradoverride.testing import assert_consistent
 from gradoverride.testing import strategies as gst
 
 EDGES = (0.0, -0.0, 1.0, -1.0, 0.5, -0.5, 2.0)
@@ -291,14 +292,7 @@ def test_every_form_compiles_with_fullgraph_and_matches_eager() -> None:
     def loss(x: torch.Tensor) -> torch.Tensor:
         return sum(((op(x) * w).sum() for op in ops), torch.zeros(()))
 
-    torch._dynamo.reset()
-    eager_x = x0.clone().requires_grad_()
-    (eager,) = torch.autograd.grad(loss(eager_x), eager_x)
-    compiled_x = x0.clone().requires_grad_()
-    compiled = torch.compile(loss, backend="aot_eager", fullgraph=True)
-    (got,) = torch.autograd.grad(compiled(compiled_x), compiled_x)
-    torch._dynamo.reset()
-    torch.testing.assert_close(got, eager)
+    assert_consistent(loss, x0, modes=("compile",))
 
 
 @pytest.mark.parametrize("op", [sign_ste, sign_clip, sign_clip_mask_sym, step_tanh, step_dtanh])
