@@ -19,18 +19,7 @@ import gradoverride as go
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _timing import compare
-
-
-class ReverseFunction(torch.autograd.Function):
-    """Gradient reversal written by hand (the cheapest way to do it)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        return -grad
+from flow import ReverseFunction  # the same hand-written baseline as benchmarks/flow.py
 
 
 class Scale(go.Module):

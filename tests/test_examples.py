@@ -123,3 +123,10 @@ def test_ste_benchmark_quick() -> None:
     assert re.search(r"^\s*go\.straight_through\s+[0-9.]+ ms\s+ratio to idiom [0-9.]+\s+"
                      r"saved bytes 0\s*$", out, re.M), out
     assert re.search(r"keep='mask'.*held for backward", out), out
+
+
+def test_modules_benchmark_quick() -> None:
+    out = _run("benchmarks/modules.py", "--quick").stdout
+    assert re.search(r"go\.grad_hook\(at='inputs'\)\s+[\d.]+ us\s+ratio [\d.]+", out), out
+    assert re.search(r"register_full_backward_hook\s+[\d.]+ us\s+ratio [\d.]+", out), out
+    assert re.search(r"go\.Module\s+[\d.]+ us\s+ratio [\d.]+", out), out
