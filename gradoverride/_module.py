@@ -70,6 +70,16 @@ def _parameters_as(
         yield
 
 
+class _ParameterIds:
+    """The identities of the parameters a call passed in (not a tuple, so the op does not
+    treat it as a container to flatten)."""
+
+    __slots__ = ("ids",)
+
+    def __init__(self, params: tuple[Tensor, ...]) -> None:
+        self.ids = tuple(id(p) for p in params)
+
+
 class _ModuleRule:
     """A module rule read once: its calling convention, the names it asks for, what it owns."""
 
@@ -157,10 +167,10 @@ class _ModuleRule:
         )
 
         def module_forward(
-            module: nn.Module, ids: tuple[int, ...], *rest: Any, **kwargs: Any
+            module: nn.Module, ids: _ParameterIds, *rest: Any, **kwargs: Any
         ) -> Any:
             params, args = rest[:k], rest[k:]
-            if all(id(p) == i for p, i in zip(params, ids, strict=True)):
+            if all(id(p) == i for p, i in zip(params, ids.ids, strict=True)):
                 return forward(module, *args, **kwargs)  # the module's own parameters
             # Owned parameters arrive detached (partial override), or others under a
             # transform: the forward must see these.
@@ -226,7 +236,7 @@ class _ModuleRule:
         params = dict(module.named_parameters())
         values = tuple(params.values())
         op = self.op_for(tuple(params))
-        return op(module, tuple(id(p) for p in values), *values, *args, **kwargs)
+        return op(module, _ParameterIds(values), *values, *args, **kwargs)
 
     def check_names(self, module: nn.Module) -> None:
         """Check the names the rule uses against `module`'s parameters (once it has them)."""
@@ -367,6 +377,9 @@ def _translate(
             )
             raise GradOverrideError(msg)
         out.setdefault(slot_of[name], None)
+    if all(name in out for name in owned_inputs):
+        # A tuple aligned with the op's parameters takes the core's fast checks.
+        return (None, None, *(out.get(slot_of[n]) for n in names), *(out.get(n) for n in inputs))
     # Inputs left out of a dict stay out, so the core reports an owned one by name.
     return out
 
