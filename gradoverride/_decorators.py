@@ -123,7 +123,8 @@ class CustomBackward(Generic[P, R]):
                 its result again then raises `GradOverrideError` (in eager mode and under
                 `torch.func`) instead of silently giving zeros.
             materialize_grads: when an output is unused by the loss, pass the rule a zero
-                gradient for it (True, PyTorch's default) or `None` (False).
+                gradient for it (True, PyTorch's default) or `None` (False). A compiled
+                backward may pass zeros even with False (AOTAutograd materializes them).
 
         Returns:
             The rule itself, unchanged, so it can still be called and tested on its own.

@@ -24,7 +24,6 @@ hand-written classic Function on small tensors) is measured by `benchmarks/overh
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -560,13 +559,18 @@ def _call_rule(
 ) -> Any:
     """Call a rule under the forward's autocast state (as `torch.amp.custom_bwd` does), without
     recording a graph when it is once-differentiable; a failure gets `note` and propagates."""
+    # Plain `with` statements, not an ExitStack: dynamo traces these, not ExitStack.
     try:
-        with contextlib.ExitStack() as stack:
-            if autocast is not None:
-                device_type, dtype, enabled = autocast
-                stack.enter_context(torch.autocast(device_type, dtype=dtype, enabled=enabled))
+        if autocast is None:
             if once:
-                stack.enter_context(torch.no_grad())
+                with torch.no_grad():
+                    return rule(*grads, **kwargs)
+            return rule(*grads, **kwargs)
+        device_type, dtype, enabled = autocast
+        with torch.autocast(device_type, dtype=dtype, enabled=enabled):
+            if once:
+                with torch.no_grad():
+                    return rule(*grads, **kwargs)
             return rule(*grads, **kwargs)
     except GradOverrideError:
         raise

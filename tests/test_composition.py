@@ -419,3 +419,75 @@ def test_two_threads_forward_backward(op_kind: str) -> None:
     assert not any(t.is_alive() for t in threads)
     if errors:
         raise errors[0]
+
+
+# ---- every other form compiles with fullgraph=True too --------------------------------------
+
+
+@go.custom_backward
+def _once_sin(x: torch.Tensor) -> torch.Tensor:
+    return x.sin()
+
+
+@_once_sin.backward(once_differentiable=True)
+def _(grad: torch.Tensor, *, x: torch.Tensor) -> torch.Tensor:
+    return grad * x.cos()
+
+
+@go.custom_backward
+def _dict_out(x: torch.Tensor) -> dict[str, torch.Tensor]:
+    return {"a": x * 2, "b": x.exp()}
+
+
+@_dict_out.backward
+def _(grad: dict[str, torch.Tensor], *, output: dict[str, torch.Tensor]) -> torch.Tensor:
+    return grad["a"] * 2 + grad["b"] * output["b"]
+
+
+_sign = go.custom_backward(torch.sign, backward=lambda grad, *, input: grad * (input.abs() <= 1))
+
+
+@go.custom_backward(materialize_grads=False)
+def _two(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return x * 2, x * 3
+
+
+@_two.backward
+def _(g1: torch.Tensor | None, g2: torch.Tensor | None) -> Any:
+    # Eager sends None for the unused second output; a compiled backward sends zeros
+    # (AOTAutograd materializes them), as the README says, so accept both.
+    total = 0 if g1 is None else g1 * 2
+    return total if g2 is None else total + g2 * 3
+
+
+@go.custom_backward
+def _scaled(x: torch.Tensor, *, scale: float = 2.0) -> torch.Tensor:
+    return x * scale
+
+
+@_scaled.backward
+def _(grad: torch.Tensor, *, scale: float) -> torch.Tensor:
+    return grad * scale
+
+
+def _under_autocast(x: torch.Tensor) -> torch.Tensor:
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        return _once_sin(x).float()
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize(
+    "fn",
+    [
+        _once_sin,
+        lambda x: _dict_out(x)["a"] + _dict_out(x)["b"],
+        _sign,
+        lambda x: _two(x)[0],
+        lambda x: _scaled(x, scale=3.0),
+        _under_autocast,
+    ],
+    ids=["once_differentiable", "dict_output", "builtin", "materialize_false", "keyword_only",
+         "autocast"],
+)
+def test_other_forms_compile_with_fullgraph(fn: Any) -> None:
+    assert_consistent(fn, torch.linspace(-2.0, 2.0, 7), modes=("compile",))
