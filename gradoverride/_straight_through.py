@@ -127,13 +127,28 @@ def window_outside(x: Tensor, low: float, high: float) -> Tensor:
     return (x < low) | (x > high)
 
 
+def _rounded_now(value: float, dtype: torch.dtype) -> float:
+    """`value` rounded to `dtype`, as a Python float."""
+    return float(torch.tensor(value, dtype=torch.float64).to(dtype).item())
+
+
+# Under dynamo this runs at trace time and its result is a constant (no `.item()` traced).
+_assume_constant: Callable[[Any], Any] = torch.compiler.assume_constant_result
+_rounded: Callable[[float, torch.dtype], float] = _assume_constant(_rounded_now)
+
+
 def _inside(x: Tensor, low: float, high: float) -> Tensor:
-    """1 where `low <= x <= high`, else 0, in x's dtype, without comparisons."""
+    """1 where `low <= x <= high`, else 0, in x's dtype, without comparisons.
+
+    The bounds are first rounded to x's dtype, as eager mode's comparisons do: Inductor
+    computes float16 arithmetic in float32 with the Python constant unrounded, which would
+    put an input equal to the rounded bound (0.3 rounds up in float16) outside."""
+    high = _rounded(high, x.dtype)
     if low == -high:
         return torch.sign(torch.sign(high - x.abs()) + 1)
     inside = torch.sign(torch.sign(high - x) + 1)
     if not math.isinf(low):
-        inside = inside * torch.sign(torch.sign(x - low) + 1)
+        inside = inside * torch.sign(torch.sign(x - _rounded(low, x.dtype)) + 1)
     return inside
 
 

@@ -209,3 +209,12 @@ def test_the_fused_softmax_backward_is_found_and_matches_the_formula() -> None:
     fused = _discrete._softmax_grad(g, soft, -1, 0.5)
     written = soft * (g - (g * soft).sum(-1, keepdim=True)) / 0.5
     torch.testing.assert_close(fused, written)
+
+
+def test_ste_argmax_gradient_is_finite_at_tiny_temperatures_and_large_logits() -> None:
+    for dtype, temperature in ((torch.float16, 1e-4), (torch.float32, 1e-38)):
+        x = torch.tensor([[10.0, 5.0, 0.0]], dtype=dtype, requires_grad=True)
+        R.ste_argmax(temperature=temperature)(x).backward(torch.tensor([[1.0, 2.0, 3.0]]).to(dtype))
+        assert x.grad is not None and x.grad.dtype == dtype
+        assert torch.isfinite(x.grad).all()  # the softmax is one-hot: its gradient is 0
+        torch.testing.assert_close(x.grad, torch.zeros(1, 3, dtype=dtype))

@@ -399,3 +399,9 @@ def test_scheduled_module_compiles_and_follows_its_step() -> None:
         torch.testing.assert_close(g, torch.full((3,), -expected))
         module.step()
     torch._dynamo.reset()
+
+
+def test_clip_grad_value_beyond_the_dtype_range_clamps_nothing() -> None:
+    g = torch.randn(4, dtype=torch.float16, requires_grad=True)
+    clip_grad_value(1e6)(g).sum().backward()
+    torch.testing.assert_close(g.grad, torch.ones(4, dtype=torch.float16))

@@ -115,10 +115,15 @@ def test_binarize_gradient_is_hardtanhs_away_from_the_bounds(x: torch.Tensor) ->
 # ---- ternarize ------------------------------------------------------------------------------
 
 
+def _work(x: torch.Tensor) -> torch.Tensor:
+    """x in float32 when it is float16/bfloat16: reductions and codes are computed there."""
+    return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+
+
 def _twn(x: torch.Tensor, factor: float, scaled: bool) -> torch.Tensor:
-    m = x.abs()
+    m = _work(x).abs()
     keep = m > m.mean() * factor
-    t = torch.sign(x) * keep
+    t = torch.sign(_work(x)) * keep
     if not scaled:
         return t.to(x.dtype)
     return (t * ((m * keep).sum() / keep.sum().clamp_min(1))).to(x.dtype)
@@ -151,7 +156,9 @@ def test_ternarize_threshold_and_scale_exactly() -> None:
 def _quantize_reference(
     x: torch.Tensor, bits: int, symmetric: bool, bound: Any
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The docstring's formula, step by step, in x's dtype: (y, gradient mask)."""
+    """The docstring's formula, step by step (in float32 for half inputs): (y, grad mask)."""
+    out_dtype = x.dtype
+    x = _work(x)
     if symmetric:
         qmax = 2 ** (bits - 1) - 1
         qmin = -qmax
@@ -166,12 +173,13 @@ def _quantize_reference(
             s = torch.where(span > 0, span, 1) / qmax
             z = torch.round(-lo / s).clamp(qmin, qmax)
         else:
-            s = torch.tensor((bound[1] - bound[0]) / qmax, dtype=torch.float64)
-            z = torch.tensor(float(min(max(round(-bound[0] / s.item()), qmin), qmax)))
+            low, high = min(bound[0], 0.0), max(bound[1], 0.0)  # the range includes 0
+            s = torch.tensor((high - low) / qmax, dtype=torch.float64)
+            z = torch.tensor(float(min(max(round(-low / s.item()), qmin), qmax)))
             s, z = s.item(), z.item()  # type: ignore[assignment]
     q = torch.round(x / s) + z
     inside = (q >= qmin) & (q <= qmax)
-    return ((q.clamp(qmin, qmax) - z) * s).to(x.dtype), inside
+    return ((q.clamp(qmin, qmax) - z) * s).to(out_dtype), inside
 
 
 QUANTIZERS = [
@@ -414,3 +422,36 @@ def test_brevitas_parity() -> None:
         ref_y, ref_g = _grad(theirs, x, g)
         assert torch.equal(y, ref_y), ours
         assert torch.equal(gx, ref_g), ours
+
+
+# ---- edge cases found in review --------------------------------------------------------------
+
+
+def test_ternarize_reduces_in_float32_for_half_inputs() -> None:
+    x = torch.full((2000,), 100.0, dtype=torch.float16)
+    x[::2] = -100
+    torch.testing.assert_close(R.ternarize()(x)[:4], torch.tensor([-100.0, 100, -100, 100]).half())
+    y = R.ternarize()(torch.full((100000,), 3.0, dtype=torch.bfloat16))
+    assert y[0].item() == 3.0
+
+
+def test_quantize_bound_without_zero_is_widened_to_include_it() -> None:
+    y = R.quantize(bits=4, symmetric=False, bound=(0.5, 1.0))(torch.tensor([0.0, 0.5, 0.75, 1.0]))
+    torch.testing.assert_close(y, torch.tensor([0.0, 7 / 15, 11 / 15, 1.0]))
+    assert y[-1] == 1.0  # the top of the stated range is not cut
+
+
+def test_quantize_16_bits_in_float16_does_not_overflow() -> None:
+    x = torch.linspace(-1, 1, 9, dtype=torch.float16)
+    y = R.quantize(bits=16, symmetric=False)(x)
+    assert y.dtype == torch.float16 and torch.isfinite(y).all()
+    torch.testing.assert_close(y, x, rtol=0, atol=1e-3)
+
+
+def test_lsq_survives_an_all_zero_first_input() -> None:
+    module = R.lsq(bits=4).module()
+    x = torch.zeros(4, requires_grad=True)
+    y = module(x)
+    y.sum().backward()
+    assert torch.isfinite(y).all() and module.step.item() > 0
+    assert module.step.grad is not None and torch.isfinite(module.step.grad).all()

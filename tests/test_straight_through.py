@@ -363,3 +363,16 @@ def test_valid_options_build(clip: Any, keep: Any) -> None:
     x = torch.tensor([1.0], requires_grad=True)
     op(x).sum().backward()
     assert x.grad is not None and x.grad.tolist() == [1.0]
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_clip_bound_rounded_to_the_dtype_alike_eager_and_inductor(dtype: torch.dtype) -> None:
+    # 0.3 rounds up in float16 and bfloat16: an input equal to the rounded bound is inside
+    # the window in eager mode and must be inside when compiled too.
+    @go.straight_through(clip=0.3)
+    def st(x: torch.Tensor) -> torch.Tensor:
+        return torch.sign(x)
+
+    x = torch.tensor([0.3, -0.3, 0.5], dtype=dtype)
+    assert_consistent(st, x, modes=("compile",), backend="inductor")

@@ -91,8 +91,13 @@ def _ste_argmax(x: Tensor, recipe: ste_argmax) -> Tensor:
 def _(grad: Tensor, *, x: Tensor, recipe: ste_argmax) -> Tensor:
     if recipe.backward == "identity":
         return grad
-    soft = torch.softmax(x / recipe.temperature if recipe.temperature != 1 else x, recipe.dim)
-    return _softmax_grad(grad, soft, recipe.dim, recipe.temperature)
+    # As in gumbel_softmax: in float32 for half inputs, shifted so the largest logit is 0
+    # before dividing by T, so a tiny T or large logits give -inf and 0, never inf - inf.
+    work = x.to(_compute_dtype(x.dtype))
+    shifted = work - work.amax(recipe.dim, keepdim=True)
+    temperature = recipe.temperature
+    soft = torch.softmax(shifted / temperature if temperature != 1 else shifted, recipe.dim)
+    return _softmax_grad(grad, soft, recipe.dim, temperature).to(x.dtype)
 
 
 @dataclass(frozen=True, repr=False)

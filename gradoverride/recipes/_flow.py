@@ -328,7 +328,10 @@ class clip_grad_value(GradientTransform):
 
     def transform(self, grad: Tensor) -> Tensor:
         """The upstream gradient clamped to ``[-clip_value, clip_value]``."""
-        return torch.clamp(grad, -self.clip_value, self.clip_value)
+        # A bound beyond the dtype's range clamps nothing there, and torch.clamp refuses a
+        # scalar the dtype cannot hold (1e6 for float16).
+        bound = min(float(self.clip_value), torch.finfo(grad.dtype).max)
+        return torch.clamp(grad, -bound, bound)
 
 
 Dims = int | tuple[int, ...] | None

@@ -294,10 +294,13 @@ class ternarize(Recipe):
     def _forward(self, x: Tensor) -> Tensor:
         if x.numel() == 0:
             return x.clone()
-        magnitude = x.abs()
+        # The threshold and the scale are reductions: in float32 for float16/bfloat16 inputs,
+        # where a sum over many elements overflows or loses its low digits.
+        work = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
+        magnitude = x.abs().to(work)
         delta = magnitude.mean() * self.delta_factor
         keep = magnitude > delta
-        ternary = torch.sign(x) * keep
+        ternary = torch.sign(x).to(work) * keep
         if not self.scaled:
             return ternary.to(x.dtype)
         count = keep.sum().clamp_min(1)
@@ -345,10 +348,13 @@ class quantize(Recipe):
       zero-centred range: [-127, 127] for 8 bits), s = B / (2^(b-1) - 1) with
       B = `bound`, or max|x| when `bound` is None (1 when x is all zero).
     * `symmetric=False`: codes 0 .. 2^b - 1, s = (hi - lo) / (2^b - 1),
-      z = clamp(round(-lo / s), 0, 2^b - 1) with (lo, hi) = `bound`, or
-      (min(min x, 0), max(max x, 0)) when None, so that 0 is exactly representable.
+      z = clamp(round(-lo / s), 0, 2^b - 1) with (lo, hi) = (min(low, 0), max(high, 0))
+      for `bound=(low, high)`, or (min(min x, 0), max(max x, 0)) when None: either way the
+      range includes 0, so that 0 is exactly representable (as PyTorch's observers do).
 
-    A range taken from x is a constant for the gradient. Computed in the input's dtype.
+    A range taken from x is a constant for the gradient. Codes are computed in float32 for
+    float16/bfloat16 inputs (which cannot hold every code: 65535 > float16's max), otherwise
+    in the input's dtype; the output has the input's dtype.
     """
 
     bits: int = 8
@@ -399,6 +405,9 @@ class quantize(Recipe):
             return torch.where(top > 0, top, 1) / qmax, 0.0
         if self.bound is not None:
             low, high = self.bound  # type: ignore[misc]
+            # Widened to include 0, which must be a code (as for PyTorch's observers and
+            # fake_quantize); otherwise the zero point would be clamped and cut the range.
+            low, high = min(low, 0.0), max(high, 0.0)
             s = (high - low) / qmax
             return s, float(min(max(round(-low / s), qmin), qmax))
         xd = x.detach()
@@ -409,6 +418,10 @@ class quantize(Recipe):
         return s_t, torch.round(-lo / s_t).clamp(qmin, qmax)
 
     def _codes_of(self, x: Tensor) -> tuple[Tensor, Tensor | float, Tensor | float]:
+        # Codes in float32 for float16/bfloat16 inputs: they cannot hold 2^b - 1 for large b
+        # (65535 > float16's max) nor every integer code exactly.
+        if x.dtype in (torch.float16, torch.bfloat16):
+            x = x.float()
         s, z = self.scale_and_zero_point(x)
         return torch.round(x / s) + z, s, z
 
@@ -477,7 +490,8 @@ class lsq(Recipe):
     shape (per channel) gets its gradient summed to its shape.
 
     `lsq(bits).module()` is an `nn.Module` holding `step` as a parameter, initialised from
-    the first input as 2 * mean(|x|) / sqrt(Qp) (the paper's initialisation).
+    the first input as 2 * mean(|x|) / sqrt(Qp) (the paper's initialisation; floored at the
+    dtype's smallest normal number, so an all-zero first input does not give step 0).
     """
 
     bits: int = 8
@@ -504,8 +518,12 @@ class lsq(Recipe):
         return _lsq(x, step, self)
 
     def init_step(self, x: Tensor) -> Tensor:
-        """The paper's initial step for `x`: 2 * mean(|x|) / sqrt(Qp)."""
-        return 2 * x.detach().abs().mean() / math.sqrt(self.code_range[1])
+        """The paper's initial step for `x`: 2 * mean(|x|) / sqrt(Qp), floored at the dtype's
+        smallest normal number so an all-zero first input (a zero-initialised weight, an
+        all-zero ReLU batch) does not give step 0, which makes x / step NaN for good."""
+        step = 2 * x.detach().abs().mean() / math.sqrt(self.code_range[1])
+        tiny = torch.finfo(x.dtype).tiny if x.dtype.is_floating_point else 1e-38
+        return step.clamp_min(tiny)
 
     def module(self, step: float | None = None) -> LearnedStepQuantizer:  # type: ignore[override]
         """An `nn.Module` with a learnable `step` (from the first input when None)."""
