@@ -5,6 +5,7 @@ temperatures; the generator makes noise reproducible."""
 from __future__ import annotations
 
 import math
+import re
 from typing import Any
 
 import pytest
@@ -218,3 +219,11 @@ def test_ste_argmax_gradient_is_finite_at_tiny_temperatures_and_large_logits() -
         assert x.grad is not None and x.grad.dtype == dtype
         assert torch.isfinite(x.grad).all()  # the softmax is one-hot: its gradient is 0
         torch.testing.assert_close(x.grad, torch.zeros(1, 3, dtype=dtype))
+
+
+def test_dim_out_of_range_names_the_valid_range() -> None:
+    with pytest.raises(go.GradOverrideError, match=re.escape(
+        "got a tensor with 2 dimensions (shape (2, 3)), so `dim=5` is out of range; pass a dim "
+        "in [-2, 1]."
+    )):
+        R.ste_argmax(dim=5)(torch.zeros(2, 3))

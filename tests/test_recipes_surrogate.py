@@ -269,3 +269,12 @@ def test_snntorch_sigmoid_nan_is_not_reproduced() -> None:
     _, ours = _grad(R.spike.preset("snntorch.sigmoid"), x, torch.ones(3))
     assert theirs.isnan().any()  # exp(25e4) overflows to inf / inf in snnTorch's formula
     assert torch.isfinite(ours).all() and ours[0] == 0 and ours[2] == 0
+
+
+def test_sigmoid_surrogate_keeps_its_tail_in_bfloat16() -> None:
+    x = torch.tensor([1.0, 2.0, 3.0], dtype=torch.bfloat16, requires_grad=True)
+    R.spike("sigmoid")(x).sum().backward()
+    a = 4.0  # the default alpha puts the peak at 1: a * s(ax) s(-ax) with s = 1
+    expected = a * torch.sigmoid(a * x.detach().double()) * torch.sigmoid(-a * x.detach().double())
+    assert x.grad is not None and (x.grad > 0).all()
+    torch.testing.assert_close(x.grad.double(), expected, rtol=2e-2, atol=0)

@@ -70,6 +70,13 @@ def _check_input(recipe: Recipe, x: object) -> Tensor:
         msg = f"{recipe!r} takes a floating-point tensor of scores; got {got}."
         raise GradOverrideTypeError(msg)
     dim = recipe.dim  # type: ignore[attr-defined]
+    if not -max(x.dim(), 1) <= dim < max(x.dim(), 1):
+        msg = (
+            f"{recipe!r} got a tensor with {x.dim()} dimensions (shape {tuple(x.shape)}), so "
+            f"`dim={dim}` is out of range; pass a dim in [{-max(x.dim(), 1)}, "
+            f"{max(x.dim(), 1) - 1}]."
+        )
+        raise GradOverrideError(msg)
     if x.dim() > 0 and x.shape[dim] == 0:
         msg = (
             f"{recipe!r} got a tensor with no entries along dim {dim} (shape "

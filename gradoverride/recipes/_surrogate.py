@@ -69,9 +69,10 @@ def _arctan(g: Tensor, x: Tensor, a: float, s: float) -> Tensor:
 
 
 def _sigmoid(g: Tensor, x: Tensor, a: float, s: float) -> Tensor:
-    # s * a * sigmoid(a x) * (1 - sigmoid(a x))
-    t = torch.sigmoid(x * a)
-    return _times(_times(torch.addcmul(t, t, t, value=-1), g), s * a)
+    # s * a * sigmoid(a x) * (1 - sigmoid(a x)), written sigmoid(a x) * sigmoid(-a x): the
+    # same value without the cancellation of t - t^2 near t = 1 (bfloat16 gave 0 for x > 1.4).
+    ax = x * a
+    return _times(_times(torch.sigmoid(ax) * torch.sigmoid(-ax), g), s * a)
 
 
 def _fast_sigmoid(g: Tensor, x: Tensor, a: float, s: float) -> Tensor:
