@@ -405,3 +405,11 @@ def test_clip_grad_value_beyond_the_dtype_range_clamps_nothing() -> None:
     g = torch.randn(4, dtype=torch.float16, requires_grad=True)
     clip_grad_value(1e6)(g).sum().backward()
     torch.testing.assert_close(g.grad, torch.ones(4, dtype=torch.float16))
+
+
+def test_ganin_ramp_refuses_a_boolean_step_count() -> None:
+    from gradoverride.recipes import ganin_ramp
+
+    expected = "ganin_ramp needs `total_steps` to be a positive int"
+    with pytest.raises(go.GradOverrideError, match=expected):
+        ganin_ramp(total_steps=True)  # type: ignore[arg-type]

@@ -324,3 +324,11 @@ def test_compile_runs_a_solver_call_as_a_graph_break() -> None:
     )):
         torch.compile(_ranked_loss, backend="aot_eager", fullgraph=True)(w)
     torch._dynamo.reset()
+
+
+def test_booleans_are_not_counts_or_strengths() -> None:
+    with pytest.raises(go.GradOverrideError, match="needs `lambda_` to be a number > 0"):
+        blackbox_solver(lambda s: s, lambda_=True)  # type: ignore[arg-type]
+    expected = "needs `samples` to be a positive int, got True"
+    with pytest.raises(go.GradOverrideError, match=expected):
+        perturbed_optimizer(lambda s: s, samples=True)  # type: ignore[arg-type]

@@ -75,7 +75,11 @@ class ganin_ramp:
     max_scale: float = 1.0
 
     def __post_init__(self) -> None:
-        if not (isinstance(self.total_steps, int) and self.total_steps > 0):
+        if not (
+            isinstance(self.total_steps, int)
+            and not isinstance(self.total_steps, bool)
+            and self.total_steps > 0
+        ):
             msg = (
                 f"ganin_ramp needs `total_steps` to be a positive int (the steps over which the "
                 f"progress p goes from 0 to 1), got {self.total_steps!r}."

@@ -191,7 +191,11 @@ class blackbox_solver(_SolverRecipe):
 
     def __post_init__(self) -> None:
         self._check_common()
-        if not (isinstance(self.lambda_, int | float) and self.lambda_ > 0):
+        if not (
+            isinstance(self.lambda_, int | float)
+            and not isinstance(self.lambda_, bool)
+            and self.lambda_ > 0
+        ):
             msg = (
                 f"blackbox_solver needs `lambda_` to be a number > 0 (the interpolation "
                 f"strength of Vlastelica et al.), got {self.lambda_!r}."
@@ -309,7 +313,11 @@ class perturbed_optimizer(_SolverRecipe):
         if not (isinstance(self.sigma, int | float) and self.sigma > 0):
             msg = f"perturbed_optimizer needs `sigma` to be a number > 0, got {self.sigma!r}."
             raise GradOverrideError(msg)
-        if not (isinstance(self.samples, int) and self.samples > 0):
+        if not (
+            isinstance(self.samples, int)
+            and not isinstance(self.samples, bool)
+            and self.samples > 0
+        ):
             msg = (
                 f"perturbed_optimizer needs `samples` to be a positive int, got "
                 f"{self.samples!r}."
