@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 import gradoverride as go
+from gradoverride.testing import saved_bytes
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _timing import compare
@@ -78,19 +79,6 @@ def passthrough_sign(x: torch.Tensor) -> torch.Tensor:
 @passthrough_sign.backward
 def _sign_backward(grad: torch.Tensor) -> torch.Tensor:
     return grad
-
-
-def saved_bytes(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> int:
-    total = 0
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        nonlocal total
-        total += t.numel() * t.element_size()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        fn(x)
-    return total
 
 
 def import_cost(repeats: int = 5) -> float:

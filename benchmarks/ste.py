@@ -32,6 +32,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import gradoverride as go
 from gradoverride import recipes as R
+from gradoverride.testing import saved_bytes
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _timing import compare
@@ -59,19 +60,6 @@ class HandWritten(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> Tensor:  # type: ignore[override]
         return grad
-
-
-def saved_bytes(fn: Callable[[Tensor], Tensor], x: Tensor) -> int:
-    total = 0
-
-    def pack(t: Tensor) -> Tensor:
-        nonlocal total
-        total += t.numel() * t.element_size()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        fn(x)
-    return total
 
 
 def step(op: Callable[[Tensor], Tensor], x: Tensor, g: Tensor) -> Callable[[], None]:

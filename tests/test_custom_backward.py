@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 import gradoverride as go
+from gradoverride.testing import saved_bytes
 
 # ---- module-level ops (pickling needs them importable by name) ---------------------------
 
@@ -48,19 +49,6 @@ def _leaf(*shape, device="cpu", dtype=torch.float32, requires_grad=True, seed=0)
     g = torch.Generator().manual_seed(seed)
     t = torch.randn(*shape, generator=g, dtype=dtype).to(device)
     return t.requires_grad_(requires_grad)
-
-
-def _saved_bytes(fn):
-    """Bytes that autograd saves for backward while `fn()` runs, and fn's result."""
-    sizes = []
-
-    def pack(t):
-        sizes.append(t.numel() * t.element_size())
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        result = fn()
-    return sum(sizes), result
 
 
 # ---- decoration forms and the object they return ----------------------------------------
@@ -319,8 +307,8 @@ def test_rule_naming_nothing_saves_nothing():
         return grad * 2
 
     x = _leaf(64, 32)
-    saved, y = _saved_bytes(lambda: double(x))
-    assert saved == 0
+    assert saved_bytes(double, x) == 0
+    y = double(x)
     y.sum().backward()
     torch.testing.assert_close(x.grad, torch.full((64, 32), 2.0))
 
@@ -336,8 +324,8 @@ def test_rule_naming_x_saves_exactly_x():
 
     x = _leaf(64, 32)
     w = _leaf(64, 32, seed=1)
-    saved, y = _saved_bytes(lambda: square(x, w))
-    assert saved == x.numel() * x.element_size()
+    assert saved_bytes(square, x, w) == x.numel() * x.element_size()
+    y = square(x, w)
     y.sum().backward()
     torch.testing.assert_close(x.grad, 2 * x.detach())
     torch.testing.assert_close(w.grad, torch.ones(64, 32))

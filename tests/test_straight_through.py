@@ -16,7 +16,7 @@ from torch.func import grad as func_grad
 from torch.func import vmap
 
 import gradoverride as go
-from gradoverride.testing import assert_consistent
+from gradoverride.testing import assert_consistent, saved_bytes
 from gradoverride.testing import strategies as gst
 
 EDGES = (0.0, -0.0, 1.0, -1.0, 0.5, -0.5, 2.0)
@@ -85,19 +85,6 @@ def _window(x: torch.Tensor, g: torch.Tensor, low: float, high: float) -> torch.
     return torch.where(inside, g, torch.zeros_like(g))
 
 
-def _saved_bytes(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> int:
-    total = 0
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        nonlocal total
-        total += t.numel() * t.element_size()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        fn(x)
-    return total
-
-
 # ---- identity -------------------------------------------------------------------------------
 
 
@@ -116,7 +103,7 @@ def test_identity_returns_the_upstream_gradient_without_a_copy_and_saves_nothing
     g = torch.randn(64, 64)
     (gx,) = torch.autograd.grad(sign_ste(x), x, g)
     assert gx.data_ptr() == g.data_ptr()
-    assert _saved_bytes(sign_ste, x) == 0
+    assert saved_bytes(sign_ste, x) == 0
 
 
 def test_further_arguments_go_to_the_forward_and_get_no_gradient() -> None:
@@ -160,8 +147,8 @@ def test_clip_at_the_bounds_exactly() -> None:
 @pytest.mark.parametrize("dtype", gst.FLOAT_DTYPES, ids=str)
 def test_clip_keeps_the_input_or_a_one_byte_mask(dtype: torch.dtype) -> None:
     x = torch.randn(8, 16, dtype=dtype, requires_grad=True)
-    assert _saved_bytes(sign_clip, x) == x.numel() * x.element_size()
-    assert _saved_bytes(sign_clip_mask_sym, x) == x.numel()  # bool
+    assert saved_bytes(sign_clip, x) == x.numel() * x.element_size()
+    assert saved_bytes(sign_clip_mask_sym, x) == x.numel()  # bool
 
 
 def test_clip_bound_a_dtype_cannot_represent_is_rounded_to_it() -> None:

@@ -529,3 +529,12 @@ def test_importing_gradoverride_does_not_import_testing_or_hypothesis() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
     )
     assert result.returncode == 0, result.stderr
+
+
+def test_saved_bytes_counts_what_a_call_keeps_for_backward() -> None:
+    from gradoverride.testing import saved_bytes
+
+    x = torch.ones(8, 4, requires_grad=True)
+    assert saved_bytes(torch.sin, x) == x.numel() * x.element_size()  # sin saves its input
+    assert saved_bytes(torch.neg, x) == 0
+    assert saved_bytes(torch.mul, x, x) == 2 * x.numel() * x.element_size()

@@ -24,5 +24,13 @@ gradoverride. Parametrize over devices with your own `device` fixture (ours is i
 from ._check import check_backward
 from ._consistent import MODES, assert_consistent
 from ._report import BackwardReport, GradientRow
+from ._saved import saved_bytes
 
-__all__ = ["MODES", "BackwardReport", "GradientRow", "assert_consistent", "check_backward"]
+__all__ = [
+    "MODES",
+    "BackwardReport",
+    "GradientRow",
+    "assert_consistent",
+    "check_backward",
+    "saved_bytes",
+]
