@@ -63,6 +63,10 @@ class CustomBackward(Generic[P, R]):
         self._rule: RuleSpec | None = None
         self._run: Callable[..., Any] | None = None
         self._function: type[torch.autograd.Function] | None = None
+        # The TensorFlow side, built when the first TensorFlow tensor arrives. A rule written
+        # in torch ops by gradoverride itself (straight_through's) has a TensorFlow twin here.
+        self._tensorflow_call: Callable[[tuple[Any, ...], dict[str, Any]], Any] | None = None
+        self._tensorflow_rule: Callable[..., Any] | None = None
 
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
         run = self._run
@@ -163,7 +167,7 @@ class CustomBackward(Generic[P, R]):
         )
         module = getattr(self.__wrapped__, "__module__", None) or __name__
         self._run, self._function = build_call(
-            self._name, module, self._signature, spec, self._residuals
+            self._name, module, self._signature, spec, self._residuals, self._run_tensorflow
         )
         self._rule = spec
         # Calls then go straight to the generated entry point: `op(x)` looks `__call__` up on
@@ -180,6 +184,30 @@ class CustomBackward(Generic[P, R]):
             },
         )
         return rule
+
+    def _run_tensorflow(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """A call with TensorFlow tensors: the same rule contract on `tf.custom_gradient`."""
+        call = self._tensorflow_call
+        if call is None:
+            from ._tensorflow._backend import TensorFlowCall
+
+            assert self._rule is not None  # calls reach here only after registration
+            call = self._tensorflow_call = TensorFlowCall(
+                self._name,
+                self._signature,
+                self._rule,
+                self._residuals,
+                rule=self._tensorflow_rule or self._rule.rule,
+            )
+        return call(args, kwargs)
+
+    def __tf_tracing_type__(self, context: Any) -> Any:
+        # `tf.function` replaces an argument (or a default argument, `def step(x, f=op)`)
+        # that has `__wrapped__` by the wrapped function, which would silently drop the
+        # custom gradient; declaring our own trace type keeps the op itself.
+        from ._tensorflow._tracing import OpTraceType
+
+        return OpTraceType(self)
 
     @property
     def rule(self) -> Callable[..., Any] | None:

@@ -59,7 +59,7 @@ def generate(
 
     `namespace` provides the helpers the source calls: Tensor, CallState, CONTAINERS,
     forward_general, setup_general, backward_general, run_general, finish, fn, call,
-    shape_output, any_autocast_enabled,
+    shape_output, any_autocast_enabled, any_tensorflow, run_tensorflow,
     autocast_state, call_rule, check_gradient, flat_gradients, GradOverrideError,
     rule, rule_name, names, owned, op, is_dynamo_compiling, transforms_active, FAST_APPLY.
     """
@@ -244,6 +244,10 @@ def generate(
             "        if " + (" or ".join(f"isinstance({v}, CONTAINERS)" for v in values) or "False")
             + ":",
             "            return run_general(args, kwargs)",
+            # A TensorFlow tensor takes the TensorFlow backend. Checked only when the first
+            # value is not a torch tensor, so a torch call pays one isinstance.
+            "        if not isinstance(v0, Tensor) and any_tensorflow(args):",
+            "            return run_tensorflow(args, kwargs)",
             "        if FAST_APPLY and not is_dynamo_compiling() and not transforms_active():",
             f"            out = raw_eager(None{''.join(', ' + v for v in values)})",
             "            if type(out) is tuple:  # not one tensor: the state is appended",

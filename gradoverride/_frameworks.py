@@ -25,8 +25,12 @@ def is_tensorflow(value: object) -> bool:
     return bool(tf.is_tensor(value))
 
 
-def any_tensorflow(values: Any) -> bool:
-    """Whether any leaf of `values` (tuples, lists and dicts are searched) is TensorFlow's."""
+def any_tensorflow(args: tuple[Any, ...], kwargs: dict[str, Any] | None = None) -> bool:
+    """Whether any argument (tuples, lists and dicts are searched) is TensorFlow's.
+
+    Free when TensorFlow was never imported: one lookup in `sys.modules`.
+    """
     if "tensorflow" not in sys.modules:
         return False
+    values = args if not kwargs else (*args, *kwargs.values())
     return any(is_tensorflow(leaf) for leaf in pytree.tree_leaves(values))

@@ -34,6 +34,7 @@ from torch.utils import _pytree as pytree
 
 from ._errors import GradOverrideError, GradOverrideTypeError
 from ._fastpath import generate
+from ._frameworks import any_tensorflow
 from ._gradients import SKIP, check_gradient, flat_gradients, slot_ranges
 from ._internals import (
     FAST_APPLY,
@@ -44,7 +45,7 @@ from ._internals import (
 from ._rule import RuleSpec
 from ._signature import ForwardSignature
 
-__all__ = ["CallState", "build_call"]
+__all__ = ["CallState", "build_call", "check_output_count", "unpack_residuals"]
 
 _CONTAINERS = (tuple, list, dict)
 
@@ -111,10 +112,8 @@ def _leaf_ranges(layout: Any, n_params: int) -> list[tuple[int, int]]:
     return [(start, stop) for start, stop, _ in slot_ranges(layout, n_params)]
 
 
-def _split_residuals(
-    result: Any, names: tuple[str, ...], op: str, state: CallState
-) -> tuple[Any, tuple[Tensor, ...]]:
-    """`(output, {name: value})` from a forward that declares residuals."""
+def unpack_residuals(result: Any, names: tuple[str, ...], op: str) -> tuple[Any, dict[str, Any]]:
+    """`(output, {name: value})` from a forward that declares residuals, checked."""
     if not (type(result) is tuple and len(result) == 2 and isinstance(result[1], dict)):
         msg = (
             f"`{op}` declares residuals={names!r}, so its forward must return "
@@ -129,6 +128,14 @@ def _split_residuals(
             f"residuals={names!r}; return exactly the declared names."
         )
         raise GradOverrideError(msg)
+    return output, given
+
+
+def _split_residuals(
+    result: Any, names: tuple[str, ...], op: str, state: CallState
+) -> tuple[Any, tuple[Tensor, ...]]:
+    """The output, and the residual tensors (their places recorded on `state`)."""
+    output, given = unpack_residuals(result, names, op)
     tensors: list[Tensor] = []
     slots: list[Any] = []
     for name in names:
@@ -148,6 +155,17 @@ def _flatten_output(out: Any, state: CallState) -> tuple[Any, ...]:
     state.n_out = len(leaves)
     state.n_top = len(out) if type(out) is tuple else 1
     return tuple(leaves)
+
+
+def check_output_count(n_grads: int | None, n_top: int, rule_name: str, op: str) -> None:
+    """A rule takes one upstream gradient per output (any number with `*grads`)."""
+    if n_grads is not None and n_grads != n_top:
+        msg = (
+            f"backward rule `{rule_name}` of `{op}` takes {n_grads} upstream "
+            f"gradient(s), but `{op}` returned {n_top} output(s); give the rule "
+            "one positional parameter per output (or `*grads`)."
+        )
+        raise GradOverrideTypeError(msg)
 
 
 def _identifier(name: str) -> str:
@@ -171,11 +189,13 @@ def build_call(
     sig: ForwardSignature,
     rule: RuleSpec,
     residuals: tuple[str, ...],
+    run_tensorflow: Callable[[tuple[Any, ...], dict[str, Any]], Any],
 ) -> tuple[Callable[..., Any], type[torch.autograd.Function]]:
     """The per-call entry point and the Function class behind it.
 
     The entry point is `run(op_object, *args, **kwargs)`: it becomes the `__call__` method of
-    the op's class (`op_object` is the op itself and is not used).
+    the op's class (`op_object` is the op itself and is not used). A call with TensorFlow
+    tensors goes to `run_tensorflow(args, kwargs)` instead.
     """
     names = sig.names
     n_params = len(names)
@@ -196,13 +216,7 @@ def build_call(
     # ---- forward-side bookkeeping ---------------------------------------------------------
 
     def check_outputs(state: CallState) -> None:
-        if n_grads is not None and n_grads != state.n_top:
-            msg = (
-                f"backward rule `{rule_name}` of `{op}` takes {n_grads} upstream "
-                f"gradient(s), but `{op}` returned {state.n_top} output(s); give the rule "
-                "one positional parameter per output (or `*grads`)."
-            )
-            raise GradOverrideTypeError(msg)
+        check_output_count(n_grads, state.n_top, rule_name, op)
 
     def setup(
         ctx: Any,
@@ -313,8 +327,12 @@ def build_call(
 
     kind = "CustomBackward"
     if rule.owns_all:
-        return _build_owning(op, module, kind, sig, rule, residuals, setup, run_rule)
-    return _build_attaching(op, module, kind, sig, residuals, owned, setup, run_rule)
+        return _build_owning(
+            op, module, kind, sig, rule, residuals, setup, run_rule, run_tensorflow
+        )
+    return _build_attaching(
+        op, module, kind, sig, residuals, owned, setup, run_rule, run_tensorflow
+    )
 
 
 def _build_owning(
@@ -326,6 +344,7 @@ def _build_owning(
     residuals: tuple[str, ...],
     setup: Callable[..., None],
     run_rule: Callable[[Any, tuple[Any, ...]], list[Tensor | None]],
+    run_tensorflow: Callable[[tuple[Any, ...], dict[str, Any]], Any],
 ) -> tuple[Callable[..., Any], type[torch.autograd.Function]]:
     """The forward runs inside the Function; the rule gives every gradient."""
     fn = sig.fn
@@ -380,6 +399,8 @@ def _build_owning(
     apply: Callable[..., Any]
 
     def run_general(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if any_tensorflow(args, kwargs):
+            return run_tensorflow(args, kwargs)
         values = bind(args, kwargs)
         state = CallState()
         for value in values:
@@ -418,6 +439,8 @@ def _build_owning(
                 "run_general": run_general,
                 "finish": finish,
                 "any_autocast_enabled": any_autocast_enabled,
+                "any_tensorflow": any_tensorflow,
+                "run_tensorflow": run_tensorflow,
                 "autocast_state": _autocast_state,
                 "call_rule": _call_rule,
                 "check_gradient": check_gradient,
@@ -471,6 +494,7 @@ def _build_attaching(
     owned_params: tuple[bool, ...],
     setup: Callable[..., None],
     run_rule: Callable[[Any, tuple[Any, ...]], list[Tensor | None]],
+    run_tensorflow: Callable[[tuple[Any, ...], dict[str, Any]], Any],
 ) -> tuple[Callable[..., Any], type[torch.autograd.Function]]:
     """The forward runs on the ordinary graph; the Function attaches the owned gradients."""
     call = sig.call
@@ -505,6 +529,8 @@ def _build_attaching(
     raw = raw_apply(cls)
 
     def run(op_object: Any, *args: Any, **kwargs: Any) -> Any:
+        if any_tensorflow(args, kwargs):
+            return run_tensorflow(args, kwargs)
         state = CallState()
         flat, layout = _flatten_inputs(bind(args, kwargs))
         state.layout = layout

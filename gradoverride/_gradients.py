@@ -16,7 +16,7 @@ kind (integer, bool, complex for a real input), another device or another shape 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -25,7 +25,18 @@ from torch.utils import _pytree as pytree
 
 from ._errors import GradOverrideError
 
-__all__ = ["SKIP", "Meta", "check_gradient", "flat_gradients", "format_shape", "slot_ranges"]
+__all__ = [
+    "SKIP",
+    "Meta",
+    "check_gradient",
+    "dtype_message",
+    "flat_gradients",
+    "format_shape",
+    "no_gradient_slot_message",
+    "not_a_tensor_message",
+    "shape_message",
+    "slot_ranges",
+]
 
 #: Meta entry of a tensor input whose gradient is not needed: whatever the rule returns for
 #: it is dropped unchecked.
@@ -65,21 +76,29 @@ def flat_gradients(
     owned: tuple[bool, ...],
     layout: Any,
     meta: Meta,
-) -> list[Tensor | None]:
-    """One checked gradient per flat input, from whatever the rule returned."""
+    check: Callable[[Any, Any, str, str], Any] | None = None,
+    tensor: Any = Tensor,
+) -> list[Any]:
+    """One checked gradient per flat input, from whatever the rule returned.
+
+    `check` and `tensor` are for another framework's backend (TensorFlow): its per-gradient
+    check and its tensor type; the return forms and their errors are the same.
+    """
     n_slots = len(names)
-    grads: list[Tensor | None] = [None] * len(meta)
+    grads: list[Any] = [None] * len(meta)
+    if check is None:
+        check = check_gradient
 
     # Fast path: every parameter is a plain value and the rule returned one tensor.
-    if layout is None and (result is None or isinstance(result, Tensor)):
+    if layout is None and (result is None or isinstance(result, tensor)):
         slot = _single_owned_slot(op, names, owned, layout, meta, result)
         if slot is not None and result is not None:
-            grads[slot] = check_gradient(result, meta[slot], op, names[slot])
+            grads[slot] = check(result, meta[slot], op, names[slot])
         return grads
 
     ranges = slot_ranges(layout, n_slots)
     per_slot = _per_slot(result, op=op, names=names, owned=owned, layout=layout, meta=meta,
-                         ranges=ranges)
+                         ranges=ranges, tensor=tensor)
     for slot, grad in enumerate(per_slot):
         if grad is None:
             continue
@@ -93,7 +112,7 @@ def flat_gradients(
             )
             raise GradOverrideError(msg)
         if spec is None:
-            grads[start] = check_gradient(grad, meta[start], op, names[slot])
+            grads[start] = check(grad, meta[start], op, names[slot])
             continue
         try:
             leaves = spec.flatten_up_to(grad)
@@ -120,7 +139,7 @@ def flat_gradients(
                 continue
             # Only a gradient that needs fixing or reporting pays for naming its leaf.
             path = f"{names[slot]}{_leaf_path(spec, offset)}"
-            grads[start + offset] = check_gradient(leaf, m, op, path)
+            grads[start + offset] = check(leaf, m, op, path)
     return grads
 
 
@@ -158,7 +177,7 @@ def _single_owned_slot(
 
 def _per_slot(
     result: Any, *, op: str, names: tuple[str, ...], owned: tuple[bool, ...], layout: Any,
-    meta: Meta, ranges: list[tuple[int, int, Any]],
+    meta: Meta, ranges: list[tuple[int, int, Any]], tensor: Any,
 ) -> list[Any]:
     n_slots = len(names)
     if isinstance(result, dict):
@@ -168,7 +187,7 @@ def _per_slot(
             not set(result) <= set(names)
             and single is not None
             and ranges[single][2] is not None
-            and _matches(result, ranges[single][2])
+            and _matches(result, ranges[single][2], tensor)
         ):
             by_slot: list[Any] = [None] * n_slots
             by_slot[single] = result
@@ -177,10 +196,10 @@ def _per_slot(
     if type(result) is tuple:
         single = _maybe_single(owned, meta, ranges)
         if len(result) == n_slots and (single is None or ranges[single][2] is None or
-                                       _matches(result[single], ranges[single][2])):
+                                       _matches(result[single], ranges[single][2], tensor)):
             return list(result)
         if single is not None and ranges[single][2] is not None and _matches(
-            result, ranges[single][2]
+            result, ranges[single][2], tensor
         ):
             out: list[Any] = [None] * n_slots
             out[single] = result
@@ -216,15 +235,15 @@ def _maybe_single(
     return candidates[0] if len(candidates) == 1 else None
 
 
-def _matches(value: Any, spec: Any) -> bool:
+def _matches(value: Any, spec: Any, tensor: Any) -> bool:
     """Whether `value` has the container structure `spec` (leaves: tensors or None)."""
     if spec is None:
-        return value is None or isinstance(value, Tensor)
+        return value is None or isinstance(value, tensor)
     try:
         leaves = spec.flatten_up_to(value)
     except (ValueError, TypeError, RuntimeError):
         return False
-    return all(leaf is None or isinstance(leaf, Tensor) for leaf in leaves)
+    return all(leaf is None or isinstance(leaf, tensor) for leaf in leaves)
 
 
 def _from_dict(
@@ -270,17 +289,9 @@ def _leaf_path(spec: Any, offset: int) -> str:
 def check_gradient(grad: Any, meta: Any, op: str, name: str) -> Tensor | None:
     """Check one gradient against its input's metadata; fix what PyTorch itself would fix."""
     if meta is None:
-        msg = (
-            f"backward of `{op}` returned a gradient for `{name}`, which is not a tensor in "
-            "this call and takes no gradient; return None for it."
-        )
-        raise GradOverrideError(msg)
+        raise GradOverrideError(no_gradient_slot_message(op, name))
     if not isinstance(grad, Tensor):
-        msg = (
-            f"backward of `{op}` returned a {type(grad).__name__} for `{name}`; "
-            "expected a tensor (or None for no gradient)."
-        )
-        raise GradOverrideError(msg)
+        raise GradOverrideError(not_a_tensor_message(grad, op, name))
     if meta is SKIP:
         return None
     shape, dtype, device = meta
@@ -305,12 +316,7 @@ def _fit_shape(grad: Tensor, shape: torch.Size, op: str, name: str) -> Tensor:
         s == 1 or s == g for s, g in zip(shape, grad.shape[extra:], strict=True)
     )
     if not fits:
-        msg = (
-            f"backward of `{op}` returned a gradient of shape {format_shape(grad.shape)} for "
-            f"`{name}`, which has shape {format_shape(shape)}; return a gradient of the input's "
-            "shape (or one the input broadcasts to, which is summed down to it)."
-        )
-        raise GradOverrideError(msg)
+        raise GradOverrideError(shape_message(grad.shape, shape, op, name))
     summed: Tensor = grad.sum_to_size(shape)
     return summed
 
@@ -320,11 +326,44 @@ def _fit_dtype(grad: Tensor, dtype: torch.dtype, op: str, name: str) -> Tensor:
         return grad.to(dtype)
     if grad.dtype.is_complex and dtype.is_complex:
         return grad.to(dtype)
-    kind = "complex" if dtype.is_complex else "floating-point"
-    msg = (
-        f"backward of `{op}` returned a gradient of dtype {grad.dtype} for `{name}`, which has "
-        f"dtype {dtype}; a gradient must be a {kind} "
-        f"tensor: multiply the upstream gradient by a mask (`grad * mask`) rather than "
-        f"returning the mask, or convert with `.to({name}.dtype)`."
+    msg = dtype_message(
+        str(grad.dtype), str(dtype), dtype.is_complex, op, name, f"`.to({name}.dtype)`"
     )
     raise GradOverrideError(msg)
+
+
+# The messages every backend raises with, so a mistake reads the same in torch and TensorFlow.
+
+
+def no_gradient_slot_message(op: str, name: str) -> str:
+    return (
+        f"backward of `{op}` returned a gradient for `{name}`, which is not a tensor in "
+        "this call and takes no gradient; return None for it."
+    )
+
+
+def not_a_tensor_message(grad: object, op: str, name: str) -> str:
+    return (
+        f"backward of `{op}` returned a {type(grad).__name__} for `{name}`; "
+        "expected a tensor (or None for no gradient)."
+    )
+
+
+def shape_message(got: Sequence[int], expected: Sequence[int], op: str, name: str) -> str:
+    return (
+        f"backward of `{op}` returned a gradient of shape {format_shape(got)} for "
+        f"`{name}`, which has shape {format_shape(expected)}; return a gradient of the "
+        "input's shape (or one the input broadcasts to, which is summed down to it)."
+    )
+
+
+def dtype_message(
+    got: str, expected: str, complex_input: bool, op: str, name: str, convert: str
+) -> str:
+    kind = "complex" if complex_input else "floating-point"
+    return (
+        f"backward of `{op}` returned a gradient of dtype {got} for `{name}`, which has "
+        f"dtype {expected}; a gradient must be a {kind} "
+        f"tensor: multiply the upstream gradient by a mask (`grad * mask`) rather than "
+        f"returning the mask, or convert with {convert}."
+    )

@@ -1,0 +1,453 @@
+"""`custom_backward` on TensorFlow tensors: the same rule contract, on `tf.custom_gradient`.
+
+A call whose arguments hold TensorFlow tensors comes here (see `CustomBackward`), with the
+rule the user registered. What is the same as in torch: the rule's signature (positional
+upstream gradients, keyword-only names for what it needs, `output`, `needs_grad`, residuals),
+the return forms (tensor, tuple, dict, containers), ownership (`owns=`), the checks on every
+returned gradient and their error texts (`_gradients.py`), `once_differentiable`.
+
+What TensorFlow's `tf.custom_gradient` leaves to its users, done here:
+
+* Only floating-point (and complex) tensors of owned parameters become arguments of the
+  `tf.custom_gradient` function. Python numbers, strings, integer tensors stay outside, in a
+  closure: under `tf.function`, `tf.custom_gradient` converts every argument to a tensor and
+  then wants a gradient for it.
+* Variables passed as arguments are read (`tf.convert_to_tensor`), so their gradient flows
+  through the read as for any tensor. Variables the forward reads by itself (a Keras layer's
+  weights, a closure) come to the gradient function as `variables=`, in an order that
+  differs between eager and graph mode; the rule returns their gradients in its dict *by
+  name* (`"w"` for a `tf.Variable(name="w")`, `"dense/kernel"` or just `"kernel"` when that
+  is unambiguous for a Keras weight), and they are matched here. A rule that owns only some
+  inputs (`owns=`) leaves variables their ordinary TensorFlow gradient.
+* `IndexedSlices` (from `tf.gather` downstream, say) are made dense before the rule sees
+  them, and a returned `IndexedSlices` is made dense before it is checked.
+* Shapes and dtypes of returned gradients are checked as in torch (TensorFlow checks
+  neither): a shape the input broadcasts to is summed down, another float precision is cast,
+  anything else is a `GradOverrideError` naming the input.
+
+Differences, documented in the README: an output the loss does not use always sends the
+rule zeros (TensorFlow materializes them in both modes, so `materialize_grads=False` has no
+effect), there is no autocast state to restore, and `needs_grad` is True for every owned
+floating-point input (TensorFlow does not say which gradients a tape will use).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import tensorflow as tf
+from torch.utils import _pytree as pytree
+
+from .._errors import GradOverrideError
+from .._function import check_output_count, unpack_residuals
+from .._gradients import (
+    SKIP,
+    dtype_message,
+    flat_gradients,
+    no_gradient_slot_message,
+    not_a_tensor_message,
+    shape_message,
+    slot_ranges,
+)
+from .._rule import RuleSpec
+from .._signature import ForwardSignature
+
+__all__ = ["TensorFlowCall", "check_gradient"]
+
+_CONTAINERS = (tuple, list, dict)
+#: What a rule may return as a gradient (an `IndexedSlices` is made dense).
+_GRADIENT_TYPES = (tf.Tensor, tf.IndexedSlices)
+
+
+class TensorFlowCall:
+    """One op's calls with TensorFlow tensors. Built once per op, on its first such call."""
+
+    def __init__(
+        self,
+        op: str,
+        sig: ForwardSignature,
+        spec: RuleSpec,
+        residuals: tuple[str, ...],
+        *,
+        rule: Callable[..., Any],
+    ) -> None:
+        self.op = op
+        self.sig = sig
+        self.spec = spec
+        self.residuals = residuals
+        self.rule = rule
+        self.note = f"(raised in backward rule `{spec.name}` of `{op}`)"
+
+    def __call__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        values = self.sig.bind(args, kwargs)
+        flat, layout = _flatten(values)
+        flat = tuple(_read(v) for v in flat)
+        owned = _per_leaf(self.spec.owned, layout)
+        # The inputs that get a gradient: owned floating-point (or complex) tensors.
+        slots = tuple(
+            i
+            for i, value in enumerate(flat)
+            if owned[i] and isinstance(value, tf.Tensor) and _differentiable(value.dtype)
+        )
+        if self.spec.owns_all:
+            return self._owning(flat, layout, slots)
+        return self._attaching(flat, layout, slots)
+
+    # ---- the two forms --------------------------------------------------------------------
+
+    def _owning(self, flat: tuple[Any, ...], layout: Any, slots: tuple[int, ...]) -> Any:
+        """The forward runs inside `tf.custom_gradient`; the rule gives every gradient."""
+        made: dict[str, Any] = {}
+
+        def forward(*tensors: Any) -> Any:
+            inputs = list(flat)
+            for i, tensor in zip(slots, tensors, strict=True):
+                inputs[i] = tensor
+            output, residuals = self._forward(inputs, layout)
+            leaves, spec, picked = _output_leaves(output)
+            made.update(output=output, leaves=leaves, spec=spec, picked=picked)
+
+            def gradient(*upstream: Any, variables: Any = None) -> Any:
+                grads, var_grads = self._gradients(
+                    upstream, inputs, layout, slots, output, leaves, picked, residuals,
+                    variables,
+                )
+                if variables:
+                    return grads, var_grads
+                return grads
+
+            return [leaves[j] for j in picked], gradient
+
+        results = tf.custom_gradient(forward)(*(flat[i] for i in slots))
+        return _rebuild(made["leaves"], made["spec"], made["picked"], results)
+
+    def _attaching(self, flat: tuple[Any, ...], layout: Any, slots: tuple[int, ...]) -> Any:
+        """The forward runs on the ordinary tape with the owned inputs cut off
+        (`tf.stop_gradient`), so everything else (other inputs, variables it reads) gets
+        its ordinary gradient; an identity `tf.custom_gradient` then adds the rule's
+        gradients for the owned inputs and passes the outputs' gradients on unchanged."""
+        inputs = list(flat)
+        for i in slots:
+            inputs[i] = tf.stop_gradient(flat[i])
+        output, residuals = self._forward(inputs, layout)
+        leaves, spec, picked = _output_leaves(output)
+        if not slots or not picked:
+            return output
+        n_owned = len(slots)
+
+        def attach(*tensors: Any) -> Any:
+            def gradient(*upstream: Any, variables: Any = None) -> Any:
+                grads, _ = self._gradients(
+                    upstream, inputs, layout, slots, output, leaves, picked, residuals, None
+                )
+                passed = [_dense(g) for g in upstream]
+                return [*grads, *passed]
+
+            return [tf.identity(t) for t in tensors[n_owned:]], gradient
+
+        results = tf.custom_gradient(attach)(
+            *(flat[i] for i in slots), *(leaves[j] for j in picked)
+        )
+        return _rebuild(leaves, spec, picked, results)
+
+    # ---- shared by both ---------------------------------------------------------------------
+
+    def _forward(self, inputs: list[Any], layout: Any) -> tuple[Any, dict[str, Any]]:
+        values = tuple(inputs) if layout is None else _unflatten(tuple(inputs), layout)
+        output = self.sig.call(values)
+        residuals: dict[str, Any] = {}
+        if self.residuals:
+            output, residuals = unpack_residuals(output, self.residuals, self.op)
+        n_top = len(output) if type(output) is tuple else 1
+        check_output_count(self.spec.n_grads, n_top, self.spec.name, self.op)
+        return output, residuals
+
+    def _gradients(
+        self,
+        upstream: tuple[Any, ...],
+        inputs: list[Any],
+        layout: Any,
+        slots: tuple[int, ...],
+        output: Any,
+        leaves: list[Any],
+        picked: tuple[int, ...],
+        residuals: dict[str, Any],
+        variables: Any,
+    ) -> tuple[list[Any], list[Any]]:
+        """Call the rule; the checked gradients for the inputs in `slots` and for
+        `variables`."""
+        spec = self.spec
+        names = self.sig.names
+        ranges = slot_ranges(layout, len(names))
+
+        # The upstream gradients, in the structure of the forward's output.
+        grad_leaves: list[Any] = [None] * len(leaves)
+        for j, grad in zip(picked, upstream, strict=True):
+            grad_leaves[j] = (
+                tf.zeros_like(leaves[j]) if grad is None else _dense(grad)
+            )
+        tree = pytree.tree_unflatten(grad_leaves, pytree.tree_structure(output))
+        rule_grads = tuple(tree) if type(output) is tuple else (tree,)
+
+        kwargs: dict[str, Any] = {}
+        for name, slot in spec.requested_slots:
+            start, stop, treespec = ranges[slot]
+            part = inputs[start:stop]
+            kwargs[name] = part[0] if treespec is None else pytree.tree_unflatten(part, treespec)
+        for name, _ in spec.requested_residuals:
+            kwargs[name] = residuals[name]
+        if spec.wants_output:
+            kwargs["output"] = output
+        if spec.wants_needs_grad:
+            kwargs["needs_grad"] = {
+                name: any(start <= i < stop for i in slots)
+                for name, (start, stop, _) in zip(names, ranges, strict=True)
+            }
+
+        result = self._call_rule(rule_grads, kwargs)
+        var_grads: list[Any] = []
+        if variables:
+            result, var_grads = self._variable_gradients(result, variables)
+        meta: list[Any] = [
+            (value if i in slots else SKIP) if isinstance(value, tf.Tensor) else None
+            for i, value in enumerate(inputs)
+        ]
+        flat_grads = flat_gradients(
+            result,
+            op=self.op,
+            names=names,
+            owned=spec.owned,
+            layout=layout,
+            meta=meta,
+            check=check_gradient,
+            tensor=_GRADIENT_TYPES,
+        )
+        grads = [flat_grads[i] for i in slots]
+        if spec.once_differentiable:
+            grads = [g if g is None else _once_differentiable(self.op, g) for g in grads]
+            var_grads = [g if g is None else _once_differentiable(self.op, g) for g in var_grads]
+        return grads, var_grads
+
+    def _call_rule(self, grads: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        try:
+            return self.rule(*grads, **kwargs)
+        except GradOverrideError:
+            raise
+        except Exception as exc:
+            exc.add_note(self.note)
+            raise
+
+    def _variable_gradients(self, result: Any, variables: Any) -> tuple[Any, list[Any]]:
+        """Split the gradients of variables the forward read from the rule's dict."""
+        names = [_variable_name(v) for v in variables]
+        if not isinstance(result, dict):
+            listing = ", ".join(f"`{n}`" for n in names)
+            example = ", ".join(f"{n!r}: ..." for n in names)
+            msg = (
+                f"the forward of `{self.op}` reads the variables {listing}, so its backward "
+                f"must return their gradients too, in a dict by name: "
+                f"{{{', '.join(repr(p) + ': ...' for p in self._owned_names())}"
+                f"{', ' if self._owned_names() else ''}{example}}}; or pass `owns=` so the "
+                "rule owns only some inputs and the variables keep their TensorFlow gradient."
+            )
+            raise GradOverrideError(msg)
+        rest = {k: v for k, v in result.items() if k in self.sig.index}
+        given = {k: v for k, v in result.items() if k not in self.sig.index}
+        keys = _variable_keys(names)
+        var_grads: list[Any] = []
+        used: set[str] = set()
+        for variable, name in zip(variables, names, strict=True):
+            key = next((k for k in keys[name] if k in given), None)
+            if key is None:
+                msg = (
+                    f"backward of `{self.op}` returned a dict without `{name}`, a variable "
+                    f"its forward reads; add {{'{name}': gradient}} (or None for no gradient), "
+                    "or pass `owns=` so the variable keeps its TensorFlow gradient."
+                )
+                raise GradOverrideError(msg)
+            used.add(key)
+            meta = variable.value() if hasattr(variable, "value") else variable
+            var_grads.append(check_gradient(given[key], meta, self.op, name))
+        unknown = [k for k in given if k not in used]
+        if unknown:
+            valid = ", ".join(f"`{n}`" for n in (*self._owned_names(), *names))
+            msg = (
+                f"backward of `{self.op}` returned a gradient for `{unknown[0]}`, which is "
+                f"neither a parameter of `{self.op}` nor a variable its forward reads; the "
+                f"names it can return are {valid}."
+            )
+            raise GradOverrideError(msg)
+        return rest, var_grads
+
+    def _owned_names(self) -> list[str]:
+        return [n for n, o in zip(self.sig.names, self.spec.owned, strict=True) if o]
+
+
+# ---- checking one gradient -------------------------------------------------------------------
+
+
+def check_gradient(grad: Any, meta: Any, op: str, name: str) -> Any:
+    """Check one returned gradient against its input (a TensorFlow tensor); fix what the
+    torch side fixes (broadcast shape, another float precision) and refuse the rest."""
+    if meta is None:
+        raise GradOverrideError(no_gradient_slot_message(op, name))
+    if isinstance(grad, tf.IndexedSlices):
+        grad = tf.convert_to_tensor(grad)
+    if not isinstance(grad, tf.Tensor):
+        raise GradOverrideError(not_a_tensor_message(grad, op, name))
+    if meta is SKIP:
+        return None
+    x = meta
+    if grad.dtype != x.dtype:
+        both_float = grad.dtype.is_floating and x.dtype.is_floating
+        both_complex = grad.dtype.is_complex and x.dtype.is_complex
+        if not (both_float or both_complex):
+            msg = dtype_message(
+                grad.dtype.name, x.dtype.name, x.dtype.is_complex, op, name,
+                f"`tf.cast(grad, {name}.dtype)`",
+            )
+            raise GradOverrideError(msg)
+        grad = tf.cast(grad, x.dtype)
+    return _fit_shape(grad, x, op, name)
+
+
+def _fit_shape(grad: Any, x: Any, op: str, name: str) -> Any:
+    """`grad` in `x`'s shape: equal, or summed down from a shape `x` broadcasts to."""
+    g_shape, x_shape = grad.shape, x.shape
+    if g_shape.rank is None or x_shape.rank is None:
+        return _sum_to(grad, x)  # unknown rank: only the run-time shapes can tell
+    if g_shape.is_fully_defined() and x_shape.is_fully_defined() and g_shape == x_shape:
+        return grad
+    extra = g_shape.rank - x_shape.rank
+    tail = list(g_shape)[extra:] if extra >= 0 else []
+    fits = extra >= 0 and all(
+        s is None or g is None or s == 1 or s == g
+        for s, g in zip(list(x_shape), tail, strict=True)
+    )
+    if not fits:
+        raise GradOverrideError(shape_message(list(g_shape), list(x_shape), op, name))
+    if g_shape.is_fully_defined() and x_shape.is_fully_defined():
+        axes = list(range(extra)) + [
+            extra + k for k, (s, g) in enumerate(zip(list(x_shape), tail, strict=True))
+            if s == 1 and g != 1
+        ]
+        return tf.reshape(tf.reduce_sum(grad, axis=axes), x_shape)
+    return _sum_to(grad, x)
+
+
+def _sum_to(grad: Any, x: Any) -> Any:
+    """Sum `grad` down to `x`'s run-time shape, as TensorFlow's broadcasting ops do."""
+    _, axes = tf.raw_ops.BroadcastGradientArgs(s0=tf.shape(grad), s1=tf.shape(x))
+    return tf.reshape(tf.reduce_sum(grad, axis=axes), tf.shape(x))
+
+
+# ---- once_differentiable --------------------------------------------------------------------
+
+
+def _once_differentiable(op: str, grad: Any) -> Any:
+    """`grad`, unchanged; differentiating it again raises instead of giving a wrong value."""
+
+    @tf.custom_gradient  # type: ignore[untyped-decorator]
+    def guard(value: Any) -> Any:
+        def second(_: Any) -> Any:
+            msg = (
+                f"backward of `{op}` is once-differentiable (once_differentiable=True) and "
+                "cannot be differentiated again; write the rule in differentiable "
+                "TensorFlow ops and drop the option to get higher-order gradients."
+            )
+            raise GradOverrideError(msg)
+
+        return tf.identity(value), second
+
+    return guard(grad)
+
+
+# ---- values, containers and variables --------------------------------------------------------
+
+
+def _read(value: Any) -> Any:
+    """A variable (TensorFlow's or Keras') as the tensor it holds; a composite tensor dense."""
+    if isinstance(value, tf.Tensor) or not tf.is_tensor(value):
+        return value
+    return tf.convert_to_tensor(value)
+
+
+def _dense(grad: Any) -> Any:
+    return tf.convert_to_tensor(grad) if isinstance(grad, tf.IndexedSlices) else grad
+
+
+def _differentiable(dtype: Any) -> bool:
+    return bool(dtype.is_floating or dtype.is_complex)
+
+
+def _flatten(values: tuple[Any, ...]) -> tuple[tuple[Any, ...], Any]:
+    """Containers holding TensorFlow values spread into leaves; the layout says how (the
+    same layout as the torch side's, so `slot_ranges` and `flat_gradients` read it)."""
+    flat: list[Any] = []
+    layout: list[Any] = []
+    spread = False
+    for value in values:
+        if isinstance(value, _CONTAINERS):
+            leaves, spec = pytree.tree_flatten(value)
+            if any(tf.is_tensor(leaf) for leaf in leaves):
+                flat.extend(leaves)
+                layout.append((spec, len(leaves)))
+                spread = True
+                continue
+        flat.append(value)
+        layout.append(None)
+    if not spread:
+        return values, None
+    return tuple(flat), tuple(layout)
+
+
+def _unflatten(flat: tuple[Any, ...], layout: Any) -> tuple[Any, ...]:
+    values: list[Any] = []
+    for start, stop, spec in slot_ranges(layout, len(layout)):
+        part = list(flat[start:stop])
+        values.append(part[0] if spec is None else pytree.tree_unflatten(part, spec))
+    return tuple(values)
+
+
+def _per_leaf(owned: tuple[bool, ...], layout: Any) -> tuple[bool, ...]:
+    if layout is None:
+        return owned
+    return tuple(
+        o for o, entry in zip(owned, layout, strict=True)
+        for _ in range(1 if entry is None else entry[1])
+    )
+
+
+def _output_leaves(output: Any) -> tuple[list[Any], Any, tuple[int, ...]]:
+    """The output's leaves, its structure, and which leaves are tensors that can carry a
+    gradient (the others pass through untouched)."""
+    leaves, spec = pytree.tree_flatten(output)
+    leaves = [_read(leaf) for leaf in leaves]
+    picked = tuple(
+        j for j, leaf in enumerate(leaves)
+        if isinstance(leaf, tf.Tensor) and _differentiable(leaf.dtype)
+    )
+    return leaves, spec, picked
+
+
+def _rebuild(leaves: list[Any], spec: Any, picked: tuple[int, ...], results: Any) -> Any:
+    out = list(leaves)
+    for j, result in zip(picked, results, strict=True):
+        out[j] = result
+    return pytree.tree_unflatten(out, spec)
+
+
+def _variable_name(variable: Any) -> str:
+    name = str(getattr(variable, "path", None) or variable.name)
+    return name[:-2] if name.endswith(":0") else name
+
+
+def _variable_keys(names: list[str]) -> dict[str, tuple[str, ...]]:
+    """Per variable, the dict keys that address it: its full name, and its last path
+    component when no other variable read by the forward shares it."""
+    short = [n.rsplit("/", 1)[-1] for n in names]
+    return {
+        name: (name,) if short.count(s) > 1 or s == name else (name, s)
+        for name, s in zip(names, short, strict=True)
+    }
