@@ -66,6 +66,7 @@ class RuleSpec:
         "once_differentiable",
         "owned",
         "owns_all",
+        "owns_declared",
         "requested",
         "requested_residuals",
         "requested_slots",
@@ -164,6 +165,9 @@ class RuleSpec:
                 )
                 raise GradOverrideError(msg)
         self.owns_all = owns is None or set(owned_names) == set(forward.names)
+        # TensorFlow only: a declared `owns` leaves variables the forward reads their own
+        # gradient, even when it names every parameter (see _tensorflow/_backend.py).
+        self.owns_declared = owns is not None
         self.owned = tuple(
             self.owns_all or name in owned_names for name in forward.names
         )

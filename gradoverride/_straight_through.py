@@ -355,7 +355,36 @@ def _build(
         body = _identity
         requested = ()
     op.backward(_rule(body, first, n_params, requested, name))
+    op._tensorflow_rule = _tensorflow_rule(
+        op._name, first, n_params, window=lh, surrogate=surrogate, derivative=derivative
+    )
     return op
+
+
+def _tensorflow_rule(
+    op: str,
+    first: str,
+    n_params: int,
+    *,
+    window: tuple[float, float] | None,
+    surrogate: Callable[..., Any] | None,
+    derivative: Callable[..., Any] | None,
+) -> Callable[..., Any]:
+    """The rule for TensorFlow inputs: the same backward in TensorFlow ops. It takes what
+    the torch rule names (its signature is the torch rule's) and imports TensorFlow only
+    when called, which only happens once a TensorFlow tensor has arrived."""
+    rest = (None,) * (n_params - 1)
+
+    def rule(upstream: Any, /, **saved: Any) -> Any:
+        from ._tensorflow._straight_through import gradient
+
+        grad = gradient(
+            upstream, saved, first=first, window=window, surrogate=surrogate,
+            derivative=derivative, op=op,
+        )
+        return grad if not rest else (grad, *rest)
+
+    return rule
 
 
 def _build_mask(
@@ -366,13 +395,21 @@ def _build_mask(
 
     @functools.wraps(fn)
     def forward(*args: Any, **kwargs: Any) -> Any:
-        return fn(*args, **kwargs), {"mask": window_mask(args[0], low, high)}
+        x = args[0]
+        if isinstance(x, Tensor):
+            return fn(*args, **kwargs), {"mask": window_mask(x, low, high)}
+        from ._tensorflow._straight_through import window_mask as tensorflow_window_mask
+
+        return fn(*args, **kwargs), {"mask": tensorflow_window_mask(x, low, high)}
 
     op: CustomBackward[..., Any] = custom_backward(forward, residuals=("mask",))
     op.__wrapped__ = fn
     _first_parameter(op, "straight_through")  # the mask is taken from the first argument
 
     op.backward(_rule(masked_gradient, "mask", len(op.parameters), ("mask",), name))
+    op._tensorflow_rule = _tensorflow_rule(
+        op._name, "mask", len(op.parameters), window=window, surrogate=None, derivative=None
+    )
     return op
 
 

@@ -90,7 +90,7 @@ class TensorFlowCall:
             for i, value in enumerate(flat)
             if owned[i] and isinstance(value, tf.Tensor) and _differentiable(value.dtype)
         )
-        if self.spec.owns_all:
+        if self.spec.owns_all and not self.spec.owns_declared:
             return self._owning(flat, layout, slots)
         return self._attaching(flat, layout, slots)
 
@@ -248,8 +248,9 @@ class TensorFlowCall:
                 f"the forward of `{self.op}` reads the variables {listing}, so its backward "
                 f"must return their gradients too, in a dict by name: "
                 f"{{{', '.join(repr(p) + ': ...' for p in self._owned_names())}"
-                f"{', ' if self._owned_names() else ''}{example}}}; or pass `owns=` so the "
-                "rule owns only some inputs and the variables keep their TensorFlow gradient."
+                f"{', ' if self._owned_names() else ''}{example}}}; or declare what the rule "
+                f"owns (`owns={self.sig.names[0]!r}`, say): variables it does not name then "
+                "keep their TensorFlow gradient."
             )
             raise GradOverrideError(msg)
         rest = {k: v for k, v in result.items() if k in self.sig.index}
@@ -293,7 +294,11 @@ def check_gradient(grad: Any, meta: Any, op: str, name: str) -> Any:
     if meta is None:
         raise GradOverrideError(no_gradient_slot_message(op, name))
     if isinstance(grad, tf.IndexedSlices):
-        grad = tf.convert_to_tensor(grad)
+        if grad.dense_shape is None and isinstance(meta, tf.Tensor):
+            # Rows of the input: the input says how many there are.
+            grad = tf.math.unsorted_segment_sum(grad.values, grad.indices, tf.shape(meta)[0])
+        else:
+            grad = tf.convert_to_tensor(grad)
     if not isinstance(grad, tf.Tensor):
         raise GradOverrideError(not_a_tensor_message(grad, op, name))
     if meta is SKIP:

@@ -28,7 +28,7 @@ class OpTraceType(tf.types.experimental.TraceType):  # type: ignore[misc]
         self._ref = weakref.ref(op)
 
     def is_subtype_of(self, other: Any) -> bool:
-        return self == other
+        return bool(self == other)
 
     def most_specific_common_supertype(self, others: Sequence[Any]) -> Any:
         return self if all(self == other for other in others) else None

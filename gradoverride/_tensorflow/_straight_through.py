@@ -1,0 +1,78 @@
+"""The backward rules of `go.straight_through`, in TensorFlow ops.
+
+`straight_through` writes its rules in torch ops (a `hardtanh_backward` kernel for the
+window, `torch.func.vjp` for a surrogate); an op it makes keeps these TensorFlow twins for
+TensorFlow inputs, with the same meaning: the window is inclusive at both ends and compared
+in the input's dtype (TensorFlow converts the Python bound to it, as torch does), a surrogate's
+derivative is taken by `tf.GradientTape` and so must be written in TensorFlow ops, and
+`derivative=` is called on the input as given.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import tensorflow as tf
+
+from .._errors import GradOverrideError
+
+__all__ = ["gradient", "window_mask"]
+
+
+def window_mask(x: Any, low: float, high: float) -> Any:
+    """Where `x` is outside `[low, high]` (a bool tensor, one byte per element)."""
+    return tf.logical_or(x < low, x > high)
+
+
+def gradient(
+    upstream: Any,
+    saved: dict[str, Any],
+    *,
+    first: str,
+    window: tuple[float, float] | None,
+    surrogate: Callable[..., Any] | None,
+    derivative: Callable[..., Any] | None,
+    op: str,
+) -> Any:
+    """The gradient for the forward's first argument, as the torch rule computes it."""
+    if "mask" in saved:  # keep="mask": the forward stored where the input is outside
+        return tf.where(saved["mask"], tf.zeros_like(upstream), upstream)
+    if surrogate is None and derivative is None and window is None:
+        return upstream
+    x = saved[first]
+    if surrogate is not None:
+        grad = _surrogate_gradient(upstream, x, surrogate, op)
+    elif derivative is not None:
+        grad = upstream * derivative(x)
+    else:
+        grad = upstream
+    if window is None:
+        return grad
+    low, high = window
+    inside = tf.logical_and(x >= low, x <= high)
+    return tf.where(inside, grad, tf.zeros_like(grad))
+
+
+def _surrogate_gradient(upstream: Any, x: Any, surrogate: Callable[..., Any], op: str) -> Any:
+    name = getattr(surrogate, "__name__", repr(surrogate))
+    with tf.GradientTape() as tape:
+        tape.watch(x)
+        try:
+            value = surrogate(x)
+        except Exception as exc:
+            exc.add_note(
+                f"(the surrogate `{name}` of `{op}` got a TensorFlow tensor: for TensorFlow "
+                "inputs write the surrogate in TensorFlow ops, e.g. `surrogate=tf.tanh`)"
+            )
+            raise
+    if not isinstance(value, tf.Tensor) or value.shape != upstream.shape:
+        got = tuple(value.shape) if isinstance(value, tf.Tensor) else type(value).__name__
+        msg = (
+            f"the surrogate `{name}` of `{op}` returned {got}, but the forward's output has "
+            f"shape {tuple(upstream.shape)}; a surrogate maps the input to a tensor shaped "
+            "like the forward's output."
+        )
+        raise GradOverrideError(msg)
+    grad = tape.gradient(value, x, output_gradients=tf.cast(upstream, value.dtype))
+    return tf.zeros_like(x) if grad is None else grad
