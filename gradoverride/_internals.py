@@ -15,6 +15,9 @@ path gives the same gradients.
   `tests/test_internals.py` checks. While compiling or under a transform callers use
   `cls.apply`, so dynamo and functorch see exactly what they expect.
 * `any_autocast_enabled()`: one C call instead of one per device type (dynamo folds it).
+* `assume_constant_result(fn)`: what `torch.compiler.assume_constant_result` does (it sets
+  `fn._dynamo_marked_constant = True`), without the `import torch._dynamo` that function
+  starts with: that import costs over a second, and `import gradoverride` has 50 ms.
 
 Private torch pieces used elsewhere, each with a test that fails if it goes missing:
 
@@ -29,11 +32,19 @@ Private torch pieces used elsewhere, each with a test that fails if it goes miss
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
-__all__ = ["FAST_APPLY", "any_autocast_enabled", "raw_apply", "transforms_active"]
+__all__ = [
+    "FAST_APPLY",
+    "any_autocast_enabled",
+    "assume_constant_result",
+    "raw_apply",
+    "transforms_active",
+]
+
+F = TypeVar("F", bound=Callable[..., Any])
 
 try:
     _function_base_apply: Any = torch._C._FunctionBase.__dict__["apply"]
@@ -64,3 +75,9 @@ except AttributeError:  # pragma: no cover - depends on torch version
             for device in ("cpu", "cuda", "xpu", "mps", "hpu")
             if torch.amp.is_autocast_available(device)
         )
+
+
+def assume_constant_result(fn: F) -> F:
+    """Mark `fn` as dynamo's `assume_constant_result` does, without importing dynamo."""
+    fn._dynamo_marked_constant = True  # type: ignore[attr-defined]
+    return fn

@@ -34,6 +34,7 @@ from typing_extensions import ParamSpec
 
 from ._decorators import CustomBackward, custom_backward
 from ._errors import GradOverrideError, GradOverrideTypeError
+from ._internals import assume_constant_result
 
 __all__ = [
     "DEFAULT_KEEP",
@@ -133,8 +134,7 @@ def _rounded_now(value: float, dtype: torch.dtype) -> float:
 
 
 # Under dynamo this runs at trace time and its result is a constant (no `.item()` traced).
-_assume_constant: Callable[[Any], Any] = torch.compiler.assume_constant_result
-_rounded: Callable[[float, torch.dtype], float] = _assume_constant(_rounded_now)
+_rounded: Callable[[float, torch.dtype], float] = assume_constant_result(_rounded_now)
 
 
 def _inside(x: Tensor, low: float, high: float) -> Tensor:
