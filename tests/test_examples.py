@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
 import subprocess
 import sys
@@ -42,8 +43,12 @@ def test_example_runs(script: Path, tmp_path: Path) -> None:
         if importlib.util.find_spec("matplotlib") is None:
             pytest.skip("matplotlib is not installed (the `plot` extra)")
         args = [str(tmp_path / "surrogates.png")]
+    if script.name.startswith("tensorflow_") and importlib.util.find_spec("tensorflow") is None:
+        if os.environ.get("GRADOVERRIDE_REQUIRE_TENSORFLOW") == "1":
+            pytest.fail("TensorFlow is required here (GRADOVERRIDE_REQUIRE_TENSORFLOW=1)")
+        pytest.skip("TensorFlow is not installed (pip install 'gradoverride[tensorflow]')")
     result = _run(str(script.relative_to(ROOT)), *args)
-    if script.name == "quickstart.py":
+    if script.name in ("quickstart.py", "tensorflow_ste.py"):
         match = re.search(r"loss fell from ([-+0-9.eE]+) to ([-+0-9.eE]+)", result.stdout)
         assert match, f"no 'loss fell from A to B' line in:\n{result.stdout}"
         first, last = float(match.group(1)), float(match.group(2))
