@@ -35,6 +35,13 @@ class CustomBackward(Generic[P, R]):
     __name__: str
     __qualname__: str
 
+    # TensorFlow's AutoGraph rewrites the Python code a `tf.function` calls, recursively,
+    # unless the callee carries this mark (what `tf.autograph.experimental.do_not_convert`
+    # sets). Our entry point is plain control flow on Python values, and the user's forward
+    # runs inside `tf.custom_gradient`, which AutoGraph never converts; converting ours would
+    # only add trace time. `tests/test_tensorflow.py` checks TensorFlow still reads the mark.
+    autograph_info__ = frozenset(("autograph_artifact",))
+
     def __init__(
         self,
         fn: Callable[P, R],

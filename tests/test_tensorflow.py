@@ -645,3 +645,12 @@ def test_torch_calls_are_unchanged_after_tensorflow_was_used() -> None:
     cube(x).sum().backward()
     assert x.grad is not None
     torch.testing.assert_close(x.grad, 2 * x.detach())
+
+
+def test_autograph_leaves_the_op_alone() -> None:
+    # The op's entry point is marked as AutoGraph's own (see CustomBackward): a tf.function
+    # calls it as plain Python instead of rewriting gradoverride's internals.
+    from tensorflow.python.autograph.impl.api import is_autograph_artifact
+
+    assert is_autograph_artifact(cube)
+    assert is_autograph_artifact(go.straight_through(lambda x: tf.sign(x)))
