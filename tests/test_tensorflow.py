@@ -654,3 +654,23 @@ def test_autograph_leaves_the_op_alone() -> None:
 
     assert is_autograph_artifact(cube)
     assert is_autograph_artifact(go.straight_through(lambda x: tf.sign(x)))
+
+
+def test_torch_and_tensorflow_tensors_in_one_call_is_a_type_error() -> None:
+    with pytest.raises(
+        go.GradOverrideTypeError,
+        match=r"`.*scale` got a torch tensor for `w` in a call with TensorFlow tensors",
+    ):
+        scale(tf.constant(B), torch.tensor(B))
+
+
+@pytest.mark.parametrize("mode", ["eager", "xla"])
+def test_a_shape_changing_straight_through_is_an_error_not_a_wrong_gradient(mode: str) -> None:
+    # tf.grad_pass_through hands back the upstream gradient whatever its shape; the same
+    # mistake here names both shapes.
+    row_sums = go.straight_through(lambda x: tf.reduce_sum(x, axis=1))
+    with pytest.raises(
+        go.GradOverrideError,
+        match=r"returned a gradient of shape \(4,\) for `x`, which has shape \(4, 3\)",
+    ):
+        _tf_gradients(row_sums, X, mode=mode)

@@ -37,9 +37,10 @@ from collections.abc import Callable
 from typing import Any
 
 import tensorflow as tf
+import torch
 from torch.utils import _pytree as pytree
 
-from .._errors import GradOverrideError
+from .._errors import GradOverrideError, GradOverrideTypeError
 from .._function import check_output_count, unpack_residuals
 from .._gradients import (
     SKIP,
@@ -82,6 +83,7 @@ class TensorFlowCall:
     def __call__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         values = self.sig.bind(args, kwargs)
         flat, layout = _flatten(values)
+        self._refuse_torch(flat, layout)
         flat = tuple(_read(v) for v in flat)
         owned = _per_leaf(self.spec.owned, layout)
         # The inputs that get a gradient: owned floating-point (or complex) tensors.
@@ -93,6 +95,17 @@ class TensorFlowCall:
         if self.spec.owns_all and not self.spec.owns_declared:
             return self._owning(flat, layout, slots)
         return self._attaching(flat, layout, slots)
+
+    def _refuse_torch(self, flat: tuple[Any, ...], layout: Any) -> None:
+        for slot, (start, stop, _) in enumerate(slot_ranges(layout, len(self.sig.names))):
+            if any(isinstance(v, torch.Tensor) for v in flat[start:stop]):
+                name = self.sig.names[slot]
+                msg = (
+                    f"`{self.op}` got a torch tensor for `{name}` in a call with TensorFlow "
+                    f"tensors; one call works in one framework: convert `{name}` with "
+                    f"`tf.convert_to_tensor({name}.numpy())` (or the TensorFlow tensors to torch)."
+                )
+                raise GradOverrideTypeError(msg)
 
     # ---- the two forms --------------------------------------------------------------------
 
