@@ -11,8 +11,6 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from torch.utils import _pytree as pytree
-
 __all__ = ["any_tensorflow", "is_tensorflow"]
 
 
@@ -32,5 +30,17 @@ def any_tensorflow(args: tuple[Any, ...], kwargs: dict[str, Any] | None = None) 
     """
     if "tensorflow" not in sys.modules:
         return False
-    values = args if not kwargs else (*args, *kwargs.values())
-    return any(is_tensorflow(leaf) for leaf in pytree.tree_leaves(values))
+    return _search(args) or (kwargs is not None and _search(kwargs.values()))
+
+
+def _search(values: Any) -> bool:
+    for value in values:
+        if isinstance(value, (tuple, list)):
+            if _search(value):
+                return True
+        elif isinstance(value, dict):
+            if _search(value.values()):
+                return True
+        elif is_tensorflow(value):
+            return True
+    return False

@@ -41,6 +41,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from .._errors import GradOverrideError, GradOverrideTypeError
+from .._frameworks import is_tensorflow
 from .._function import check_output_count, unpack_residuals
 from .._gradients import (
     SKIP,
@@ -57,6 +58,7 @@ from .._signature import ForwardSignature
 __all__ = ["TensorFlowCall", "check_gradient"]
 
 _CONTAINERS = (tuple, list, dict)
+_ONE_LEAF = pytree.tree_structure(0)  # the structure of a lone tensor output
 #: What a rule may return as a gradient (an `IndexedSlices` is made dense).
 _GRADIENT_TYPES = (tf.Tensor, tf.IndexedSlices)
 
@@ -200,8 +202,11 @@ class TensorFlowCall:
             grad_leaves[j] = (
                 tf.zeros_like(leaves[j]) if grad is None else _dense(grad)
             )
-        tree = pytree.tree_unflatten(grad_leaves, pytree.tree_structure(output))
-        rule_grads = tuple(tree) if type(output) is tuple else (tree,)
+        if isinstance(output, tf.Tensor):
+            rule_grads: tuple[Any, ...] = (grad_leaves[0],)
+        else:
+            tree = pytree.tree_unflatten(grad_leaves, pytree.tree_structure(output))
+            rule_grads = tuple(tree) if type(output) is tuple else (tree,)
 
         kwargs: dict[str, Any] = {}
         for name, slot in spec.requested_slots:
@@ -386,7 +391,7 @@ def _once_differentiable(op: str, grad: Any) -> Any:
 
 def _read(value: Any) -> Any:
     """A variable (TensorFlow's or Keras') as the tensor it holds; a composite tensor dense."""
-    if isinstance(value, tf.Tensor) or not tf.is_tensor(value):
+    if isinstance(value, tf.Tensor) or not is_tensorflow(value):
         return value
     return tf.convert_to_tensor(value)
 
@@ -440,6 +445,8 @@ def _per_leaf(owned: tuple[bool, ...], layout: Any) -> tuple[bool, ...]:
 def _output_leaves(output: Any) -> tuple[list[Any], Any, tuple[int, ...]]:
     """The output's leaves, its structure, and which leaves are tensors that can carry a
     gradient (the others pass through untouched)."""
+    if isinstance(output, tf.Tensor):  # the common case, without a tree walk
+        return [output], _ONE_LEAF, ((0,) if _differentiable(output.dtype) else ())
     leaves, spec = pytree.tree_flatten(output)
     leaves = [_read(leaf) for leaf in leaves]
     picked = tuple(
