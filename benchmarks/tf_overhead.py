@@ -23,12 +23,12 @@ from typing import Any
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import tensorflow as tf  # noqa: E402
+import tensorflow as tf
 
-import gradoverride as go  # noqa: E402
+import gradoverride as go
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _timing import compare  # noqa: E402
+from _timing import compare
 
 
 @go.custom_backward
@@ -85,7 +85,8 @@ def main() -> None:
                 if mode == "tf.function":
                     step = tf.function(step)
 
-                def run(step: Callable[[Any, Any], Any] = step) -> None:
+                def run(step: Callable[[Any, Any], Any] = step, x: Any = x,
+                        upstream: Any = upstream) -> None:
                     step(x, upstream).numpy()
 
                 cases[name] = run
