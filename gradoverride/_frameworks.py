@@ -11,6 +11,8 @@ from __future__ import annotations
 import sys
 from typing import Any
 
+from torch.compiler import is_dynamo_compiling
+
 __all__ = ["any_tensorflow", "is_tensorflow"]
 
 
@@ -26,9 +28,11 @@ def is_tensorflow(value: object) -> bool:
 def any_tensorflow(args: tuple[Any, ...], kwargs: dict[str, Any] | None = None) -> bool:
     """Whether any argument (tuples, lists and dicts are searched) is TensorFlow's.
 
-    Free when TensorFlow was never imported: one lookup in `sys.modules`.
+    Free when TensorFlow was never imported: one lookup in `sys.modules`. False while
+    dynamo traces (a TensorFlow tensor cannot reach a compiled torch function).
     """
-    if "tensorflow" not in sys.modules:
+    # Dynamo traces torch code only (and cannot trace the type checks below): first.
+    if is_dynamo_compiling() or "tensorflow" not in sys.modules:
         return False
     return _search(args) or (kwargs is not None and _search(kwargs.values()))
 

@@ -674,3 +674,21 @@ def test_a_shape_changing_straight_through_is_an_error_not_a_wrong_gradient(mode
         match=r"returned a gradient of shape \(4,\) for `x`, which has shape \(4, 3\)",
     ):
         _tf_gradients(row_sums, X, mode=mode)
+
+
+@pytest.mark.compile
+# Dynamo itself instantiates the Function base class when it traces a Function (torch 2.13).
+@pytest.mark.filterwarnings("ignore:.*should not be instantiated:DeprecationWarning")
+def test_torch_compile_of_an_op_is_unaffected_by_tensorflow_being_imported() -> None:
+    # With TensorFlow in sys.modules, the dispatch check must still be invisible to dynamo
+    # (a float argument takes the general path, which checks every argument).
+    assert "tensorflow" in __import__("sys").modules
+    compiled = torch.compile(
+        lambda a, b: pair((a, b), shift=0.5), fullgraph=True, backend="aot_eager"
+    )
+    a = torch.tensor(B, requires_grad=True)
+    b = torch.tensor(-B, requires_grad=True)
+    compiled(a, b).sum().backward()
+    assert a.grad is not None and b.grad is not None
+    torch.testing.assert_close(a.grad, 3 * b.detach())  # the rule: (3 * grad * b, grad * a)
+    torch.testing.assert_close(b.grad, a.detach())

@@ -29,12 +29,17 @@ from torch import Tensor, nn
 
 from .._decorators import custom_backward
 from .._errors import GradOverrideError
+from .._frameworks import is_tensorflow
 
 __all__ = ["GradientTransform", "Recipe", "RecipeModule"]
 
 
 class Recipe:
     """Base of all recipes. Subclasses are frozen dataclasses and define `__call__`."""
+
+    # Called from a `tf.function`, a recipe runs as plain Python rather than being rewritten
+    # by AutoGraph (see the same mark on `CustomBackward`).
+    autograph_info__ = frozenset(("autograph_artifact",))
 
     def __call__(self, x: Tensor, /, *args: Any, **kwargs: Any) -> Any:
         raise NotImplementedError
@@ -70,6 +75,8 @@ class GradientTransform(Recipe):
         raise NotImplementedError
 
     def __call__(self, x: Tensor, /, *args: Any, **kwargs: Any) -> Tensor:
+        if not isinstance(x, Tensor) and is_tensorflow(x):
+            return tensorflow_call(self, x, *args, **kwargs)
         if args or kwargs:
             msg = f"{self!r} takes one tensor; got {len(args) + 1} positional and {sorted(kwargs)}."
             raise TypeError(msg)
@@ -112,3 +119,28 @@ def keep_dtype(value: Tensor, like: Tensor) -> Tensor:
     return value if value.dtype == like.dtype else value.to(like.dtype)
 
 
+# ---- TensorFlow ---------------------------------------------------------------------------
+#
+# Each recipe's `__call__` (and each gradient transform's `transform`) starts with
+# `if not isinstance(x, Tensor) and is_tensorflow(x): return tensorflow_call(self, x)`:
+# written inline, so a torch tensor costs one isinstance check and no extra Python frame.
+# The TensorFlow recipes are imported at the first TensorFlow tensor, so `import
+# gradoverride` never imports TensorFlow. Both helpers are typed as returning a Tensor so
+# that the recipes' torch-typed signatures hold; the value is a TensorFlow tensor.
+
+
+def tensorflow_call(recipe: object, x: Any, /, *args: Any, **kwargs: Any) -> Tensor:
+    """`recipe(x, ...)` for a TensorFlow `x` (gradoverride._tensorflow.recipes); a recipe
+    with no TensorFlow form raises GradOverrideTypeError naming those that have one."""
+    from .._tensorflow.recipes import call
+
+    result: Tensor = call(recipe, x, *args, **kwargs)
+    return result
+
+
+def tensorflow_transform(recipe: object, grad: Any, /, **kwargs: Any) -> Tensor:
+    """`recipe.transform(grad, ...)` for a TensorFlow gradient (dense or IndexedSlices)."""
+    from .._tensorflow.recipes import transform
+
+    result: Tensor = transform(recipe, grad, **kwargs)
+    return result

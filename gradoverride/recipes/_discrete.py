@@ -16,7 +16,8 @@ from torch import Tensor
 
 from .._decorators import custom_backward
 from .._errors import GradOverrideError, GradOverrideTypeError
-from ._base import Recipe, positive_number
+from .._frameworks import is_tensorflow
+from ._base import Recipe, positive_number, tensorflow_call
 
 __all__ = ["gumbel_softmax", "ste_argmax"]
 
@@ -138,6 +139,8 @@ class ste_argmax(Recipe):
         )
 
     def __call__(self, x: Tensor) -> Tensor:
+        if not isinstance(x, Tensor) and is_tensorflow(x):
+            return tensorflow_call(self, x)
         return _ste_argmax(_check_input(self, x), self)
 
 
@@ -216,6 +219,8 @@ class gumbel_softmax(Recipe):
     def __call__(
         self, x: Tensor, *, generator: torch.Generator | None = None
     ) -> Tensor:
+        if not isinstance(x, Tensor) and is_tensorflow(x):
+            return tensorflow_call(self, x, generator=generator)
         if generator is not None and not isinstance(generator, torch.Generator):
             msg = (
                 f"{self!r}: `generator` must be a torch.Generator (or None); got "

@@ -24,7 +24,14 @@ from torch import Tensor
 
 from .._decorators import custom_backward
 from .._errors import GradOverrideError, GradOverrideTypeError
-from ._base import GradientTransform, RecipeModule, keep_dtype
+from .._frameworks import is_tensorflow
+from ._base import (
+    GradientTransform,
+    RecipeModule,
+    keep_dtype,
+    tensorflow_call,
+    tensorflow_transform,
+)
 
 __all__ = [
     "ScaledGradientModule",
@@ -180,9 +187,13 @@ class _ScaledGradient(GradientTransform):
 
     def transform(self, grad: Tensor, *, step: Tensor | int | None = None) -> Tensor:
         """The gradient passed on: `grad` times the signed scale, in `grad`'s dtype."""
+        if not isinstance(grad, Tensor) and is_tensorflow(grad):
+            return tensorflow_transform(self, grad, step=step)
         return keep_dtype(grad * self.factor(step), grad)
 
     def __call__(self, x: Tensor, /, *, step: Tensor | int | None = None) -> Tensor:
+        if not isinstance(x, Tensor) and is_tensorflow(x):
+            return tensorflow_call(self, x, step=step)
         constant = self._constant
         if constant is not None and step is None:
             return _multiply_gradient(x, constant)
@@ -273,6 +284,8 @@ class ScaledGradientModule(RecipeModule):
             self.register_buffer("steps", torch.zeros((), dtype=torch.int64))
 
     def forward(self, x: Tensor) -> Tensor:
+        if not isinstance(x, Tensor) and is_tensorflow(x):
+            return tensorflow_call(self, x)
         constant = self.recipe._constant
         if constant is not None:  # the common call, one frame shorter
             return _multiply_gradient(x, constant)
@@ -282,6 +295,8 @@ class ScaledGradientModule(RecipeModule):
 
     def transform(self, grad: Tensor) -> Tensor:
         """The recipe's gradient map at the current step (for `go.grad_hook`)."""
+        if not isinstance(grad, Tensor) and is_tensorflow(grad):
+            return tensorflow_transform(self, grad)
         if self.scheduled:
             return self.recipe.transform(grad, step=self.steps)
         return self.recipe.transform(grad)
@@ -332,6 +347,8 @@ class clip_grad_value(GradientTransform):
 
     def transform(self, grad: Tensor) -> Tensor:
         """The upstream gradient clamped to ``[-clip_value, clip_value]``."""
+        if not isinstance(grad, Tensor) and is_tensorflow(grad):
+            return tensorflow_transform(self, grad)
         # A bound beyond the dtype's range clamps nothing there, and torch.clamp refuses a
         # scalar the dtype cannot hold (1e6 for float16).
         bound = min(float(self.clip_value), torch.finfo(grad.dtype).max)
@@ -397,6 +414,8 @@ class clip_grad_norm(GradientTransform):
 
     def transform(self, grad: Tensor) -> Tensor:
         """The upstream gradient rescaled to norm at most `max_norm` (over `dim`)."""
+        if not isinstance(grad, Tensor) and is_tensorflow(grad):
+            return tensorflow_transform(self, grad)
         compute = torch.promote_types(grad.dtype, torch.float32)
         norm = torch.linalg.vector_norm(
             grad, ord=self.norm_type, dim=self.dim, keepdim=True, dtype=compute
@@ -473,6 +492,8 @@ class sanitize_grad(GradientTransform):
 
     def transform(self, grad: Tensor) -> Tensor:
         """The upstream gradient with NaN/inf replaced, or checked (raise mode)."""
+        if not isinstance(grad, Tensor) and is_tensorflow(grad):
+            return tensorflow_transform(self, grad)
         if self.mode == "replace":
             return torch.nan_to_num(grad, nan=self.nan, posinf=self.posinf, neginf=self.neginf)
         finite = torch.isfinite(grad).all()

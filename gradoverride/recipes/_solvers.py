@@ -35,8 +35,9 @@ from torch import Tensor
 from .._bridge import as_array, graph_break, to_numpy
 from .._decorators import custom_backward
 from .._errors import GradOverrideError, GradOverrideTypeError
+from .._frameworks import is_tensorflow
 from .._signature import describe
-from ._base import Recipe
+from ._base import Recipe, tensorflow_call
 
 __all__ = ["blackbox_solver", "perturbed_optimizer"]
 
@@ -216,6 +217,8 @@ class blackbox_solver(_SolverRecipe):
         return y
 
     def __call__(self, w: Tensor, /) -> Tensor:
+        if not isinstance(w, Tensor) and is_tensorflow(w):
+            return tensorflow_call(self, w)
         return _call_interpolated(w, self)
 
     def __repr__(self) -> str:
@@ -361,6 +364,8 @@ class perturbed_optimizer(_SolverRecipe):
         )
 
     def __call__(self, theta: Tensor, /) -> Tensor:
+        if not isinstance(theta, Tensor) and is_tensorflow(theta):
+            return tensorflow_call(self, theta)
         return _call_perturbed(theta, self)
 
     def __repr__(self) -> str:

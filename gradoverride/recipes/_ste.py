@@ -21,6 +21,7 @@ from torch import Tensor, nn
 
 from .._decorators import custom_backward
 from .._errors import GradOverrideError, GradOverrideTypeError
+from .._frameworks import is_tensorflow
 from .._straight_through import (
     DEFAULT_KEEP,
     Keep,
@@ -30,7 +31,7 @@ from .._straight_through import (
     window_gradient,
     window_mask,
 )
-from ._base import Recipe, positive_number
+from ._base import Recipe, positive_number, tensorflow_call
 
 __all__ = [
     "LearnedStepQuantizer",
@@ -157,6 +158,8 @@ class ste_round(Recipe):
     """
 
     def __call__(self, x: Tensor) -> Tensor:
+        if not isinstance(x, Tensor) and is_tensorflow(x):
+            return tensorflow_call(self, x)
         return _ste_round(x)
 
 
@@ -165,6 +168,8 @@ class ste_floor(Recipe):
     """Straight-through floor: y = floor(x); dL/dx = dL/dy. Matches brevitas `floor_ste`."""
 
     def __call__(self, x: Tensor) -> Tensor:
+        if not isinstance(x, Tensor) and is_tensorflow(x):
+            return tensorflow_call(self, x)
         return _ste_floor(x)
 
 
@@ -173,6 +178,8 @@ class ste_ceil(Recipe):
     """Straight-through ceil: y = ceil(x); dL/dx = dL/dy. Matches brevitas `ceil_ste`."""
 
     def __call__(self, x: Tensor) -> Tensor:
+        if not isinstance(x, Tensor) and is_tensorflow(x):
+            return tensorflow_call(self, x)
         return _ste_ceil(x)
 
 
@@ -185,6 +192,8 @@ class ste_sign(Recipe):
     """
 
     def __call__(self, x: Tensor) -> Tensor:
+        if not isinstance(x, Tensor) and is_tensorflow(x):
+            return tensorflow_call(self, x)
         return _ste_sign(x)
 
 
@@ -224,6 +233,8 @@ class ste_clamp(Recipe):
         return torch.clamp(x, self.low, self.high)
 
     def __call__(self, x: Tensor) -> Tensor:
+        if not isinstance(x, Tensor) and is_tensorflow(x):
+            return tensorflow_call(self, x)
         window = self._window if self.outside == "zero" else None
         return _windowed(x, self._forward, window, self.keep)
 
@@ -258,6 +269,8 @@ class binarize(Recipe):
         _set(self, "_window", window)
 
     def __call__(self, x: Tensor) -> Tensor:
+        if not isinstance(x, Tensor) and is_tensorflow(x):
+            return tensorflow_call(self, x)
         return _windowed(x, _binary_sign, self._window, self.keep)
 
 
@@ -308,6 +321,8 @@ class ternarize(Recipe):
         return (ternary * alpha).to(x.dtype)
 
     def __call__(self, x: Tensor) -> Tensor:
+        if not isinstance(x, Tensor) and is_tensorflow(x):
+            return tensorflow_call(self, x)
         return _ste(x, self._forward)
 
 
@@ -444,6 +459,8 @@ class quantize(Recipe):
         return y.to(x.dtype), outside
 
     def __call__(self, x: Tensor) -> Tensor:
+        if not isinstance(x, Tensor) and is_tensorflow(x):
+            return tensorflow_call(self, x)
         if self.keep == "mask":
             result: Tensor = _quantize_mask(x, self)
             return result
@@ -509,6 +526,8 @@ class lsq(Recipe):
             _set(self, "code_range", (0, 2**bits - 1))
 
     def __call__(self, x: Tensor, step: Tensor) -> Tensor:
+        if not isinstance(x, Tensor) and is_tensorflow(x):
+            return tensorflow_call(self, x, step)
         if not isinstance(step, Tensor):
             msg = (
                 f"{self!r}: `step` must be a tensor (a learnable parameter), got "
@@ -540,6 +559,8 @@ class LearnedStepQuantizer(nn.Module):
         self._needs_init = step is None
 
     def forward(self, x: Tensor) -> Tensor:
+        if not isinstance(x, Tensor) and is_tensorflow(x):
+            return tensorflow_call(self, x)
         if self._needs_init:
             with torch.no_grad():
                 self.step.copy_(self.recipe.init_step(x))

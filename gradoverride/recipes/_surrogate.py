@@ -32,8 +32,9 @@ from torch import Tensor
 
 from .._decorators import custom_backward
 from .._errors import GradOverrideError, GradOverrideTypeError
+from .._frameworks import is_tensorflow
 from .._internals import transforms_active
-from ._base import Recipe, positive_number
+from ._base import Recipe, positive_number, tensorflow_call
 
 __all__ = ["SPIKE_PRESETS", "SURROGATES", "spike"]
 
@@ -291,6 +292,8 @@ class spike(Recipe):
         return proxy(x, self.alpha) * self.scale  # type: ignore[arg-type]
 
     def __call__(self, x: Tensor) -> Tensor:
+        if not isinstance(x, Tensor) and is_tensorflow(x):
+            return tensorflow_call(self, x)
         return _spike(x, self)
 
     @classmethod
