@@ -4,7 +4,9 @@ where a ```text block follows it, that is what the code prints (tiny float value
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import io
+import os
 import re
 from pathlib import Path
 
@@ -12,10 +14,21 @@ import pytest
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 # Headings whose example must run; add yours.
+_NO_TENSORFLOW = (
+    importlib.util.find_spec("tensorflow") is None
+    and os.environ.get("GRADOVERRIDE_REQUIRE_TENSORFLOW") != "1"
+)
 SECTIONS = [
     "Testing your rule",
     "Gradient flow, bridges and black-box solvers",
     "Straight-through estimators and surrogate gradients",
+    pytest.param(
+        "TensorFlow",
+        marks=pytest.mark.skipif(
+            _NO_TENSORFLOW,
+            reason="TensorFlow is not installed (pip install 'gradoverride[tensorflow]')",
+        ),
+    ),
 ]
 _SMALL_FLOAT = re.compile(r"\d(?:\.\d+)?e-\d+")
 
