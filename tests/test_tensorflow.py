@@ -692,3 +692,32 @@ def test_torch_compile_of_an_op_is_unaffected_by_tensorflow_being_imported() -> 
     assert a.grad is not None and b.grad is not None
     torch.testing.assert_close(a.grad, 3 * b.detach())  # the rule: (3 * grad * b, grad * a)
     torch.testing.assert_close(b.grad, a.detach())
+
+
+def test_the_gradient_function_keeps_only_what_the_rule_names() -> None:
+    # The gradient function lives as long as the tape, and what it references stays alive.
+    # TensorFlow's own custom_gradient keeps the inputs and the forward's result anyway; a
+    # residual the rule does not name must not be kept on top of that.
+    import gc
+    import weakref
+
+    refs: dict[str, Any] = {}
+
+    @go.custom_backward(residuals=("big", "small"))
+    def forward(x: Any) -> Any:
+        big, small = tf.tile(x, [100]), tf.reduce_sum(x)
+        refs.update(big=weakref.ref(big), small=weakref.ref(small))
+        return x * 2, {"big": big, "small": small}
+
+    @forward.backward
+    def _(grad: Any, *, small: Any) -> Any:
+        return grad * small
+
+    x = tf.constant(B)
+    with tf.GradientTape() as tape:
+        tape.watch(x)
+        y = forward(x)
+        gc.collect()
+        alive = {name: ref() is not None for name, ref in refs.items()}
+    np.testing.assert_allclose(tape.gradient(y, x).numpy(), np.full(3, B.sum()), rtol=1e-6)
+    assert alive == {"big": False, "small": True}

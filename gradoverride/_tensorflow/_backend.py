@@ -34,7 +34,7 @@ floating-point input (TensorFlow does not say which gradients a tape will use).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import tensorflow as tf
 import torch
@@ -61,6 +61,39 @@ _CONTAINERS = (tuple, list, dict)
 _ONE_LEAF = pytree.tree_structure(0)  # the structure of a lone tensor output
 #: What a rule may return as a gradient (an `IndexedSlices` is made dense).
 _GRADIENT_TYPES = (tf.Tensor, tf.IndexedSlices)
+
+
+class _Meta:
+    """A tensor's shape and dtype, without the tensor: what checking its gradient needs.
+    The run-time shape is kept (a small int tensor) only where the static one has gaps,
+    which happens in graph mode only."""
+
+    __slots__ = ("_runtime", "dtype", "shape")
+
+    def __init__(self, tensor: Any) -> None:
+        self.shape = tensor.shape
+        self.dtype = tensor.dtype
+        self._runtime = None if self.shape.is_fully_defined() else tf.shape(tensor)
+
+    def runtime_shape(self) -> Any:
+        return self.shape if self._runtime is None else self._runtime
+
+    def zeros(self) -> Any:
+        return tf.zeros(self.runtime_shape(), self.dtype)
+
+
+class _Record(NamedTuple):
+    """What one call's gradient function keeps (see `TensorFlowCall._record`)."""
+
+    kwargs: dict[str, Any]  # the values the rule names, by name
+    meta: list[Any]  # per flat input: None (not a tensor) | SKIP | _Meta
+    layout: Any
+    slots: tuple[int, ...]  # the flat inputs that get a gradient
+    out_spec: Any  # None for a lone tensor output, else the output's structure
+    tuple_output: bool  # the forward returned a plain tuple (one upstream gradient each)
+    n_leaves: int
+    picked: tuple[int, ...]  # the output leaves that carry a gradient
+    out_meta: list[_Meta]
 
 
 class TensorFlowCall:
@@ -121,13 +154,11 @@ class TensorFlowCall:
                 inputs[i] = tensor
             output, residuals = self._forward(inputs, layout)
             leaves, spec, picked = _output_leaves(output)
-            made.update(output=output, leaves=leaves, spec=spec, picked=picked)
+            made.update(leaves=leaves, spec=spec, picked=picked)
+            record = self._record(inputs, layout, slots, output, spec, leaves, picked, residuals)
 
             def gradient(*upstream: Any, variables: Any = None) -> Any:
-                grads, var_grads = self._gradients(
-                    upstream, inputs, layout, slots, output, leaves, picked, residuals,
-                    variables,
-                )
+                grads, var_grads = self._gradients(upstream, record, variables)
                 if variables:
                     return grads, var_grads
                 return grads
@@ -149,13 +180,12 @@ class TensorFlowCall:
         leaves, spec, picked = _output_leaves(output)
         if not slots or not picked:
             return output
+        record = self._record(inputs, layout, slots, output, spec, leaves, picked, residuals)
         n_owned = len(slots)
 
         def attach(*tensors: Any) -> Any:
             def gradient(*upstream: Any, variables: Any = None) -> Any:
-                grads, _ = self._gradients(
-                    upstream, inputs, layout, slots, output, leaves, picked, residuals, None
-                )
+                grads, _ = self._gradients(upstream, record, None)
                 passed = [_dense(g) for g in upstream]
                 return [*grads, *passed]
 
@@ -178,36 +208,23 @@ class TensorFlowCall:
         check_output_count(self.spec.n_grads, n_top, self.spec.name, self.op)
         return output, residuals
 
-    def _gradients(
+    def _record(
         self,
-        upstream: tuple[Any, ...],
         inputs: list[Any],
         layout: Any,
         slots: tuple[int, ...],
         output: Any,
+        out_spec: Any,
         leaves: list[Any],
         picked: tuple[int, ...],
         residuals: dict[str, Any],
-        variables: Any,
-    ) -> tuple[list[Any], list[Any]]:
-        """Call the rule; the checked gradients for the inputs in `slots` and for
-        `variables`."""
+    ) -> _Record:
+        """What the gradient function keeps: the values the rule names and metadata. Only
+        these: the gradient function lives as long as the tape, so anything it referenced
+        (the forward's output, an input the rule does not name) would stay alive with it."""
         spec = self.spec
         names = self.sig.names
         ranges = slot_ranges(layout, len(names))
-
-        # The upstream gradients, in the structure of the forward's output.
-        grad_leaves: list[Any] = [None] * len(leaves)
-        for j, grad in zip(picked, upstream, strict=True):
-            grad_leaves[j] = (
-                tf.zeros_like(leaves[j]) if grad is None else _dense(grad)
-            )
-        if isinstance(output, tf.Tensor):
-            rule_grads: tuple[Any, ...] = (grad_leaves[0],)
-        else:
-            tree = pytree.tree_unflatten(grad_leaves, pytree.tree_structure(output))
-            rule_grads = tuple(tree) if type(output) is tuple else (tree,)
-
         kwargs: dict[str, Any] = {}
         for name, slot in spec.requested_slots:
             start, stop, treespec = ranges[slot]
@@ -222,27 +239,54 @@ class TensorFlowCall:
                 name: any(start <= i < stop for i in slots)
                 for name, (start, stop, _) in zip(names, ranges, strict=True)
             }
+        meta = [
+            (_Meta(value) if i in slots else SKIP) if isinstance(value, tf.Tensor) else None
+            for i, value in enumerate(inputs)
+        ]
+        lone = isinstance(output, tf.Tensor)
+        return _Record(
+            kwargs=kwargs,
+            meta=meta,
+            layout=layout,
+            slots=slots,
+            out_spec=None if lone else out_spec,
+            tuple_output=type(output) is tuple,
+            n_leaves=len(leaves),
+            picked=picked,
+            out_meta=[_Meta(leaves[j]) for j in picked],
+        )
 
-        result = self._call_rule(rule_grads, kwargs)
+    def _gradients(
+        self, upstream: tuple[Any, ...], record: _Record, variables: Any
+    ) -> tuple[list[Any], list[Any]]:
+        """Call the rule; the checked gradients for the inputs in `slots` and for
+        `variables`."""
+        # The upstream gradients, in the structure of the forward's output.
+        grad_leaves: list[Any] = [None] * record.n_leaves
+        for j, grad, m in zip(record.picked, upstream, record.out_meta, strict=True):
+            grad_leaves[j] = m.zeros() if grad is None else _dense(grad)
+        if record.out_spec is None:
+            rule_grads: tuple[Any, ...] = (grad_leaves[0],)
+        else:
+            tree = pytree.tree_unflatten(grad_leaves, record.out_spec)
+            rule_grads = tuple(tree) if record.tuple_output else (tree,)
+
+        result = self._call_rule(rule_grads, record.kwargs)
         var_grads: list[Any] = []
         if variables:
             result, var_grads = self._variable_gradients(result, variables)
-        meta: list[Any] = [
-            (value if i in slots else SKIP) if isinstance(value, tf.Tensor) else None
-            for i, value in enumerate(inputs)
-        ]
         flat_grads = flat_gradients(
             result,
             op=self.op,
-            names=names,
-            owned=spec.owned,
-            layout=layout,
-            meta=meta,
+            names=self.sig.names,
+            owned=self.spec.owned,
+            layout=record.layout,
+            meta=record.meta,
             check=check_gradient,
             tensor=_GRADIENT_TYPES,
         )
-        grads = [flat_grads[i] for i in slots]
-        if spec.once_differentiable:
+        grads = [flat_grads[i] for i in record.slots]
+        if self.spec.once_differentiable:
             grads = [g if g is None else _once_differentiable(self.op, g) for g in grads]
             var_grads = [g if g is None else _once_differentiable(self.op, g) for g in var_grads]
         return grads, var_grads
@@ -286,8 +330,7 @@ class TensorFlowCall:
                 )
                 raise GradOverrideError(msg)
             used.add(key)
-            meta = variable.value() if hasattr(variable, "value") else variable
-            var_grads.append(check_gradient(given[key], meta, self.op, name))
+            var_grads.append(check_gradient(given[key], _Meta(variable), self.op, name))
         unknown = [k for k in given if k not in used]
         if unknown:
             valid = ", ".join(f"`{n}`" for n in (*self._owned_names(), *names))
@@ -312,16 +355,17 @@ def check_gradient(grad: Any, meta: Any, op: str, name: str) -> Any:
     if meta is None:
         raise GradOverrideError(no_gradient_slot_message(op, name))
     if isinstance(grad, tf.IndexedSlices):
-        if grad.dense_shape is None and isinstance(meta, tf.Tensor):
+        if grad.dense_shape is None and isinstance(meta, _Meta):
             # Rows of the input: the input says how many there are.
-            grad = tf.math.unsorted_segment_sum(grad.values, grad.indices, tf.shape(meta)[0])
+            rows = meta.runtime_shape()[0]
+            grad = tf.math.unsorted_segment_sum(grad.values, grad.indices, rows)
         else:
             grad = tf.convert_to_tensor(grad)
     if not isinstance(grad, tf.Tensor):
         raise GradOverrideError(not_a_tensor_message(grad, op, name))
     if meta is SKIP:
         return None
-    x = meta
+    x: _Meta = meta
     if grad.dtype != x.dtype:
         both_float = grad.dtype.is_floating and x.dtype.is_floating
         both_complex = grad.dtype.is_complex and x.dtype.is_complex
@@ -335,7 +379,7 @@ def check_gradient(grad: Any, meta: Any, op: str, name: str) -> Any:
     return _fit_shape(grad, x, op, name)
 
 
-def _fit_shape(grad: Any, x: Any, op: str, name: str) -> Any:
+def _fit_shape(grad: Any, x: _Meta, op: str, name: str) -> Any:
     """`grad` in `x`'s shape: equal, or summed down from a shape `x` broadcasts to."""
     g_shape, x_shape = grad.shape, x.shape
     if g_shape.rank is None or x_shape.rank is None:
@@ -359,10 +403,11 @@ def _fit_shape(grad: Any, x: Any, op: str, name: str) -> Any:
     return _sum_to(grad, x)
 
 
-def _sum_to(grad: Any, x: Any) -> Any:
+def _sum_to(grad: Any, x: _Meta) -> Any:
     """Sum `grad` down to `x`'s run-time shape, as TensorFlow's broadcasting ops do."""
-    _, axes = tf.raw_ops.BroadcastGradientArgs(s0=tf.shape(grad), s1=tf.shape(x))
-    return tf.reshape(tf.reduce_sum(grad, axis=axes), tf.shape(x))
+    shape = x.runtime_shape()
+    _, axes = tf.raw_ops.BroadcastGradientArgs(s0=tf.shape(grad), s1=shape)
+    return tf.reshape(tf.reduce_sum(grad, axis=axes), shape)
 
 
 # ---- once_differentiable --------------------------------------------------------------------
