@@ -175,7 +175,10 @@ def test_import_gradoverride_does_not_import_dynamo() -> None:
     import subprocess
     import sys
 
-    code = "import sys, gradoverride; print('torch._dynamo' in sys.modules)"
+    code = (
+        "import sys, gradoverride, gradoverride.recipes, gradoverride.testing; "
+        "print('torch._dynamo' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True)
     assert out.stdout.strip() == "False"

@@ -50,9 +50,19 @@ _COMPILE_REASON = (
 )
 
 
-def _eager(fn: Callable[..., Tensor], name: str) -> Callable[..., Tensor]:
-    """`fn` as an explicit graph break under torch.compile, with a reason naming `name`."""
-    return graph_break(fn, _COMPILE_REASON.format(name=name))
+#: Per recipe name, its solver call wrapped as an explicit graph break. Filled when the first
+#: recipe of that kind is made (`__post_init__`), not at import: `torch.compiler.disable`
+#: imports dynamo, over a second, and `import gradoverride.recipes` has no such budget to
+#: spend on users who never call a solver. A recipe is normally made before compiling; one
+#: made inside a compiled function still works (a graph break), with dynamo's own message.
+_EAGER: dict[str, Callable[..., Tensor]] = {}
+
+
+def _eager(fn: Callable[..., Tensor], name: str) -> None:
+    """Wrap `fn` as an explicit graph break under torch.compile, with a reason naming
+    `name`, once."""
+    if name not in _EAGER:
+        _EAGER[name] = graph_break(fn, _COMPILE_REASON.format(name=name))
 
 
 class _SolverRecipe(Recipe):
@@ -192,6 +202,7 @@ class blackbox_solver(_SolverRecipe):
 
     def __post_init__(self) -> None:
         self._check_common()
+        _eager(_interpolated, "blackbox_solver")
         if not (
             isinstance(self.lambda_, int | float)
             and not isinstance(self.lambda_, bool)
@@ -219,7 +230,7 @@ class blackbox_solver(_SolverRecipe):
     def __call__(self, w: Tensor, /) -> Tensor:
         if not isinstance(w, Tensor) and is_tensorflow(w):
             return tensorflow_call(self, w)
-        return _call_interpolated(w, self)
+        return _EAGER["blackbox_solver"](w, self)
 
     def __repr__(self) -> str:
         return (
@@ -313,6 +324,7 @@ class perturbed_optimizer(_SolverRecipe):
 
     def __post_init__(self) -> None:
         self._check_common()
+        _eager(_perturbed, "perturbed_optimizer")
         if not (isinstance(self.sigma, int | float) and self.sigma > 0):
             msg = f"perturbed_optimizer needs `sigma` to be a number > 0, got {self.sigma!r}."
             raise GradOverrideError(msg)
@@ -366,7 +378,7 @@ class perturbed_optimizer(_SolverRecipe):
     def __call__(self, theta: Tensor, /) -> Tensor:
         if not isinstance(theta, Tensor) and is_tensorflow(theta):
             return tensorflow_call(self, theta)
-        return _call_perturbed(theta, self)
+        return _EAGER["perturbed_optimizer"](theta, self)
 
     def __repr__(self) -> str:
         generator = "" if self.generator is None else ", generator=<torch.Generator>"
@@ -377,6 +389,3 @@ class perturbed_optimizer(_SolverRecipe):
             f"numpy={self.numpy!r})"
         )
 
-
-_call_interpolated = _eager(_interpolated, "blackbox_solver")
-_call_perturbed = _eager(_perturbed, "perturbed_optimizer")
