@@ -17,13 +17,13 @@ import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # before TensorFlow's first import
 
-from typing import Any  # noqa: E402
+from typing import Any
 
-import keras  # noqa: E402
-import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
+import keras
+import numpy as np
+import tensorflow as tf
 
-import gradoverride as go  # noqa: E402
+import gradoverride as go
 
 
 @go.custom_backward

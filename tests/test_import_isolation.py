@@ -1,0 +1,128 @@
+"""`import gradoverride` never imports TensorFlow or Keras (DESIGN §2.8); only
+`import gradoverride.keras` does.
+
+Each check runs in a fresh interpreter, since this pytest process may already hold
+TensorFlow (imported by the TensorFlow tests). The first test needs no TensorFlow at all;
+the second skips without it, unless `GRADOVERRIDE_REQUIRE_TENSORFLOW=1` (set by `.ci/run`),
+where a missing TensorFlow fails it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+TIMEOUT_S = 120
+
+#: The top-level packages that must stay out of `sys.modules` (tf_keras: Keras 2, which
+#: TensorFlow loads for `TF_USE_LEGACY_KERAS=1`).
+FRAMEWORKS = ("tensorflow", "keras", "tf_keras")
+
+_REPORT = """
+import json, sys
+frameworks = {frameworks!r}
+loaded = sorted(
+    {{m.split(".")[0] for m in sys.modules if m.split(".")[0] in frameworks}}
+    | ({{"gradoverride._tensorflow"}} & set(sys.modules))
+)
+print("REPORT " + json.dumps(loaded))
+"""
+
+_IMPORTS = """
+import gradoverride
+import gradoverride.recipes
+import gradoverride.testing
+"""
+
+_TORCH_USE = """
+import torch
+import gradoverride as go
+from gradoverride import recipes
+
+@go.custom_backward
+def quantize(x, bits=2):
+    s = 2 ** bits
+    return torch.round(x * s) / s
+
+@quantize.backward
+def _(grad, *, x):
+    return grad * (x.abs() <= 1)
+
+x = torch.linspace(-2.0, 2.0, 9, requires_grad=True)
+quantize(x).sum().backward()
+assert torch.equal(x.grad, (x.abs() <= 1).float()), x.grad
+for recipe in (
+    recipes.reverse_grad(scale=0.5),
+    recipes.spike(surrogate="fast_sigmoid"),
+    recipes.quantize(bits=4),
+    recipes.ste_round(),
+):
+    x.grad = None
+    recipe(x).sum().backward()
+    assert x.grad is not None and torch.isfinite(x.grad).all(), (recipe, x.grad)
+assert gradoverride.testing.saved_bytes(quantize, x) > 0
+"""
+
+
+def _loaded_after(*codes: str) -> list[list[str]]:
+    """The frameworks (top-level packages) and gradoverride's TensorFlow backend that one
+    fresh interpreter holds after running each of `codes`, in turn."""
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
+    report = _REPORT.format(frameworks=FRAMEWORKS)
+    result = subprocess.run(
+        [sys.executable, "-c", "".join(code + report for code in codes)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+        check=False,
+    )
+    assert result.returncode == 0, (
+        f"the subprocess exited with {result.returncode}\n"
+        f"--- stdout ---\n{result.stdout[-4000:]}\n--- stderr ---\n{result.stderr[-4000:]}"
+    )
+    lines = [line for line in result.stdout.splitlines() if line.startswith("REPORT ")]
+    assert len(lines) == len(codes), result.stdout
+    loaded: list[list[str]] = [json.loads(line.removeprefix("REPORT ")) for line in lines]
+    return loaded
+
+
+HAS_TENSORFLOW = importlib.util.find_spec("tensorflow") is not None
+
+
+@pytest.fixture(scope="module")
+def loaded() -> dict[str, list[str]]:
+    """What one fresh interpreter holds after the imports, after torch calls, and (with
+    TensorFlow installed) after `import gradoverride.keras`: one interpreter for all three,
+    since each start imports torch (and the last one TensorFlow), seconds each."""
+    stages = {"imports": _IMPORTS, "torch calls": _TORCH_USE}
+    if HAS_TENSORFLOW:
+        stages["gradoverride.keras"] = "import gradoverride.keras\n"
+    return dict(zip(stages, _loaded_after(*stages.values()), strict=True))
+
+
+def test_gradoverride_and_torch_ops_do_not_import_tensorflow(
+    loaded: dict[str, list[str]],
+) -> None:
+    # The imports alone, and then every kind of call on torch tensors: a custom_backward op,
+    # recipes (forward and backward) and gradoverride.testing. None may reach for TensorFlow,
+    # Keras or gradoverride's TensorFlow backend, installed or not.
+    assert loaded["imports"] == []
+    assert loaded["torch calls"] == []
+
+
+def test_gradoverride_keras_imports_tensorflow_and_keras(loaded: dict[str, list[str]]) -> None:
+    if not HAS_TENSORFLOW:
+        if os.environ.get("GRADOVERRIDE_REQUIRE_TENSORFLOW") == "1":
+            pytest.fail("GRADOVERRIDE_REQUIRE_TENSORFLOW=1 but TensorFlow is not installed")
+        pytest.skip("TensorFlow is not installed (pip install 'gradoverride[tensorflow]')")
+    assert "tensorflow" in loaded["gradoverride.keras"]
+    assert "keras" in loaded["gradoverride.keras"]
