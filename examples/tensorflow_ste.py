@@ -4,7 +4,7 @@ The same `go.custom_backward` decorator as in `quickstart.py`, with the forward 
 written in TensorFlow ops: `tf.round` has a zero gradient almost everywhere, so the rule
 passes the upstream gradient straight through inside the quantizer's range. The op lives in
 a three-line Keras layer and trains with `model.fit`, compiled by XLA (`jit_compile=True`).
-`go.keras.Quantize` is the ready-made layer for the recipe form of the same quantizer.
+`gradoverride.keras.Quantize` is the ready-made layer for the recipe form of this quantizer.
 Needs the `tensorflow` extra; runs in a few seconds on a CPU, on data it makes.
 
     pip install -e ".[tensorflow]"
