@@ -9,6 +9,7 @@ time one of its tensors reaches a gradoverride function.
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 from typing import Any
 
 from torch.compiler import is_dynamo_compiling
@@ -20,12 +21,12 @@ def is_tensorflow(value: object) -> bool:
     """Whether `value` is a TensorFlow tensor, variable (Keras 3 variables included) or
     composite tensor (`IndexedSlices`, ...)."""
     tf: Any = sys.modules.get("tensorflow")
-    if tf is None or not type(value).__module__.startswith(("tensorflow", "keras")):
+    if tf is None or not type(value).__module__.startswith(("tensorflow", "keras", "tf_keras")):
         return False
     return bool(tf.is_tensor(value))
 
 
-def any_tensorflow(args: tuple[Any, ...], kwargs: dict[str, Any] | None = None) -> bool:
+def any_tensorflow(args: Sequence[Any], kwargs: dict[str, Any] | None = None) -> bool:
     """Whether any argument (tuples, lists and dicts are searched) is TensorFlow's.
 
     Free when TensorFlow was never imported: one lookup in `sys.modules`. False while

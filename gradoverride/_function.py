@@ -149,8 +149,19 @@ def _split_residuals(
     return output, tuple(tensors)
 
 
-def _flatten_output(out: Any, state: CallState) -> tuple[Any, ...]:
+def _flatten_output(out: Any, state: CallState, op: str) -> tuple[Any, ...]:
     leaves, spec = pytree.tree_flatten(out)
+    if any_tensorflow(leaves):
+        # The call came here because no argument was a TensorFlow tensor where gradoverride
+        # looks (Python numbers, a forward reading variables only, a torch tensor first):
+        # torch ran the forward, so the rule could never run.
+        msg = (
+            f"`{op}` returned a TensorFlow tensor from a call gradoverride ran as a torch "
+            "call (no TensorFlow tensor among its arguments, or a torch tensor first); pass "
+            "the values as TensorFlow tensors (`tf.constant(3.0)`, not `3.0` or a torch "
+            "tensor) so that the TensorFlow backend runs the call and the rule applies."
+        )
+        raise GradOverrideTypeError(msg)
     state.out_spec = spec
     state.n_out = len(leaves)
     state.n_top = len(out) if type(out) is tuple else 1
@@ -371,7 +382,7 @@ def _build_owning(
             out, res = _split_residuals(out, residuals, op, state)
         if not res and isinstance(out, Tensor):
             return out
-        return (*_flatten_output(out, state), *res)
+        return (*_flatten_output(out, state, op), *res)
 
     def forward(state: CallState, *flat: Any) -> Any:
         if state.layout is None:
@@ -549,7 +560,10 @@ def _build_attaching(
         res: tuple[Tensor, ...] = ()
         if residuals:
             out, res = _split_residuals(out, residuals, op, state)
-        leaves = (out,) if not res and isinstance(out, Tensor) else _flatten_output(out, state)
+        if not res and isinstance(out, Tensor):
+            leaves: tuple[Any, ...] = (out,)
+        else:
+            leaves = _flatten_output(out, state, op)
         if FAST_APPLY and not is_dynamo_compiling() and not transforms_active():
             result = raw(state, *flat, *leaves, *res)
         else:

@@ -47,8 +47,9 @@ SKIP = False
 Meta = Sequence["bool | tuple[torch.Size, torch.dtype, torch.device] | None"]
 
 
-def format_shape(shape: Sequence[int]) -> str:
-    return str(tuple(int(s) for s in shape))
+def format_shape(shape: Sequence[int | None]) -> str:
+    """`(4, 3)`; an unknown dimension (TensorFlow's graph mode) reads `None`."""
+    return str(tuple(None if s is None else int(s) for s in shape))
 
 
 def slot_ranges(layout: Any, n_slots: int) -> list[tuple[int, int, Any]]:
@@ -349,7 +350,9 @@ def not_a_tensor_message(grad: object, op: str, name: str) -> str:
     )
 
 
-def shape_message(got: Sequence[int], expected: Sequence[int], op: str, name: str) -> str:
+def shape_message(
+    got: Sequence[int | None], expected: Sequence[int | None], op: str, name: str
+) -> str:
     return (
         f"backward of `{op}` returned a gradient of shape {format_shape(got)} for "
         f"`{name}`, which has shape {format_shape(expected)}; return a gradient of the "

@@ -133,7 +133,8 @@ class TensorFlowCall:
 
     def _refuse_torch(self, flat: tuple[Any, ...], layout: Any) -> None:
         for slot, (start, stop, _) in enumerate(slot_ranges(layout, len(self.sig.names))):
-            if any(isinstance(v, torch.Tensor) for v in flat[start:stop]):
+            leaves = pytree.tree_leaves(flat[start:stop])
+            if any(isinstance(v, torch.Tensor) for v in leaves):
                 name = self.sig.names[slot]
                 msg = (
                     f"`{self.op}` got a torch tensor for `{name}` in a call with TensorFlow "
@@ -156,6 +157,7 @@ class TensorFlowCall:
             leaves, spec, picked = _output_leaves(output)
             made.update(leaves=leaves, spec=spec, picked=picked)
             record = self._record(inputs, layout, slots, output, spec, leaves, picked, residuals)
+            made["record"] = record
 
             def gradient(*upstream: Any, variables: Any = None) -> Any:
                 grads, var_grads = self._gradients(upstream, record, variables)
@@ -166,7 +168,13 @@ class TensorFlowCall:
             return [leaves[j] for j in picked], gradient
 
         results = tf.custom_gradient(forward)(*(flat[i] for i in slots))
-        return _rebuild(made["leaves"], made["spec"], made["picked"], results)
+        final = _rebuild(made["leaves"], made["spec"], made["picked"], results)
+        if self.spec.wants_output:
+            # The result the caller got, as torch saves it: differentiating the rule through
+            # `output` then goes through this op's rule again (not through the forward's
+            # ops, which the tape also recorded).
+            made["record"].kwargs["output"] = final
+        return final
 
     def _attaching(self, flat: tuple[Any, ...], layout: Any, slots: tuple[int, ...]) -> Any:
         """The forward runs on the ordinary tape with the owned inputs cut off
@@ -180,7 +188,9 @@ class TensorFlowCall:
         leaves, spec, picked = _output_leaves(output)
         if not slots or not picked:
             return output
-        record = self._record(inputs, layout, slots, output, spec, leaves, picked, residuals)
+        # The rule sees the inputs themselves, not the cut-off copies, so that a rule in
+        # differentiable ops has the second derivative it has in torch.
+        record = self._record(list(flat), layout, slots, output, spec, leaves, picked, residuals)
         n_owned = len(slots)
 
         def attach(*tensors: Any) -> Any:
@@ -204,6 +214,11 @@ class TensorFlowCall:
         residuals: dict[str, Any] = {}
         if self.residuals:
             output, residuals = unpack_residuals(output, self.residuals, self.op)
+            # Non-differentiable, as torch marks them (`mark_non_differentiable`).
+            residuals = {
+                k: tf.stop_gradient(v) if isinstance(v, tf.Tensor) else v
+                for k, v in residuals.items()
+            }
         n_top = len(output) if type(output) is tuple else 1
         check_output_count(self.spec.n_grads, n_top, self.spec.name, self.op)
         return output, residuals
@@ -303,6 +318,15 @@ class TensorFlowCall:
     def _variable_gradients(self, result: Any, variables: Any) -> tuple[Any, list[Any]]:
         """Split the gradients of variables the forward read from the rule's dict."""
         names = [_variable_name(v) for v in variables]
+        repeated = sorted({n for n in names if names.count(n) > 1})
+        if repeated:
+            msg = (
+                f"the forward of `{self.op}` reads {names.count(repeated[0])} variables named "
+                f"`{repeated[0]}`, so their gradients cannot be told apart by name; give them "
+                "distinct names (`tf.Variable(..., name=...)`), or pass them to "
+                f"`{self.op}` as arguments."
+            )
+            raise GradOverrideError(msg)
         if not isinstance(result, dict):
             listing = ", ".join(f"`{n}`" for n in names)
             example = ", ".join(f"{n!r}: ..." for n in names)
@@ -317,20 +341,28 @@ class TensorFlowCall:
             raise GradOverrideError(msg)
         rest = {k: v for k, v in result.items() if k in self.sig.index}
         given = {k: v for k, v in result.items() if k not in self.sig.index}
-        keys = _variable_keys(names)
+        keys = _variable_keys(variables, names, self.sig.index)
         var_grads: list[Any] = []
         used: set[str] = set()
-        for variable, name in zip(variables, names, strict=True):
-            key = next((k for k in keys[name] if k in given), None)
+        for variable, name, own_keys in zip(variables, names, keys, strict=True):
+            key = next((k for k in own_keys if k in given), None)
             if key is None:
+                address = own_keys[0]
+                clash = (
+                    f" (`{name}` is also a parameter of `{self.op}`, so the variable is "
+                    f"'{address}' here)" if address != name else ""
+                )
                 msg = (
                     f"backward of `{self.op}` returned a dict without `{name}`, a variable "
-                    f"its forward reads; add {{'{name}': gradient}} (or None for no gradient), "
-                    "or pass `owns=` so the variable keeps its TensorFlow gradient."
+                    f"its forward reads{clash}; add {{'{address}': gradient}} (or None for no "
+                    "gradient), or pass `owns=` so the variable keeps its TensorFlow gradient."
                 )
                 raise GradOverrideError(msg)
             used.add(key)
-            var_grads.append(check_gradient(given[key], _Meta(variable), self.op, name))
+            grad = given[key]
+            var_grads.append(
+                None if grad is None else check_gradient(grad, _Meta(variable), self.op, name)
+            )
         unknown = [k for k in given if k not in used]
         if unknown:
             valid = ", ".join(f"`{n}`" for n in (*self._owned_names(), *names))
@@ -354,6 +386,14 @@ def check_gradient(grad: Any, meta: Any, op: str, name: str) -> Any:
     torch side fixes (broadcast shape, another float precision) and refuse the rest."""
     if meta is None:
         raise GradOverrideError(no_gradient_slot_message(op, name))
+    if isinstance(grad, torch.Tensor):
+        msg = (
+            f"backward of `{op}` returned a torch tensor for `{name}`, a TensorFlow tensor in "
+            "this call; write the rule in TensorFlow ops for TensorFlow inputs."
+        )
+        raise GradOverrideError(msg)
+    if meta is SKIP and isinstance(grad, tf.IndexedSlices):
+        return None  # not needed: dropped unchecked, as any gradient for such an input
     if isinstance(grad, tf.IndexedSlices):
         if grad.dense_shape is None and isinstance(meta, _Meta):
             # Rows of the input: the input says how many there are.
@@ -383,7 +423,7 @@ def _fit_shape(grad: Any, x: _Meta, op: str, name: str) -> Any:
     """`grad` in `x`'s shape: equal, or summed down from a shape `x` broadcasts to."""
     g_shape, x_shape = grad.shape, x.shape
     if g_shape.rank is None or x_shape.rank is None:
-        return _sum_to(grad, x)  # unknown rank: only the run-time shapes can tell
+        return _sum_to(grad, x, op, name)  # unknown rank: only the run-time shapes can tell
     if g_shape.is_fully_defined() and x_shape.is_fully_defined() and g_shape == x_shape:
         return grad
     extra = g_shape.rank - x_shape.rank
@@ -393,21 +433,35 @@ def _fit_shape(grad: Any, x: _Meta, op: str, name: str) -> Any:
         for s, g in zip(list(x_shape), tail, strict=True)
     )
     if not fits:
-        raise GradOverrideError(shape_message(list(g_shape), list(x_shape), op, name))
+        raise GradOverrideError(shape_message(g_shape.as_list(), x_shape.as_list(), op, name))
     if g_shape.is_fully_defined() and x_shape.is_fully_defined():
         axes = list(range(extra)) + [
             extra + k for k, (s, g) in enumerate(zip(list(x_shape), tail, strict=True))
             if s == 1 and g != 1
         ]
         return tf.reshape(tf.reduce_sum(grad, axis=axes), x_shape)
-    return _sum_to(grad, x)
+    return _sum_to(grad, x, op, name)
 
 
-def _sum_to(grad: Any, x: _Meta) -> Any:
-    """Sum `grad` down to `x`'s run-time shape, as TensorFlow's broadcasting ops do."""
+def _sum_to(grad: Any, x: _Meta, op: str, name: str) -> Any:
+    """Sum `grad` down to `x`'s run-time shape, as TensorFlow's broadcasting ops do.
+
+    Only in graph mode with unknown dimensions, where the static check could not decide:
+    the run-time shapes are checked by a `tf.debugging.Assert` carrying the message the
+    static check gives, raised by TensorFlow as an `InvalidArgumentError`. XLA compiles
+    assertions to nothing; there, a mismatch fails in the reshape instead.
+    """
     shape = x.runtime_shape()
-    _, axes = tf.raw_ops.BroadcastGradientArgs(s0=tf.shape(grad), s1=shape)
-    return tf.reshape(tf.reduce_sum(grad, axis=axes), shape)
+    grad_shape = tf.shape(grad)
+    checks = []
+    if grad.shape.rank is not None and x.shape.rank is not None:
+        tail = grad_shape[grad.shape.rank - x.shape.rank :]
+        fits = tf.reduce_all(tf.logical_or(tf.equal(shape, 1), tf.equal(shape, tail)))
+        message = shape_message(grad.shape.as_list(), x.shape.as_list(), op, name)
+        checks.append(tf.debugging.Assert(fits, [message]))
+    with tf.control_dependencies(checks):
+        _, axes = tf.raw_ops.BroadcastGradientArgs(s0=grad_shape, s1=shape)
+        return tf.reshape(tf.reduce_sum(grad, axis=axes), shape)
 
 
 # ---- once_differentiable --------------------------------------------------------------------
@@ -513,11 +567,19 @@ def _variable_name(variable: Any) -> str:
     return name[:-2] if name.endswith(":0") else name
 
 
-def _variable_keys(names: list[str]) -> dict[str, tuple[str, ...]]:
-    """Per variable, the dict keys that address it: its full name, and its last path
-    component when no other variable read by the forward shares it."""
+def _variable_keys(
+    variables: Any, names: list[str], parameters: dict[str, int]
+) -> list[tuple[str, ...]]:
+    """Per variable, the dict keys that address it, preferred first: its name, its
+    TensorFlow name (`"w:0"`), and its last path component (`"kernel"` of `"dense/kernel"`)
+    when no other variable read by the forward shares it. A key that is also one of the op's
+    parameters addresses the parameter, so it is left out."""
     short = [n.rsplit("/", 1)[-1] for n in names]
-    return {
-        name: (name,) if short.count(s) > 1 or s == name else (name, s)
-        for name, s in zip(names, short, strict=True)
-    }
+    keys: list[tuple[str, ...]] = []
+    for variable, name, s in zip(variables, names, short, strict=True):
+        candidates = [name, str(variable.name)]
+        if short.count(s) == 1:
+            candidates.append(s)
+        unique = dict.fromkeys(k for k in candidates if k not in parameters)
+        keys.append(tuple(unique) or (str(variable.name),))
+    return keys
