@@ -133,8 +133,7 @@ class TensorFlowCall:
 
     def _refuse_torch(self, flat: tuple[Any, ...], layout: Any) -> None:
         for slot, (start, stop, _) in enumerate(slot_ranges(layout, len(self.sig.names))):
-            leaves = pytree.tree_leaves(flat[start:stop])
-            if any(isinstance(v, torch.Tensor) for v in leaves):
+            if _holds_torch(flat[start:stop]):
                 name = self.sig.names[slot]
                 msg = (
                     f"`{self.op}` got a torch tensor for `{name}` in a call with TensorFlow "
@@ -165,9 +164,13 @@ class TensorFlowCall:
                     return grads, var_grads
                 return grads
 
+            if len(picked) == 1:  # one tensor, not a list: TensorFlow's nest work is less
+                return leaves[picked[0]], gradient
             return [leaves[j] for j in picked], gradient
 
         results = tf.custom_gradient(forward)(*(flat[i] for i in slots))
+        if isinstance(results, tf.Tensor):
+            results = (results,)
         final = _rebuild(made["leaves"], made["spec"], made["picked"], results)
         if self.spec.wants_output:
             # The result the caller got, as torch saves it: differentiating the rule through
@@ -493,6 +496,17 @@ def _read(value: Any) -> Any:
     if isinstance(value, tf.Tensor) or not is_tensorflow(value):
         return value
     return tf.convert_to_tensor(value)
+
+
+def _holds_torch(values: Any) -> bool:
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            return True
+        if isinstance(value, (tuple, list)) and _holds_torch(value):
+            return True
+        if isinstance(value, dict) and _holds_torch(value.values()):
+            return True
+    return False
 
 
 def _dense(grad: Any) -> Any:
