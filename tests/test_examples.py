@@ -135,3 +135,21 @@ def test_modules_benchmark_quick() -> None:
     assert re.search(r"go\.grad_hook\(at='inputs'\)\s+[\d.]+ us\s+ratio [\d.]+", out), out
     assert re.search(r"register_full_backward_hook\s+[\d.]+ us\s+ratio [\d.]+", out), out
     assert re.search(r"go\.Module\s+[\d.]+ us\s+ratio [\d.]+", out), out
+
+
+def test_tensorflow_benchmark_quick() -> None:
+    if importlib.util.find_spec("tensorflow") is None:
+        if os.environ.get("GRADOVERRIDE_REQUIRE_TENSORFLOW") == "1":
+            pytest.fail("TensorFlow is required here (GRADOVERRIDE_REQUIRE_TENSORFLOW=1)")
+        pytest.skip("TensorFlow is not installed (pip install 'gradoverride[tensorflow]')")
+    out = _run("benchmarks/tf_overhead.py", "--quick").stdout
+    ratios = re.findall(r"^\s*go\.custom_backward\s+[0-9.]+ us\s+ratio [0-9.]+$", out, re.M)
+    assert len(ratios) == 4, out  # two shapes, eager and tf.function
+
+
+def test_import_cost_benchmark_quick() -> None:
+    """`import gradoverride` loads no TensorFlow (the number itself is the benchmark's)."""
+    out = _run("benchmarks/import_cost.py", "--quick").stdout
+    assert re.search(r"^import gradoverride \(after torch\): [0-9.]+ ms", out, re.M), out
+    assert re.search(r"imported by `import gradoverride` or `import gradoverride\.recipes`: "
+                     r"yes$", out, re.M), out
