@@ -45,7 +45,14 @@ from ._internals import (
 from ._rule import RuleSpec
 from ._signature import ForwardSignature
 
-__all__ = ["CallState", "build_call", "check_output_count", "unpack_residuals"]
+__all__ = [
+    "CallState",
+    "build_call",
+    "check_output_count",
+    "flatten_inputs",
+    "unflatten_inputs",
+    "unpack_residuals",
+]
 
 _CONTAINERS = (tuple, list, dict)
 
@@ -73,15 +80,23 @@ class _Static:
         self.value = value
 
 
-def _flatten_inputs(values: tuple[Any, ...]) -> tuple[tuple[Any, ...], Any]:
-    """Containers holding tensors are spread into their leaves; the layout says how."""
+def _is_torch_tensor(value: object) -> bool:
+    return isinstance(value, Tensor)
+
+
+def flatten_inputs(
+    values: tuple[Any, ...], is_tensor: Callable[[object], bool] = _is_torch_tensor
+) -> tuple[tuple[Any, ...], Any]:
+    """Containers holding tensors (as `is_tensor` tells them: the TensorFlow backend passes
+    its own) are spread into their leaves; the layout says how, per parameter: None, or
+    (treespec, number of leaves)."""
     flat: list[Any] = []
     layout: list[Any] = []
     any_container = False
     for value in values:
         if isinstance(value, _CONTAINERS):
             leaves, spec = pytree.tree_flatten(value)
-            if any(isinstance(leaf, Tensor) for leaf in leaves):
+            if any(is_tensor(leaf) for leaf in leaves):
                 flat.extend(leaves)
                 layout.append((spec, len(leaves)))
                 any_container = True
@@ -93,7 +108,7 @@ def _flatten_inputs(values: tuple[Any, ...]) -> tuple[tuple[Any, ...], Any]:
     return tuple(flat), tuple(layout)
 
 
-def _unflatten_inputs(flat: tuple[Any, ...], layout: Any) -> tuple[Any, ...]:
+def unflatten_inputs(flat: tuple[Any, ...], layout: Any) -> tuple[Any, ...]:
     values: list[Any] = []
     i = 0
     for entry in layout:
@@ -388,7 +403,7 @@ def _build_owning(
         if state.layout is None:
             out = fn(*flat) if plain else call(flat)
         else:
-            out = call(_unflatten_inputs(flat, state.layout))
+            out = call(unflatten_inputs(flat, state.layout))
         return shape_output(out, state)
 
     def setup_general(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
@@ -416,7 +431,7 @@ def _build_owning(
         state = CallState()
         for value in values:
             if isinstance(value, _CONTAINERS):
-                values, state.layout = _flatten_inputs(values)
+                values, state.layout = flatten_inputs(values)
                 break
         if FAST_APPLY and not is_dynamo_compiling() and not transforms_active():
             # Eager, no torch.func transform: skip Function.apply's per-call signature
@@ -543,7 +558,7 @@ def _build_attaching(
         if any_tensorflow(args, kwargs):
             return run_tensorflow(args, kwargs)
         state = CallState()
-        flat, layout = _flatten_inputs(bind(args, kwargs))
+        flat, layout = flatten_inputs(bind(args, kwargs))
         state.layout = layout
         state.n_in = len(flat)
         owned = owned_params
@@ -556,7 +571,7 @@ def _build_attaching(
             value.detach() if is_owned and isinstance(value, Tensor) else value
             for value, is_owned in zip(flat, owned, strict=True)
         )
-        out = call(detached if layout is None else _unflatten_inputs(detached, layout))
+        out = call(detached if layout is None else unflatten_inputs(detached, layout))
         res: tuple[Tensor, ...] = ()
         if residuals:
             out, res = _split_residuals(out, residuals, op, state)

@@ -42,7 +42,12 @@ from torch.utils import _pytree as pytree
 
 from .._errors import GradOverrideError, GradOverrideTypeError
 from .._frameworks import is_tensorflow
-from .._function import check_output_count, unpack_residuals
+from .._function import (
+    check_output_count,
+    flatten_inputs,
+    unflatten_inputs,
+    unpack_residuals,
+)
 from .._gradients import (
     SKIP,
     dtype_message,
@@ -57,7 +62,6 @@ from .._signature import ForwardSignature
 
 __all__ = ["TensorFlowCall", "check_gradient"]
 
-_CONTAINERS = (tuple, list, dict)
 _ONE_LEAF = pytree.tree_structure(0)  # the structure of a lone tensor output
 #: What a rule may return as a gradient (an `IndexedSlices` is made dense).
 _GRADIENT_TYPES = (tf.Tensor, tf.IndexedSlices)
@@ -117,7 +121,7 @@ class TensorFlowCall:
 
     def __call__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         values = self.sig.bind(args, kwargs)
-        flat, layout = _flatten(values)
+        flat, layout = flatten_inputs(values, tf.is_tensor)
         self._refuse_torch(flat, layout)
         flat = tuple(_read(v) for v in flat)
         owned = _per_leaf(self.spec.owned, layout)
@@ -212,7 +216,7 @@ class TensorFlowCall:
     # ---- shared by both ---------------------------------------------------------------------
 
     def _forward(self, inputs: list[Any], layout: Any) -> tuple[Any, dict[str, Any]]:
-        values = tuple(inputs) if layout is None else _unflatten(tuple(inputs), layout)
+        values = tuple(inputs) if layout is None else unflatten_inputs(tuple(inputs), layout)
         output = self.sig.call(values)
         residuals: dict[str, Any] = {}
         if self.residuals:
@@ -515,35 +519,6 @@ def _dense(grad: Any) -> Any:
 
 def _differentiable(dtype: Any) -> bool:
     return bool(dtype.is_floating or dtype.is_complex)
-
-
-def _flatten(values: tuple[Any, ...]) -> tuple[tuple[Any, ...], Any]:
-    """Containers holding TensorFlow values spread into leaves; the layout says how (the
-    same layout as the torch side's, so `slot_ranges` and `flat_gradients` read it)."""
-    flat: list[Any] = []
-    layout: list[Any] = []
-    spread = False
-    for value in values:
-        if isinstance(value, _CONTAINERS):
-            leaves, spec = pytree.tree_flatten(value)
-            if any(tf.is_tensor(leaf) for leaf in leaves):
-                flat.extend(leaves)
-                layout.append((spec, len(leaves)))
-                spread = True
-                continue
-        flat.append(value)
-        layout.append(None)
-    if not spread:
-        return values, None
-    return tuple(flat), tuple(layout)
-
-
-def _unflatten(flat: tuple[Any, ...], layout: Any) -> tuple[Any, ...]:
-    values: list[Any] = []
-    for start, stop, spec in slot_ranges(layout, len(layout)):
-        part = list(flat[start:stop])
-        values.append(part[0] if spec is None else pytree.tree_unflatten(part, spec))
-    return tuple(values)
 
 
 def _per_leaf(owned: tuple[bool, ...], layout: Any) -> tuple[bool, ...]:
