@@ -397,10 +397,12 @@ def _build_mask(
     def forward(*args: Any, **kwargs: Any) -> Any:
         x = args[0]
         if isinstance(x, Tensor):
-            return fn(*args, **kwargs), {"mask": window_mask(x, low, high)}
-        from ._tensorflow._straight_through import window_mask as tensorflow_window_mask
+            mask = window_mask(x, low, high)
+        else:  # a TensorFlow tensor: only then is the TensorFlow side imported
+            from ._tensorflow._straight_through import window_mask as tensorflow_window_mask
 
-        return fn(*args, **kwargs), {"mask": tensorflow_window_mask(x, low, high)}
+            mask = tensorflow_window_mask(x, low, high)
+        return fn(*args, **kwargs), {"mask": mask}
 
     op: CustomBackward[..., Any] = custom_backward(forward, residuals=("mask",))
     op.__wrapped__ = fn

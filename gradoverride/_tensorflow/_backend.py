@@ -118,11 +118,15 @@ class TensorFlowCall:
         self.residuals = residuals
         self.rule = rule
         self.note = f"(raised in backward rule `{spec.name}` of `{op}`)"
+        # A declared `owns=` takes the attach form even when it names every parameter, so
+        # that variables the forward reads keep their own gradient.
+        self.owning = spec.owns_all and not spec.owns_declared
 
     def __call__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         values = self.sig.bind(args, kwargs)
         flat, layout = flatten_inputs(values, tf.is_tensor)
-        self._refuse_torch(flat, layout)
+        if _holds_torch(flat):
+            self._refuse_torch(flat, layout)
         flat = tuple(_read(v) for v in flat)
         owned = _per_leaf(self.spec.owned, layout)
         # The inputs that get a gradient: owned floating-point (or complex) tensors.
@@ -131,11 +135,12 @@ class TensorFlowCall:
             for i, value in enumerate(flat)
             if owned[i] and isinstance(value, tf.Tensor) and _differentiable(value.dtype)
         )
-        if self.spec.owns_all and not self.spec.owns_declared:
+        if self.owning:
             return self._owning(flat, layout, slots)
         return self._attaching(flat, layout, slots)
 
     def _refuse_torch(self, flat: tuple[Any, ...], layout: Any) -> None:
+        """Name the parameter holding a torch tensor (only called when one does)."""
         for slot, (start, stop, _) in enumerate(slot_ranges(layout, len(self.sig.names))):
             if _holds_torch(flat[start:stop]):
                 name = self.sig.names[slot]
