@@ -3,15 +3,22 @@
 from __future__ import annotations
 
 import functools
+import pickle
+import sys
 import types
 from collections.abc import Callable, Iterable
 from typing import Any, Generic, TypeVar, overload
 
 import torch
+from torch.compiler import is_dynamo_compiling
 from typing_extensions import ParamSpec
 
+from . import _audit
 from ._errors import GradOverrideError, GradOverrideTypeError
+from ._frameworks import any_tensorflow
 from ._function import build_call
+from ._internals import transforms_active
+from ._jit import refuse_scripting
 from ._rule import RuleSpec, normalize_names
 from ._signature import ForwardSignature, describe
 
@@ -41,6 +48,14 @@ class CustomBackward(Generic[P, R]):
     # runs inside `tf.custom_gradient`, which AutoGraph never converts; converting ours would
     # only add trace time. `tests/test_tensorflow.py` checks TensorFlow still reads the mark.
     autograph_info__ = frozenset(("autograph_artifact",))
+
+    # Set when the rule is registered (class defaults until then).
+    _tracks_inplace = False  # the forward's in-place changes to its inputs are marked dirty
+    _fast_class: type | None = None
+    _audit_class: type | None = None
+    # (factory, args, kwargs) that rebuild this op when pickled by value; set by the
+    # factories that make ops (straight_through) whose rule is generated.
+    _rebuild: tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]] | None = None
 
     def __init__(
         self,
@@ -173,24 +188,32 @@ class CustomBackward(Generic[P, R]):
             materialize_grads=options.get("materialize_grads", True),
         )
         module = getattr(self.__wrapped__, "__module__", None) or __name__
+        self._tracks_inplace = bool(options.get("track_inplace", False))
         self._run, self._function = build_call(
-            self._name, module, self._signature, spec, self._residuals, self._run_tensorflow
+            self._name, module, self._signature, spec, self._residuals, self._run_tensorflow,
+            track_inplace=self._tracks_inplace,
         )
         self._rule = spec
         # Calls then go straight to the generated entry point: `op(x)` looks `__call__` up on
         # the type, so a per-op subclass whose `__call__` is that entry point saves a Python
         # frame on every call (the small-tensor overhead budget is a few microseconds).
         # A plain method, not a staticmethod: dynamo traces user `__call__` methods.
-        self.__class__ = type(
-            type(self).__name__,
-            (type(self),),
-            {
-                "__call__": self._run,
-                "__module__": type(self).__module__,
-                "__qualname__": type(self).__qualname__,
-            },
+        base = type(self)
+        namespace = {"__module__": base.__module__, "__qualname__": base.__qualname__}
+        self._fast_class = type(base.__name__, (base,), {**namespace, "__call__": self._run})
+        # The first eager call with grad enabled is checked (captured tensors, inputs changed
+        # in place; see _audit), then the op switches to the fast class.
+        self._audit_class = type(
+            base.__name__, (self._fast_class,), {**namespace, "__call__": _first_call}
         )
+        self.__class__ = self._audit_class
+        _audit.register(self)
         return rule
+
+    def _arm_audit(self) -> None:
+        """Check the next eager call (see `gradoverride._audit`)."""
+        if self._audit_class is not None:
+            self.__class__ = self._audit_class
 
     def _run_tensorflow(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """A call with TensorFlow tensors: the same rule contract on `tf.custom_gradient`."""
@@ -259,9 +282,44 @@ class CustomBackward(Generic[P, R]):
         rule = "no rule" if self._rule is None else f"backward={self._rule.name}"
         return f"<custom_backward {self._name}{self._signature.signature}, {rule}>"
 
-    def __reduce__(self) -> str:
-        # Pickle by reference, as functions are: the module-level name of the decorated op.
-        return str(self.__qualname__)
+    def __reduce__(self) -> Any:
+        # Pickle by reference, as functions are, when the op is found under its module and
+        # qualified name (a decorated module-level function); otherwise (an op made from a
+        # builtin such as `torch.sign`, or inside a function) by what rebuilds it: the
+        # forward and the rule, each pickled by reference.
+        if _found_at_its_name(self):
+            return str(self.__qualname__)
+        if self._rebuild is not None:
+            factory, args, kwargs = self._rebuild
+            for value in (*args, *kwargs.values()):
+                if callable(value):
+                    _require_importable(value, self._name, "a function it was built from")
+            return (_rebuild_with, (factory, args, kwargs))
+        if self._rule is None:
+            msg = (
+                f"`{self._name}` cannot be pickled: it has no backward rule yet and is not "
+                "a module-level name; register its rule first."
+            )
+            raise GradOverrideError(msg)
+        forward = self.__wrapped__
+        _require_importable(forward, self._name, "its forward")
+        _require_importable(self._rule.rule, self._name, f"its backward rule `{self._rule.name}`")
+        options = {
+            key: value for key, value in self._rule_options.items() if key != "track_inplace"
+        }
+        spec = self._rule
+        owned = tuple(n for n, o in zip(self._signature.names, spec.owned, strict=True) if o)
+        options.update(
+            owns=owned if spec.owns_declared else None,
+            once_differentiable=self._rule.once_differentiable,
+            materialize_grads=self._rule.materialize_grads,
+        )
+        return (
+            _rebuild_with,
+            (custom_backward, (forward,), {
+                **options, "residuals": self._residuals, "backward": self._rule.rule,
+            }),
+        )
 
 
 class CustomBackwardModule(torch.nn.Module):
@@ -277,6 +335,10 @@ class CustomBackwardModule(torch.nn.Module):
 
     def _get_name(self) -> str:
         return str(self.op.__name__)
+
+    def __prepare_scriptable__(self) -> torch.nn.Module:
+        # torch.jit.script calls this on every module it scripts.
+        refuse_scripting(f"`{self.op._name}`")
 
     def extra_repr(self) -> str:
         return ", ".join(f"{k}={v!r}" for k, v in self.fixed.items())
@@ -383,3 +445,55 @@ def custom_backward(
     if fn is None:
         return decorate
     return decorate(fn)
+
+
+def _first_call(op: CustomBackward[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """`__call__` until an eager call with grad enabled has been checked (see `_audit`)."""
+    run = op._run
+    assert run is not None
+    if (
+        is_dynamo_compiling()
+        or transforms_active()
+        or not torch.is_grad_enabled()
+        or any_tensorflow(args, kwargs)
+    ):
+        return run(op, *args, **kwargs)
+    result = _audit.audit_call(op, args, kwargs)
+    op.__class__ = op._fast_class  # type: ignore[assignment]
+    return result
+
+
+def _found_at_its_name(obj: Any) -> bool:
+    """Whether pickle, looking `obj` up by its module and qualified name, finds `obj`."""
+    module = sys.modules.get(getattr(obj, "__module__", None) or "")
+    qualname = getattr(obj, "__qualname__", None)
+    if module is None or not qualname or "<locals>" in qualname:
+        return False
+    found: Any = module
+    for part in qualname.split("."):
+        found = getattr(found, part, None)
+        if found is None:
+            return False
+    return found is obj
+
+
+def _require_importable(fn: Any, op: str, what: str) -> None:
+    """Pickle stores functions by name; refuse, naming the function, one it cannot find."""
+    if _found_at_its_name(fn) or isinstance(fn, CustomBackward):
+        return
+    try:
+        pickle.dumps(fn)
+    except Exception as exc:  # pickle raises several types here
+        msg = (
+            f"`{op}` cannot be pickled: {what}, `{describe(fn)}`, is not importable by name "
+            f"({type(exc).__name__}: {exc}); pickle stores functions by their module and "
+            "name, so define it at the top level of a module (not a lambda or a function "
+            "inside a function)."
+        )
+        raise GradOverrideError(msg) from None
+
+
+def _rebuild_with(factory: Callable[..., Any], args: tuple[Any, ...],
+                  kwargs: dict[str, Any]) -> Any:
+    """Unpickling an op pickled by value: make it again."""
+    return factory(*args, **kwargs)

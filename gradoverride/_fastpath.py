@@ -16,6 +16,7 @@ source is registered with `linecache`, so tracebacks through it show real lines.
 from __future__ import annotations
 
 import linecache
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -35,6 +36,10 @@ def _compile(source: str, name: str, namespace: dict[str, Any]) -> Any:
     code = compile(source, filename, "exec")
     linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
     exec(code, namespace)
+    # The source stays readable for tracebacks while the generated code lives, and no
+    # longer: `linecache` never drops an entry without a file on its own, so ops made and
+    # dropped in a loop (override/remove cycles) would keep every source forever.
+    weakref.finalize(namespace["backward"], linecache.cache.pop, filename, None)
     return namespace
 
 
@@ -59,7 +64,7 @@ def generate(
 
     `namespace` provides the helpers the source calls: Tensor, CallState, CONTAINERS,
     forward_general, setup_general, backward_general, run_general, finish, fn, call,
-    shape_output, any_autocast_enabled, any_tensorflow, run_tensorflow,
+    shape_output, view_if_input, any_autocast_enabled, any_tensorflow, run_tensorflow,
     autocast_state, call_rule, check_gradient, flat_gradients, GradOverrideError,
     rule, rule_name, names, owned, op, is_dynamo_compiling, transforms_active, FAST_APPLY.
     """
@@ -74,14 +79,21 @@ def generate(
     saved_slot: dict[int, int] = {}  # requested parameter's index -> its index in saved_tensors
     for k, (_, slot) in enumerate(requested):
         saved_slot.setdefault(slot, k)
+    # `m` is None for a value that takes no gradient: not a tensor, or an integer or bool
+    # tensor (an index), which a rule never owns.
+    def differentiable(i: int) -> str:
+        return (
+            f"isinstance(v{i}, Tensor) and (v{i}.is_floating_point() or v{i}.is_complex())"
+        )
+
     body = [
-        f"m{i} = True if isinstance(v{i}, Tensor) else None"
+        f"m{i} = True if {differentiable(i)} else None"
         if i in saved_slot
-        else f"m{i} = (v{i}.shape, v{i}.dtype, v{i}.device) if isinstance(v{i}, Tensor) else None"
+        else f"m{i} = (v{i}.shape, v{i}.dtype, v{i}.device) if {differentiable(i)} else None"
         for i in range(n)
     ]
-    saved = [f"v{slot} if m{slot} is not None else None" for _, slot in requested]
-    statics = [f"None if m{slot} is not None else v{slot}" for _, slot in requested]
+    saved = [f"v{slot} if isinstance(v{slot}, Tensor) else None" for _, slot in requested]
+    statics = [f"None if isinstance(v{slot}, Tensor) else v{slot}" for _, slot in requested]
     if wants_output:
         saved.append("output")
     if saved:
@@ -125,9 +137,12 @@ def generate(
             "",
             f"def forward_eager(ctx, state{''.join(', ' + v for v in values)}):",
             f"    output = fn({', '.join(values)})",
-            "    if not isinstance(output, Tensor):",
+            # An input returned as-is becomes a view of it (see _function._view_if_input).
+            f"    if {' or '.join(f'output is {v}' for v in values)}:",
+            "        output = output.view_as(output)",
+            "    elif not isinstance(output, Tensor):",
             "        state = CallState()",
-            "        output = shape_output(output, state)",
+            f"        output = shape_output(output, state, {_tuple(values)})",
             f"        setup_general(ctx, (state{''.join(', ' + v for v in values)}), output)",
             "        return (*output, state)",
         ]
@@ -228,7 +243,8 @@ def generate(
         "    if state.layout is None:",
         "        out = fn(*flat)" if plain else "        out = call(flat)",
         "        if isinstance(out, Tensor):",
-        "            return out",
+        "            return view_if_input(out, flat, ())",
+        "        return shape_output(out, state, flat)",
         "    return forward_general(state, *flat)",
     ]
 

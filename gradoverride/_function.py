@@ -35,13 +35,14 @@ from torch.utils import _pytree as pytree
 from ._errors import GradOverrideError, GradOverrideTypeError
 from ._fastpath import generate
 from ._frameworks import any_tensorflow
-from ._gradients import SKIP, check_gradient, flat_gradients, slot_ranges
+from ._gradients import SKIP, check_gradient, flat_gradients, slot_ranges, takes_gradient
 from ._internals import (
     FAST_APPLY,
     any_autocast_enabled,
     raw_apply,
     transforms_active,
 )
+from ._passthrough import passthrough
 from ._rule import RuleSpec
 from ._signature import ForwardSignature
 
@@ -67,8 +68,10 @@ class CallState:
     out_spec: Any = None  # None: the output is one tensor; else how to rebuild it
     n_out = 1  # flat output leaves
     n_top = 1  # outputs as the rule counts them (elements of a plain tuple)
-    residuals: tuple[Any, ...] = ()  # per declared residual: index into tensors | _Static
+    # per declared residual: index into the residual tensors | _Static | _OutputRef | _InputRef
+    residuals: tuple[Any, ...] = ()
     n_in = 0  # flat inputs (set by the attach form)
+    dirty: tuple[int, ...] = ()  # flat inputs the forward changed in place (tracked ops only)
 
 
 class _Static:
@@ -78,6 +81,25 @@ class _Static:
 
     def __init__(self, value: Any) -> None:
         self.value = value
+
+
+class _OutputRef:
+    """A residual that is one of the forward's outputs (`return y, {"y": y}`): it is saved as
+    that output, not returned twice (which would make the output itself non-differentiable)."""
+
+    __slots__ = ("index",)
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+
+class _InputRef:
+    """A residual that is one of the forward's (flat) inputs: it is saved as that input."""
+
+    __slots__ = ("index",)
+
+    def __init__(self, index: int) -> None:
+        self.index = index
 
 
 def _is_torch_tensor(value: object) -> bool:
@@ -146,22 +168,58 @@ def unpack_residuals(result: Any, names: tuple[str, ...], op: str) -> tuple[Any,
     return output, given
 
 
-def _split_residuals(
-    result: Any, names: tuple[str, ...], op: str, state: CallState
-) -> tuple[Any, tuple[Tensor, ...]]:
-    """The output, and the residual tensors (their places recorded on `state`)."""
-    output, given = unpack_residuals(result, names, op)
+def _place_residuals(
+    given: dict[str, Any],
+    names: tuple[str, ...],
+    leaves: tuple[Any, ...],
+    seen: tuple[Any, ...],
+    state: CallState,
+) -> tuple[Tensor, ...]:
+    """The residual tensors to return as extra outputs, their places recorded on `state`.
+
+    A residual that is an output leaf or one of the inputs the forward saw (`seen`) is
+    recorded as a reference to it instead: returned a second time, it would be a second
+    output aliasing the first (marking one non-differentiable marks both)."""
     tensors: list[Tensor] = []
     slots: list[Any] = []
     for name in names:
         value = given[name]
-        if isinstance(value, Tensor):
-            slots.append(len(tensors))
-            tensors.append(value)
-        else:
+        if not isinstance(value, Tensor):
             slots.append(_Static(value))
+            continue
+        ref = _reference(value, leaves, seen)
+        if ref is not None:
+            slots.append(ref)
+            continue
+        slots.append(len(tensors))
+        tensors.append(value)
     state.residuals = tuple(slots)
-    return output, tuple(tensors)
+    return tuple(tensors)
+
+
+def _reference(value: Tensor, leaves: tuple[Any, ...], seen: tuple[Any, ...]) -> Any:
+    for k, leaf in enumerate(leaves):
+        if leaf is value:
+            return _OutputRef(k)
+    for i, item in enumerate(seen):
+        if item is value:
+            return _InputRef(i)
+    return None
+
+
+def _view_if_input(value: Any, flat: tuple[Any, ...], dirty: tuple[int, ...]) -> Any:
+    """An output that is one of the inputs, returned as-is, becomes a view of it.
+
+    A Function returning an input as-is makes PyTorch treat it as a view anyway, but the
+    `setup_context` form (used by `torch.func`, `torch.compile`, and whenever the op's fast
+    path is not taken) then refuses to save it; a view made here works on every call path.
+    An input the forward changed in place (`dirty`) is returned as itself, for `mark_dirty`.
+    """
+    if isinstance(value, Tensor):
+        for i, item in enumerate(flat):
+            if item is value and i not in dirty:
+                return value.view_as(value)
+    return value
 
 
 def _flatten_output(out: Any, state: CallState, op: str) -> tuple[Any, ...]:
@@ -177,10 +235,23 @@ def _flatten_output(out: Any, state: CallState, op: str) -> tuple[Any, ...]:
             "tensor) so that the TensorFlow backend runs the call and the rule applies."
         )
         raise GradOverrideTypeError(msg)
+    if not any(isinstance(leaf, Tensor) for leaf in leaves):
+        shown = type(out).__name__
+        msg = (
+            f"the forward of `{op}` returned {shown} {_short_repr(out)}, which holds no "
+            "tensor, so there is nothing for a gradient to flow through; return a tensor, a "
+            "tuple of tensors, or a container (tuple, list, dict) of tensors."
+        )
+        raise GradOverrideError(msg)
     state.out_spec = spec
     state.n_out = len(leaves)
     state.n_top = len(out) if type(out) is tuple else 1
     return tuple(leaves)
+
+
+def _short_repr(value: object) -> str:
+    shown = repr(value)
+    return shown if len(shown) <= 60 else shown[:57] + "..."
 
 
 def check_output_count(n_grads: int | None, n_top: int, rule_name: str, op: str) -> None:
@@ -216,6 +287,8 @@ def build_call(
     rule: RuleSpec,
     residuals: tuple[str, ...],
     run_tensorflow: Callable[[tuple[Any, ...], dict[str, Any]], Any],
+    *,
+    track_inplace: bool = False,
 ) -> tuple[Callable[..., Any], type[torch.autograd.Function]]:
     """The per-call entry point and the Function class behind it.
 
@@ -258,7 +331,9 @@ def build_call(
         for slot, (start, stop) in enumerate(ranges):
             for i in range(start, stop):
                 value = flat[i]
-                if not isinstance(value, Tensor):
+                if not takes_gradient(value):
+                    # Not a tensor, or an integer/bool tensor (an index): never owned, so a
+                    # lone returned tensor belongs to the one floating input.
                     meta.append(None)
                 elif owned[slot] and needs[i + 1]:
                     meta.append((value.shape, value.dtype, value.device))
@@ -289,14 +364,29 @@ def build_call(
             entry = state.residuals[index]
             if isinstance(entry, _Static):
                 plan.append((name, None, (entry,)))
+            elif isinstance(entry, _OutputRef):
+                keep(name, None, (outputs[entry.index],))
+            elif isinstance(entry, _InputRef):
+                keep(name, None, (flat[entry.index],))
             else:
                 keep(name, None, (residual_tensors[entry],))
+        if state.dirty:
+            dirty = [flat[i] for i in state.dirty]
+            if not all(any(t is o for o in outputs) for t in dirty):
+                msg = (
+                    f"the forward of `{op}` changed one of its tensor inputs in place but did "
+                    "not return it; an input changed in place must be returned as an output "
+                    "(as `x.relu_()` returns `x`), or changed out of place."
+                )
+                raise GradOverrideError(msg)
+            ctx.mark_dirty(*dirty)
         if to_save:
             ctx.save_for_backward(*to_save)
 
         out_meta = None
-        if residual_tensors:
-            ctx.mark_non_differentiable(*residual_tensors)
+        # Residual tensors are extra outputs and stay differentiable: a second
+        # differentiation that reaches one arrives in backward as a gradient for it, and is
+        # refused there (a residual is a constant to autograd: silently wrong otherwise).
         if residual_tensors or not materialize:
             # Residual outputs would get materialized zero gradients; when the rule wants
             # materialized gradients we make zeros for the real outputs only.
@@ -307,7 +397,7 @@ def build_call(
                     for o in outputs
                 )
         autocast = _autocast_state(flat) if any_autocast_enabled() else None
-        ctx.gradoverride = (state, meta, plan, out_meta, autocast)
+        ctx.gradoverride = (state, meta, plan, out_meta, autocast, _fill_meta(flat, needs))
 
     # ---- backward -------------------------------------------------------------------------
 
@@ -320,7 +410,7 @@ def build_call(
 
     def run_rule(ctx: Any, grads: tuple[Any, ...]) -> list[Tensor | None]:
         """Call the rule; one checked gradient per flat input."""
-        state, meta, plan, out_meta, autocast = ctx.gradoverride
+        state, meta, plan, out_meta, autocast, _ = ctx.gradoverride
         kwargs: dict[str, Any] = {}
         saved_tensors: tuple[Tensor, ...] = ()
         if plan:
@@ -354,7 +444,8 @@ def build_call(
     kind = "CustomBackward"
     if rule.owns_all:
         return _build_owning(
-            op, module, kind, sig, rule, residuals, setup, run_rule, run_tensorflow
+            op, module, kind, sig, rule, residuals, setup, run_rule, run_tensorflow,
+            track_inplace,
         )
     return _build_attaching(
         op, module, kind, sig, residuals, owned, setup, run_rule, run_tensorflow
@@ -371,8 +462,12 @@ def _build_owning(
     setup: Callable[..., None],
     run_rule: Callable[[Any, tuple[Any, ...]], list[Tensor | None]],
     run_tensorflow: Callable[[tuple[Any, ...], dict[str, Any]], Any],
+    track_inplace: bool,
 ) -> tuple[Callable[..., Any], type[torch.autograd.Function]]:
-    """The forward runs inside the Function; the rule gives every gradient."""
+    """The forward runs inside the Function; the rule gives every gradient.
+
+    With `track_inplace`, the forward's changes to its inputs are detected (version
+    counters) and marked dirty, as PyTorch requires of a Function that changes an input."""
     fn = sig.fn
     call = sig.call
     bind = sig.bind
@@ -384,27 +479,35 @@ def _build_owning(
     # Everything else takes the general path (`setup` / `run_rule`), which is the reference.
     fast = (
         n_params > 0
+        and not track_inplace
         and not residuals
         and rule.n_grads in (None, 1)
         and not rule.once_differentiable
         and not rule.wants_needs_grad
     )
 
-    def shape_output(out: Any, state: CallState) -> Any:
-        """The Function's output for what the forward returned: a tensor, or flat leaves."""
-        res: tuple[Tensor, ...] = ()
+    def shape_output(out: Any, state: CallState, flat: tuple[Any, ...] = ()) -> Any:
+        """The Function's output for what the forward returned: a tensor, or flat leaves
+        (the residual tensors after them). `flat` are the inputs the forward saw."""
+        dirty = state.dirty
         if residuals:
-            out, res = _split_residuals(out, residuals, op, state)
-        if not res and isinstance(out, Tensor):
-            return out
-        return (*_flatten_output(out, state, op), *res)
+            out, given = unpack_residuals(out, residuals, op)
+            leaves = _flatten_output(out, state, op)
+            res = _place_residuals(given, residuals, leaves, flat, state)
+            return (*(_view_if_input(leaf, flat, dirty) for leaf in leaves), *res)
+        if isinstance(out, Tensor):
+            return _view_if_input(out, flat, dirty)
+        return tuple(_view_if_input(leaf, flat, dirty) for leaf in _flatten_output(out, state, op))
 
     def forward(state: CallState, *flat: Any) -> Any:
+        versions = _versions(flat) if track_inplace else None
         if state.layout is None:
             out = fn(*flat) if plain else call(flat)
         else:
             out = call(unflatten_inputs(flat, state.layout))
-        return shape_output(out, state)
+        if versions is not None:
+            state.dirty = _changed(flat, versions)
+        return shape_output(out, state, flat)
 
     def setup_general(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
         state = inputs[0]
@@ -415,7 +518,10 @@ def _build_owning(
             setup(ctx, state, inputs[1:], output[:n_out], output[n_out:])
 
     def backward_general(ctx: Any, grads: tuple[Any, ...]) -> Any:
-        return (None, *run_rule(ctx, grads))
+        state = ctx.gradoverride[0]
+        if residuals and not torch.compiler.is_compiling():
+            _refuse_residual_gradients(op, residuals, state, grads[state.n_out :])
+        return (None, *_fill_none(run_rule(ctx, grads), ctx.gradoverride[5]))
 
     def finish(out: Any, state: CallState) -> Any:
         return pytree.tree_unflatten(list(out[: state.n_out]), state.out_spec)
@@ -458,6 +564,7 @@ def _build_owning(
                 "CONTAINERS": _CONTAINERS,
                 "forward_general": forward,
                 "shape_output": shape_output,
+                "view_if_input": _view_if_input,
                 "fn": fn,
                 "call": call,
                 "setup_general": setup_general,
@@ -527,13 +634,15 @@ def _build_attaching(
     bind = sig.bind
 
     def forward(state: CallState, *args: Any) -> Any:
-        # Views, not the inputs themselves: the setup_context form may not save an input
-        # returned as-is, and a rule may name `output`.
+        # New tensors sharing the outputs' memory, not the outputs themselves: the
+        # setup_context form may not save an input returned as-is (a rule may name
+        # `output`), and an in-place op right after (`nn.ReLU(inplace=True)`) may not change
+        # a view made inside a Function.
         n_in = state.n_in
         if state.out_spec is None:
-            return args[n_in].view_as(args[n_in])
+            return passthrough(args[n_in])
         return tuple(
-            a.view_as(a) if isinstance(a, Tensor) else a
+            passthrough(a) if isinstance(a, Tensor) else a
             for a in args[n_in : n_in + state.n_out]
         )
 
@@ -548,7 +657,8 @@ def _build_attaching(
         n_res = sum(1 for r in state.residuals if type(r) is int)
         # The outputs' upstream gradients continue, unchanged, into the ordinary graph of
         # the inputs the rule does not own.
-        return (None, *run_rule(ctx, grads), *grads[: state.n_out], *([None] * n_res))
+        rule_grads = _fill_none(run_rule(ctx, grads), ctx.gradoverride[5])
+        return (None, *rule_grads, *grads[: state.n_out], *([None] * n_res))
 
     cls = _function_class(op, module, kind, forward, setup_context, backward)
     apply: Callable[..., Any] = cls.apply
@@ -573,12 +683,24 @@ def _build_attaching(
         )
         out = call(detached if layout is None else unflatten_inputs(detached, layout))
         res: tuple[Tensor, ...] = ()
+        given = None
         if residuals:
-            out, res = _split_residuals(out, residuals, op, state)
-        if not res and isinstance(out, Tensor):
+            out, given = unpack_residuals(out, residuals, op)
+        if given is None and isinstance(out, Tensor):
             leaves: tuple[Any, ...] = (out,)
         else:
             leaves = _flatten_output(out, state, op)
+        if given is not None:
+            res = _place_residuals(given, residuals, leaves, detached, state)
+        # An output that is an input (as-is, or its detached copy) becomes a view of it, so
+        # an in-place op on the result is refused as on any view, instead of changing the
+        # caller's tensor behind autograd's back.
+        leaves = tuple(
+            leaf.view_as(leaf)
+            if isinstance(leaf, Tensor) and any(leaf is v for v in (*flat, *detached))
+            else leaf
+            for leaf in leaves
+        )
         if FAST_APPLY and not is_dynamo_compiling() and not transforms_active():
             result = raw(state, *flat, *leaves, *res)
         else:
@@ -590,7 +712,64 @@ def _build_attaching(
     return run, cls
 
 
-_SAVED: Any = object()  # marks a requested value that went through save_for_backward
+def _versions(flat: tuple[Any, ...]) -> tuple[int | None, ...]:
+    return tuple(v._version if isinstance(v, Tensor) else None for v in flat)
+
+
+def _changed(flat: tuple[Any, ...], versions: tuple[int | None, ...]) -> tuple[int, ...]:
+    """The flat inputs whose version counter moved: changed in place."""
+    return tuple(
+        i
+        for i, (v, version) in enumerate(zip(flat, versions, strict=True))
+        if version is not None and v._version != version
+    )
+
+
+def _fill_meta(flat: tuple[Any, ...], needs: tuple[bool, ...]) -> tuple[Any, ...]:
+    """(index, shape, dtype, device) of each flat input whose gradient is needed."""
+    return tuple(
+        (i, v.shape, v.dtype, v.device)
+        for i, v in enumerate(flat)
+        if needs[i + 1] and isinstance(v, Tensor)
+    )
+
+
+def _fill_none(grads: list[Tensor | None], fill: tuple[Any, ...]) -> list[Tensor | None]:
+    """Zeros instead of None for inputs that need a gradient, in a compiled backward only.
+
+    Compiled autograd adds the gradients an input receives from several nodes without
+    skipping a None (eager autograd skips it), and fails with "add(): argument 'input' must
+    be Tensor, not NoneType"; an explicit zero is the same gradient. Eager backward keeps
+    None, which costs nothing."""
+    if not fill or not torch.compiler.is_compiling():
+        return grads
+    out = list(grads)
+    for i, shape, dtype, device in fill:
+        if out[i] is None:
+            out[i] = torch.zeros(shape, dtype=dtype, device=device)
+    return out
+
+
+def _refuse_residual_gradients(
+    op: str, names: tuple[str, ...], state: CallState, grads: tuple[Any, ...]
+) -> None:
+    """A second differentiation reached a residual: refuse rather than treat it as constant."""
+    name_of = {entry: name for name, entry in zip(names, state.residuals, strict=True)
+               if type(entry) is int}
+    reached = [name_of[k] for k, g in enumerate(grads) if g is not None and k in name_of]
+    if not reached:
+        return
+    listed = ", ".join(f"`{n}`" for n in reached)
+    msg = (
+        f"a second differentiation of `{op}` reached its residual {listed}: a residual is "
+        "computed in forward, and how it depends on the inputs is not recorded, so the "
+        "second derivative would silently leave that dependence out. Compute it inside the "
+        "rule from the inputs the rule names (in torch ops, so it is differentiated too), "
+        "or register the rule with once_differentiable=True if it is first-order only."
+    )
+    raise GradOverrideError(msg)
+
+
 
 
 def _autocast_state(inputs: tuple[Any, ...]) -> tuple[str, Any, bool] | None:

@@ -36,15 +36,22 @@ __all__ = [
     "not_a_tensor_message",
     "shape_message",
     "slot_ranges",
+    "takes_gradient",
 ]
 
 #: Meta entry of a tensor input whose gradient is not needed: whatever the rule returns for
 #: it is dropped unchecked.
 SKIP = False
 
-#: Per flat input: None (not a tensor), SKIP, or (shape, dtype, device) of an input whose
-#: gradient is needed.
+#: Per flat input: None (takes no gradient: not a tensor, or an integer or bool tensor), SKIP,
+#: or (shape, dtype, device) of an input whose gradient is needed.
 Meta = Sequence["bool | tuple[torch.Size, torch.dtype, torch.device] | None"]
+
+
+def takes_gradient(value: object) -> bool:
+    """Whether `value` can have a gradient: a floating-point or complex torch tensor. Integer
+    and bool tensors (indices, masks) never can, so a rule never owns them."""
+    return isinstance(value, Tensor) and (value.is_floating_point() or value.is_complex())
 
 
 def format_shape(shape: Sequence[int | None]) -> str:
@@ -338,8 +345,9 @@ def _fit_dtype(grad: Tensor, dtype: torch.dtype, op: str, name: str) -> Tensor:
 
 def no_gradient_slot_message(op: str, name: str) -> str:
     return (
-        f"backward of `{op}` returned a gradient for `{name}`, which is not a tensor in "
-        "this call and takes no gradient; return None for it."
+        f"backward of `{op}` returned a gradient for `{name}`, which takes no gradient in "
+        "this call (it is not a floating-point or complex tensor: a Python value, or an "
+        "integer or bool tensor such as an index); return None for it."
     )
 
 

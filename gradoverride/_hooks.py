@@ -15,15 +15,19 @@ receiving the incoming gradient first.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import torch
 from torch import Tensor, nn
+from torch.compiler import is_dynamo_compiling
 from torch.utils import _pytree as pytree
 from torch.utils.hooks import RemovableHandle
 
 from ._errors import GradOverrideError, GradOverrideTypeError
+from ._internals import transforms_active
+from ._transform import transformed
 
 if TYPE_CHECKING:
     from .recipes._base import GradientTransform
@@ -38,10 +42,14 @@ _register_hook: Callable[[Tensor, Callable[[Tensor], Tensor | None]], RemovableH
 _PLACES = ("inputs", "outputs", "parameters")
 
 
+class _Removable(Protocol):
+    def remove(self) -> None: ...
+
+
 class HookHandle:
     """Returned by `grad_hook`; `.remove()` takes the transform away (twice is a no-op)."""
 
-    def __init__(self, description: str, handles: list[RemovableHandle]) -> None:
+    def __init__(self, description: str, handles: list[_Removable]) -> None:
         self._description = description
         self._handles = handles
         self.active = True
@@ -150,10 +158,11 @@ def grad_hook(
     description = f"{fn!r} at the {at} of {type(module).__name__}"
 
     if at == "parameters":
-        handles: list[RemovableHandle] = [
-            _register_hook(p, transform) for p in module.parameters() if p.requires_grad
-        ]
-        return HookHandle(description, handles)
+        _prepare_eager_hook()
+        hooks = _ParameterHooks(module, transform)
+        pre = module.register_forward_pre_hook(hooks.before_forward)
+        post = module.register_forward_hook(hooks.after_forward, always_call=True)
+        return HookHandle(description, [pre, post, hooks])
 
     if at == "inputs":
 
@@ -162,15 +171,17 @@ def grad_hook(
         ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
             if not torch.is_grad_enabled():
                 return None
-            # A view per input: the hook then changes only the gradient this module sends
-            # back, not the input's other uses.
-            def view(t: Any) -> Any:
+
+            # Each input through an identity op whose backward is the transform: it changes
+            # only the gradient this module sends back, not the input's other uses, and,
+            # not being a view, it may be changed in place by the module
+            # (`nn.ReLU(inplace=True)`), where a hook on a view would be lost.
+            def through(t: Any) -> Any:
                 if isinstance(t, Tensor) and t.requires_grad:
-                    t = t.view_as(t)
-                    t.register_hook(transform)
+                    return transformed(t, transform)
                 return t
 
-            return pytree.tree_map(view, args), pytree.tree_map(view, kwargs)
+            return pytree.tree_map(through, args), pytree.tree_map(through, kwargs)
 
         # prepend=True: a later transform then sits further from the module, so the first
         # registered receives the gradient first, as at the outputs.
@@ -186,3 +197,100 @@ def grad_hook(
 
     handle = module.register_forward_hook(forward_hook, with_kwargs=True)
     return HookHandle(description, [handle])
+
+
+class _ParameterHooks:
+    """The transform at a module's parameters, whatever they are at each call.
+
+    A parameter of the module (an `nn.Parameter` leaf) gets a tensor hook, so every
+    gradient it receives is transformed before it is accumulated into `.grad`; it is hooked
+    when first seen requiring grad, so a parameter unfrozen later, or replaced
+    (`load_state_dict(assign=True)`, `module.weight = nn.Parameter(...)`), is covered. Any
+    other tensor in the parameter's place (what `torch.func.functional_call` passes, a
+    tensor under a `torch.func` transform) goes through an identity op whose backward is the
+    transform, for that call: hooking the caller's tensor itself would change its other uses.
+    """
+
+    def __init__(self, module: nn.Module, transform: Callable[[Tensor], Tensor | None]) -> None:
+        self.transform = transform
+        self.where = type(module).__name__
+        self.hooked: set[int] = set()  # ids of the parameters hooked (read under dynamo)
+        self.handles: dict[int, tuple[weakref.ref[Tensor], RemovableHandle]] = {}
+        self.swapped: list[tuple[dict[str, Any], str, Tensor]] = []
+        self.removed = False
+        for sub in module.modules():
+            for p in sub._parameters.values():
+                if isinstance(p, nn.Parameter) and p.requires_grad:
+                    self._hook(p)
+
+    def _hook(self, p: Tensor) -> None:
+        key = id(p)
+        old = self.handles.get(key)
+        if old is not None and old[0]() is p:
+            return
+        self.handles[key] = (weakref.ref(p), _register_hook(p, self.transform))
+        self.hooked.add(key)
+
+    def before_forward(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+        if not torch.is_grad_enabled():
+            return
+        for sub in module.modules():
+            params = sub._parameters
+            for name, p in params.items():
+                if p is None or not p.requires_grad:
+                    continue
+                if isinstance(p, nn.Parameter) and not transforms_active():
+                    if id(p) not in self.hooked:
+                        self._hook_later(p)
+                else:
+                    self.swapped.append((params, name, p))
+                    params[name] = transformed(p, self.transform)  # type: ignore[assignment]
+
+    def _hook_later(self, p: Tensor) -> None:
+        # Outside torch.compile: hook it now. Inside, dynamo cannot keep a hook handle
+        # made in one compiled frame for the next, so this runs eagerly (a graph break;
+        # with fullgraph=True the compile error carries the reason below).
+        if is_dynamo_compiling():
+            _hook_eagerly(self, p)
+        else:
+            self._hook(p)
+
+    def after_forward(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        while self.swapped:
+            params, name, p = self.swapped.pop()
+            params[name] = p
+
+    def remove(self) -> None:
+        for _, handle in self.handles.values():
+            handle.remove()
+        self.handles.clear()
+        self.hooked.clear()
+
+
+def _hook_eagerly_now(hooks: _ParameterHooks, p: Tensor) -> None:
+    hooks._hook(p)
+
+
+def _hook_eagerly(hooks: _ParameterHooks, p: Tensor) -> None:
+    """`hooks._hook(p)` as a graph break, made by `_prepare_eager_hook` when a parameters
+    hook is registered (`torch.compiler.disable` imports dynamo, which `import
+    gradoverride` must not, and it cannot be called while dynamo traces)."""
+    assert _eager_hook is not None
+    _eager_hook(hooks, p)
+
+
+def _prepare_eager_hook() -> None:
+    global _eager_hook
+    if _eager_hook is None:
+        disable: Any = torch.compiler.disable
+        _eager_hook = disable(
+            _hook_eagerly_now,
+            reason=(
+                "grad_hook(at='parameters'): a parameter began requiring grad, or was "
+                "replaced, after the hook was registered, and gradoverride hooks it eagerly. "
+                "Call the module once outside torch.compile after changing its parameters."
+            ),
+        )
+
+
+_eager_hook: Callable[[_ParameterHooks, Tensor], None] | None = None

@@ -18,19 +18,24 @@ receive them (nested ones are reached through `self`).
 
 from __future__ import annotations
 
+import copy
+import difflib
 import functools
 import inspect
-import types
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import torch
 from torch import Tensor, nn
+from torch.nn.parameter import UninitializedParameter
 
-from ._decorators import CustomBackward, custom_backward
+from ._decorators import CustomBackward
 from ._errors import GradOverrideError, GradOverrideTypeError
 from ._gradients import check_gradient
+from ._jit import jit_message, refuse_scripting
 from ._rule import RESERVED_NAMES, normalize_names
+from ._signature import describe
 
 __all__ = ["Module", "OverrideHandle", "override_backward"]
 
@@ -42,6 +47,7 @@ _RuleConfig = tuple[
 ]
 
 _PARAM = "_gradoverride_p"
+_ORIGINAL = "_gradoverride_input_"  # residuals: copies of an in-place module's inputs
 _IDS = "_gradoverride_parameter_ids"
 _MODULE = "_gradoverride_module"
 
@@ -137,25 +143,31 @@ class _ModuleRule:
         self.forward = forward
         self.once_differentiable = once_differentiable
         self.materialize_grads = materialize_grads
-        self.ops: dict[tuple[str, ...], CustomBackward[..., Any]] = {}
+        self.ops: dict[tuple[tuple[str, ...], bool], CustomBackward[..., Any]] = {}
 
     # ---- the op around the module's forward, one per parameter layout ------------------
 
-    def op_for(self, names: tuple[str, ...]) -> CustomBackward[..., Any]:
-        """The op for a module whose parameters are `names` (built once per layout)."""
-        op = self.ops.get(names)
+    def op_for(self, names: tuple[str, ...], inplace: bool = False) -> CustomBackward[..., Any]:
+        """The op for a module whose parameters are `names` (built once per layout).
+
+        `inplace`: the op for a module that changes its input in place (built with
+        `inplace=True`, as `nn.ReLU(inplace=True)`): the inputs the rule reads are copied
+        before the forward, and the changed input is marked dirty, as PyTorch requires."""
+        key = (names, inplace)
+        op = self.ops.get(key)
         if op is None:
-            op = self.ops[names] = self._build(names)
+            op = self.ops[key] = self._build(names, inplace)
         return op
 
-    def _build(self, names: tuple[str, ...]) -> CustomBackward[..., Any]:
+    def _build(self, names: tuple[str, ...], inplace: bool) -> CustomBackward[..., Any]:
         # Each parameter is its own input of the op (slot `_gradoverride_p<i>`), so the common
         # call has plain tensor arguments and takes the core's generated fast path.
         forward = self.forward
         k = len(names)
         slots = tuple(f"{_PARAM}{i}" for i in range(k))
         slot_of = dict(zip(names, slots, strict=True))
-        forward_params = list(inspect.signature(forward).parameters.values())[1:]
+        forward_signature = inspect.signature(forward)
+        forward_params = list(forward_signature.parameters.values())[1:]
         positional = inspect.Parameter.POSITIONAL_ONLY
         signature = inspect.Signature(
             [
@@ -165,18 +177,36 @@ class _ModuleRule:
                 *forward_params,
             ]
         )
+        # For an in-place module, the inputs the rule reads reach it as residuals: copies
+        # made before the forward changes them.
+        copied = tuple(n for n in self.requested if n in self.inputs) if inplace else ()
+        copies = tuple(f"{_ORIGINAL}{n}" for n in copied)
+
+        def run_forward(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            if not copies:
+                return forward(module, *args, **kwargs)
+            bound = forward_signature.bind(module, *args, **kwargs).arguments
+            originals = {
+                original: bound[name].clone() if isinstance(bound[name], Tensor) else bound[name]
+                for name, original in zip(copied, copies, strict=True)
+            }
+            result = forward(module, *args, **kwargs)
+            if self.residuals:
+                out, given = result
+                return out, {**given, **originals}
+            return result, originals
 
         def module_forward(
             module: nn.Module, ids: _ParameterIds, *rest: Any, **kwargs: Any
         ) -> Any:
             params, args = rest[:k], rest[k:]
             if all(id(p) == i for p, i in zip(params, ids.ids, strict=True)):
-                return forward(module, *args, **kwargs)  # the module's own parameters
+                return run_forward(module, args, kwargs)  # the module's own parameters
             # Owned parameters arrive detached (partial override), or others under a
             # transform: the forward must see these.
             swap = dict(zip(names, params, strict=True))
             with _parameters_as(module, swap, dict(module.named_parameters())):
-                return forward(module, *args, **kwargs)
+                return run_forward(module, args, kwargs)
 
         module_forward.__signature__ = signature  # type: ignore[attr-defined]
         module_forward.__name__ = self.where.strip("`")
@@ -185,15 +215,17 @@ class _ModuleRule:
         owns = self.owns
         owned_inputs = tuple(n for n in self.inputs if owns is None or n in owns)
         owned_names = tuple(n for n in names if owns is None or n in owns)
-        # The wrapper asks for the module, the owned parameters (saved: they are alive anyway,
-        # so this costs no memory) and the parameters the rule names; `needs_grad` only when
-        # a lone returned tensor could belong to more than one input.
+        # The wrapper asks for the module and every parameter (saved: they are alive anyway,
+        # so this costs no memory): the rule then reads each parameter as the forward saw it,
+        # the ones passed to `torch.func.functional_call` included, owned or not. It asks for
+        # `needs_grad` only when a lone returned tensor could belong to more than one input.
         wants_needs = len(owned_inputs) > 1 or "needs_grad" in self.requested
-        param_slots = tuple(
-            dict.fromkeys(slot_of[n] for n in (*owned_names, *self.parameter_names) if n in slot_of)
-        )
-        rule_names = [_MODULE, *param_slots]
-        rule_names += [n for n in self.requested if n in self.inputs or n in self.residuals]
+        rule_names = [_MODULE, *slots]
+        rule_names += [
+            n for n in self.requested
+            if (n in self.inputs and n not in copied) or n in self.residuals
+        ]
+        rule_names += list(copies)
         rule_names += ["output"] if "output" in self.requested else []
         rule_names += ["needs_grad"] if wants_needs else []
 
@@ -213,6 +245,8 @@ class _ModuleRule:
         )
 
         def rule(*grads: Any, **named: Any) -> Any:
+            for name, original in zip(copied, copies, strict=True):
+                named[name] = named.pop(original)
             return _call_module_rule(config, grads, named)
 
         rule.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
@@ -220,10 +254,21 @@ class _ModuleRule:
             + [inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY) for n in rule_names]
         )
         rule.__name__ = rule.__qualname__ = f"{self.where.strip('`')}.backward"
-        op: CustomBackward[..., Any] = custom_backward(
+        if inplace and owns is not None:
+            msg = (
+                f"{self.where} changes its input in place (it was built with inplace=True), "
+                f"and its rule declares owns={owns!r}; a rule for an in-place module must own "
+                "every input and parameter. Drop `owns`, or build the module with "
+                "inplace=False."
+            )
+            raise GradOverrideError(msg)
+        op: CustomBackward[..., Any] = CustomBackward(
             module_forward,
-            residuals=self.residuals,
-            backward=rule,
+            residuals=(*self.residuals, *copies),
+            rule_options={"track_inplace": inplace} if inplace else None,
+        )
+        op.backward(
+            rule,
             owns=None if owns is None else (
                 _MODULE, _IDS, *(slot_of[n] for n in owned_names), *owned_inputs
             ),
@@ -233,9 +278,18 @@ class _ModuleRule:
         return op
 
     def call(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if not torch.is_grad_enabled():
+            # No gradient is computed, so the rule cannot matter: the module's own forward,
+            # without a Function around it (also the dry run that lazy modules need).
+            return self.forward(module, *args, **kwargs)
+        if _is_tracing():
+            raise GradOverrideError(jit_message(self.where, "torch.jit.trace"))
         params = dict(module.named_parameters())
         values = tuple(params.values())
-        op = self.op_for(tuple(params))
+        for name, p in params.items():
+            if isinstance(p, UninitializedParameter):
+                raise GradOverrideError(_lazy_message(self.where, name))
+        op = self.op_for(tuple(params), module.__dict__.get("inplace") is True)
         return op(module, _ParameterIds(values), *values, *args, **kwargs)
 
     def check_names(self, module: nn.Module) -> None:
@@ -270,10 +324,8 @@ def _call_module_rule(spec: _RuleConfig, grads: tuple[Any, ...], named: dict[str
             "parameter per output (or `*grads`)."
         )
         raise GradOverrideTypeError(msg)
-    # The parameters as the forward saw them, by name.
-    seen = {
-        n: named.pop(slot_of[n]) for n in (*owned_names, *parameter_names) if slot_of[n] in named
-    }
+    # Every parameter as the forward saw it, by name.
+    seen = {n: named.pop(slot_of[n]) for n in names}
     owned = {n: seen[n] for n in owned_names}
     for name in parameter_names:
         named[name] = seen[name]
@@ -285,15 +337,15 @@ def _call_module_rule(spec: _RuleConfig, grads: tuple[Any, ...], named: dict[str
             **{n: needs_inputs.get(n, False) for n in inputs},
             **{n: n in owned and owned[n].requires_grad for n in names},
         }
-    current = {n: _current_parameter(module, n) for n in owned_names}
-    before = [p.grad for p in current.values()]
-    with _parameters_as(module, owned, current):
+    current = {n: _current_parameter(module, n) for n in names}
+    before = [current[n].grad for n in owned_names]
+    with _parameters_as(module, seen, current):
         if rule_is_method:
             result = user_rule(module, *grads, **named)
         else:
             result = user_rule(*grads, **named)
-    for (name, p), grad in zip(current.items(), before, strict=True):
-        if p.grad is not grad:
+    for name, grad in zip(owned_names, before, strict=True):
+        if current[name].grad is not grad:
             msg = (
                 f"the backward of {where} wrote `{name}.grad` itself; return the "
                 f"gradient instead, e.g. `return {{..., '{name}': grad_{_ident(name)}}}`, "
@@ -370,12 +422,7 @@ def _translate(
         if name not in by_name:
             if not p.requires_grad:
                 continue
-            msg = (
-                f"the backward of {where} returned a dict without `{name}`, which it "
-                f"owns; return {{'{name}': None, ...}} if it gets no gradient, or leave "
-                f"`{name}` out of `owns` so it keeps its ordinary autograd gradient."
-            )
-            raise GradOverrideError(msg)
+            raise GradOverrideError(_missing_parameter_message(where, name, result, inputs))
         out.setdefault(slot_of[name], None)
     if all(name in out for name in owned_inputs):
         # A tuple aligned with the op's parameters takes the core's fast checks.
@@ -384,19 +431,75 @@ def _translate(
     return out
 
 
+def _missing_parameter_message(
+    where: str, name: str, result: Any, inputs: tuple[str, ...]
+) -> str:
+    """An owned parameter with no gradient in what the rule returned, said for its form."""
+    fix = (
+        f"return {{'{name}': None, ...}} if it gets no gradient, or leave `{name}` out of "
+        f"`owns` so it keeps its ordinary autograd gradient."
+    )
+    if isinstance(result, dict):
+        return f"the backward of {where} returned a dict without `{name}`, which it owns; {fix}"
+    if isinstance(result, tuple):
+        form = (
+            f"a tuple, which holds one gradient per input of the forward "
+            f"({', '.join(f'`{n}`' for n in inputs)}) and none for parameters"
+        )
+    elif result is None:
+        form = "None"
+    else:
+        form = f"a single {type(result).__name__} (the gradient of its input)"
+    example = ", ".join(f"'{n}': grad_{_ident(n)}" for n in (*inputs, name))
+    return (
+        f"the backward of {where} returned {form}, but it owns the parameter `{name}`, "
+        f"which needs a gradient; a module rule returns parameter gradients in a dict by "
+        f"name, e.g. {{{example}}}; or {fix}"
+    )
+
+
+def _lazy_message(where: str, name: str) -> str:
+    return (
+        f"{where} holds the parameter `{name}` that is not initialized yet (a lazy module's, "
+        "such as nn.LazyLinear); its shape is known only after a first forward, and the "
+        "rule's gradients could not be checked against it. Run one forward without "
+        "gradients first, as PyTorch recommends for lazy modules before creating the "
+        "optimizer: `with torch.no_grad(): model(example_input)`."
+    )
+
+
 def _ident(name: str) -> str:
     return name.replace(".", "_")
 
 
 class _ModuleMeta(type):
-    """Checks a rule's parameter names once an instance has its parameters (after __init__)."""
+    """Checks a rule's parameter names once an instance has its parameters (after __init__),
+    and builds the op for them then, so the first call may be a compiled one."""
 
     def __call__(cls, *args: Any, **kwargs: Any) -> Any:
         instance = super().__call__(*args, **kwargs)
         rule = getattr(cls, "_gradoverride_rule", None)
         if rule is not None:
             rule.check_names(instance)
+            rule.op_for(_parameter_names(instance), instance.__dict__.get("inplace") is True)
         return instance
+
+
+def _is_tracing() -> bool:
+    """Whether torch.jit.trace is recording (the C call under `torch.jit.is_tracing`)."""
+    return torch._C._get_tracing_state() is not None
+
+
+def _parameter_names(module: nn.Module) -> tuple[str, ...]:
+    return tuple(name for name, _ in module.named_parameters())
+
+
+def _close_names(cls: type, target: str) -> list[str]:
+    """Attributes defined on `cls` that look like a misspelling of `target`."""
+    candidates = [n for n in cls.__dict__ if n != target and not n.startswith("__")]
+    lowered = {n.lower(): n for n in candidates}
+    close = difflib.get_close_matches(target, list(lowered), n=3, cutoff=0.75)
+    return [lowered[n] for n in close]
 
 
 class Module(nn.Module, metaclass=_ModuleMeta):
@@ -421,6 +524,20 @@ class Module(nn.Module, metaclass=_ModuleMeta):
     it own only `x`, the rest keeping their ordinary autograd gradients. Class keywords
     `once_differentiable`, `materialize_grads` and `residuals` are those of
     `custom_backward`.
+
+    In `backward`, `self.<parameter>` is the tensor the forward used, owned or not: under
+    `torch.func.functional_call(layer, params, ...)`, the one in `params`. (Buffers are read
+    as they are when backward runs.)
+
+    A subclass must define `backward` (a missing or misspelled one is an error when the class
+    is created, since the module would silently train with its ordinary gradient); a base
+    class meant only to be subclassed says so with `class Base(go.Module, abstract=True)`.
+
+    Under `torch.no_grad()` the module runs its own forward directly: no gradient is computed,
+    so the rule cannot matter. A module built with `inplace=True` (changing its input in place)
+    gets a copy of each input its rule names, taken before the forward. TorchScript
+    (`torch.jit.script`, `torch.jit.trace`) cannot keep the rule and raises
+    `GradOverrideError`; `torch.compile` keeps it.
     """
 
     _gradoverride_rule: _ModuleRule | None = None
@@ -432,10 +549,24 @@ class Module(nn.Module, metaclass=_ModuleMeta):
         once_differentiable: bool = False,
         materialize_grads: bool = True,
         residuals: str | Iterable[str] | None = None,
+        abstract: bool = False,
         **kwargs: Any,
     ) -> None:
         super().__init_subclass__(**kwargs)
+        misspelled = _close_names(cls, "backward") if "backward" not in cls.__dict__ else []
         backward = getattr(cls, "backward", None)
+        if misspelled or (backward is None and not abstract):
+            guess = f" (did you mean `{misspelled[0]}`? name it `backward`)" if misspelled else ""
+            what = "overrides nothing" if backward is not None else "defines no `backward`"
+            msg = (
+                f"`{cls.__qualname__}` subclasses go.Module but {what}{guess}; without a "
+                "`backward` it would silently train with its ordinary gradient. Define "
+                "`def backward(self, grad, *, x): ...` returning the gradients by name, "
+                "subclass `nn.Module` if it needs no rule of its own, or declare "
+                f"`class {cls.__name__}(go.Module, abstract=True)` for a base class meant to "
+                "be subclassed."
+            )
+            raise GradOverrideTypeError(msg)
         if backward is None:
             return
         if "forward" not in cls.__dict__ and "backward" not in cls.__dict__:
@@ -463,19 +594,115 @@ class Module(nn.Module, metaclass=_ModuleMeta):
             return rule.call(self, args, kwargs)
 
         functools.update_wrapper(wrapped_forward, forward)
+        # No `__wrapped__`: TorchScript would compile the original forward through it, and
+        # the rule would be silently dropped (`__prepare_scriptable__` refuses instead).
+        del wrapped_forward.__wrapped__  # type: ignore[attr-defined]
         wrapped_forward.__qualname__ = f"{cls.__qualname__}.forward"
         cls.forward = wrapped_forward
+
+    def __prepare_scriptable__(self) -> nn.Module:
+        # torch.jit.script calls this on every module it scripts.
+        refuse_scripting(f"`{type(self).__qualname__}`")
+
+
+class _RefuseScripting:
+    """Put on an overridden module as `__prepare_scriptable__`: scripting it raises.
+
+    An object (not a closure) so that the module still pickles."""
+
+    __slots__ = ("where",)
+
+    def __init__(self, where: str) -> None:
+        self.where = where
+
+    def __call__(self) -> nn.Module:
+        refuse_scripting(self.where)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_RefuseScripting, (self.where,))
+
+
+class _OverriddenForward:
+    """What `override_backward` installs as `module.forward`.
+
+    It pickles as the call that installs it again (the module, the rule by reference, the
+    options), so a saved model loads back with its override; `copy.deepcopy` gives the copy
+    an override bound to the copy."""
+
+    __slots__ = ("_rule", "module", "options", "rule")
+
+    def __init__(self, module: nn.Module, rule: Callable[..., Any], options: dict[str, Any],
+                 module_rule: _ModuleRule | None = None) -> None:
+        self.module = module
+        self.rule = rule
+        self.options = options
+        self._rule = module_rule if module_rule is not None else _module_rule_for(
+            type(module), rule, options
+        )
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._rule.call(self.module, args, kwargs)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        from ._decorators import _require_importable
+
+        _require_importable(self.rule, f"{type(self.module).__name__} (overridden)",
+                            "its backward rule")
+        return (_reinstall, (self.module, self.rule, self.options))
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _OverriddenForward:
+        return _OverriddenForward(copy.deepcopy(self.module, memo), self.rule, self.options,
+                                  self._rule)
+
+    def __repr__(self) -> str:
+        return f"<forward of {type(self.module).__name__} with backward {describe(self.rule)}>"
+
+
+def _module_rule_for(
+    cls: type[nn.Module], rule: Callable[..., Any], options: dict[str, Any]
+) -> _ModuleRule:
+    return _ModuleRule(
+        where=f"`{cls.__name__}`",
+        forward=cls.forward,
+        rule=rule,
+        rule_is_method=False,
+        owns=options["owns"],
+        residuals=(),
+        once_differentiable=options["once_differentiable"],
+        materialize_grads=options["materialize_grads"],
+    )
+
+
+def _reinstall(module: nn.Module, rule: Callable[..., Any],
+               options: dict[str, Any]) -> _OverriddenForward:
+    """Unpickling an overridden module's forward: the override, installed again. The module
+    is still being rebuilt when this runs (its state comes after), so nothing reads it."""
+    return _OverriddenForward(module, rule, options)
 
 
 class OverrideHandle:
     """Returned by `override_backward`; `.remove()` restores the module exactly.
 
-    Removing twice is a no-op.
+    Removing twice is a no-op. For a module loaded with its override (`torch.load`,
+    `copy.deepcopy`), `OverrideHandle.of(module)` gives the handle.
     """
 
     def __init__(self, module: nn.Module, forward: Any) -> None:
         self._module = module
         self._forward = forward
+
+    @classmethod
+    def of(cls, module: nn.Module) -> OverrideHandle:
+        """The handle of the override installed on `module` (after a load or a copy)."""
+        forward = module.__dict__.get("forward")
+        if not isinstance(forward, _OverriddenForward):
+            msg = (
+                f"this {type(module).__name__} has no override from `go.override_backward`, "
+                "so there is no handle to give; check `OverrideHandle.of` is called on the "
+                "overridden module itself (not its parent)."
+            )
+            raise GradOverrideError(msg)
+        return cls(module, forward)
 
     @property
     def active(self) -> bool:
@@ -485,6 +712,7 @@ class OverrideHandle:
     def remove(self) -> None:
         if self.active:
             del self._module.__dict__["forward"]
+            self._module.__dict__.pop("__prepare_scriptable__", None)
 
     def __enter__(self) -> OverrideHandle:
         return self
@@ -521,7 +749,17 @@ def override_backward(
     The module keeps its identity, class, parameters and `state_dict` keys: only calls to it
     change. The rule follows the `custom_backward` contract with the names of the module's
     own `forward` parameters, its parameters by `named_parameters()` name, and the reserved
-    name `module` for the module itself.
+    name `module` for the module itself. The rule reads each parameter as the forward saw
+    it (under `torch.func.functional_call`, the tensors passed in).
+
+    `torch.save` / `pickle` of the module (or a model holding it) store the override, with
+    the rule by reference (so the rule must be a module-level function; a lambda is refused
+    with a `GradOverrideError` when saving); loading installs it again, and
+    `OverrideHandle.of(module)` gives its handle. `copy.deepcopy` copies the override too.
+    A module built with `inplace=True` (`nn.ReLU(inplace=True)`) changes its input in place:
+    the rule gets a copy of each input it names, taken before the forward, and the caller's
+    tensor is changed as without the override. TorchScript cannot keep the rule:
+    `torch.jit.script` and `torch.jit.trace` raise `GradOverrideError`.
 
     Args:
         module: the `nn.Module` instance.
@@ -552,24 +790,16 @@ def override_backward(
             "that method instead of overriding it."
         )
         raise GradOverrideError(msg)
-    forward = type(module).forward
-    module_rule = _ModuleRule(
-        where=f"`{type(module).__name__}`",
-        forward=forward,
-        rule=rule,
-        rule_is_method=False,
-        owns=owns,
-        residuals=(),
-        once_differentiable=once_differentiable,
-        materialize_grads=materialize_grads,
-    )
-
-    def overridden_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        return module_rule.call(self, args, kwargs)
-
+    options = {
+        "owns": owns,
+        "once_differentiable": once_differentiable,
+        "materialize_grads": materialize_grads,
+    }
+    module_rule = _module_rule_for(type(module), rule, options)
     module_rule.check_names(module)
-    # A bound method: `copy.deepcopy` rebinds it to the copy.
-    bound = types.MethodType(overridden_forward, module)
-    module.__dict__["forward"] = bound
-    return OverrideHandle(module, bound)
-
+    # Built now, so that a first call under torch.compile(fullgraph=True) finds it.
+    module_rule.op_for(_parameter_names(module), module.__dict__.get("inplace") is True)
+    forward = _OverriddenForward(module, rule, options, module_rule)
+    module.__dict__["forward"] = forward
+    module.__dict__["__prepare_scriptable__"] = _RefuseScripting(f"`{type(module).__name__}`")
+    return OverrideHandle(module, forward)

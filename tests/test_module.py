@@ -286,8 +286,8 @@ def test_backward_without_forward_is_an_error() -> None:
                 return grad
 
 
-def test_a_module_without_backward_is_an_ordinary_module() -> None:
-    class Plain(go.Module):
+def test_an_abstract_module_without_backward_is_an_ordinary_module() -> None:
+    class Plain(go.Module, abstract=True):
         def __init__(self) -> None:
             super().__init__()
             self.w = nn.Parameter(torch.ones(2))

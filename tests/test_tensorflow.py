@@ -387,7 +387,7 @@ def test_a_gradient_for_a_python_number_is_an_error() -> None:
     x = tf.constant(B)
     with tf.GradientTape() as tape, pytest.raises(
         go.GradOverrideError,
-        match=r"returned a gradient for `shift`, which is not a tensor in this call",
+        match=r"returned a gradient for `shift`, which takes no gradient in this call",
     ):
         tape.watch(x)
         tape.gradient(shifted(x, 0.5), x)

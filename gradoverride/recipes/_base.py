@@ -30,6 +30,8 @@ from torch import Tensor, nn
 from .._decorators import custom_backward
 from .._errors import GradOverrideError
 from .._frameworks import is_tensorflow
+from .._jit import refuse_scripting
+from .._passthrough import passthrough
 
 __all__ = ["GradientTransform", "Recipe", "RecipeModule"]
 
@@ -59,7 +61,8 @@ class Recipe:
 
 @custom_backward
 def _transform_gradient(x: Tensor, transform: GradientTransform) -> Tensor:
-    return x.view_as(x)
+    # Not a view: an in-place op right after (`nn.ReLU(inplace=True)`) must be allowed.
+    return passthrough(x)
 
 
 @_transform_gradient.backward
@@ -95,6 +98,10 @@ class RecipeModule(nn.Module):
 
     def __repr__(self) -> str:
         return repr(self.recipe)
+
+    def __prepare_scriptable__(self) -> nn.Module:
+        # torch.jit.script calls this on every module it scripts.
+        refuse_scripting(repr(self.recipe))
 
 
 def positive_number(recipe: str, name: str, value: object, hint: str = "") -> float:

@@ -25,6 +25,7 @@ from torch import Tensor
 from .._decorators import custom_backward
 from .._errors import GradOverrideError, GradOverrideTypeError
 from .._frameworks import is_tensorflow
+from .._passthrough import passthrough
 from ._base import (
     GradientTransform,
     RecipeModule,
@@ -110,7 +111,8 @@ class ganin_ramp:
 @custom_backward
 def _multiply_gradient(x: Tensor, factor: float | Tensor) -> Tensor:
     """Identity forward; the backward multiplies the upstream gradient by `factor`."""
-    return x.view_as(x)
+    # Not a view: an in-place op right after (`nn.ReLU(inplace=True)`) must be allowed.
+    return passthrough(x)
 
 
 @_multiply_gradient.backward
@@ -231,7 +233,7 @@ class reverse_grad(_ScaledGradient):
             `ganin_ramp(total_steps=...)`. A scheduled recipe needs the step:
             `recipe(x, step=step)`, or its module form, which keeps the count.
 
-    Returns (when called): the input unchanged (a view), whose gradient is
+    Returns (when called): the input's value (sharing its memory), whose gradient is
     ``-scale * grad``, in the input's dtype. ``scale=0`` blocks the gradient.
     """
 
@@ -255,7 +257,7 @@ class scale_grad(_ScaledGradient):
         scale: a number (default 1.0), a tensor (0-d or broadcastable to the input) or a
             schedule, as for `reverse_grad`.
 
-    Returns (when called): the input unchanged (a view), whose gradient is
+    Returns (when called): the input's value (sharing its memory), whose gradient is
     ``scale * grad``, in the input's dtype.
     """
 
