@@ -6,7 +6,7 @@ import functools
 import pickle
 import sys
 import types
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Generic, TypeVar, overload
 
 import torch
@@ -20,7 +20,7 @@ from ._function import build_call
 from ._internals import transforms_active
 from ._jit import refuse_scripting
 from ._rule import RuleSpec, normalize_names
-from ._signature import ForwardSignature, describe
+from ._signature import ForwardSignature, describe, parse_forms
 
 __all__ = ["CustomBackward", "CustomBackwardModule", "custom_backward"]
 
@@ -63,7 +63,14 @@ class CustomBackward(Generic[P, R]):
         *,
         residuals: tuple[str, ...] = (),
         rule_options: dict[str, Any] | None = None,
+        signature: str | Sequence[str] | None = None,
     ) -> None:
+        # `@custom_backward` over `@staticmethod` / `@classmethod`: decorate the function
+        # inside, and bind as the wrapper would (see `__get__`).
+        self._binding: type | None = None
+        if isinstance(fn, (staticmethod, classmethod)):
+            self._binding = type(fn)
+            fn = fn.__func__
         if not callable(fn):
             msg = (
                 "custom_backward needs a forward function to decorate, got "
@@ -72,7 +79,10 @@ class CustomBackward(Generic[P, R]):
             raise GradOverrideTypeError(msg)
         functools.update_wrapper(self, fn)
         self._name = describe(fn)
-        self._signature = ForwardSignature(fn, self._name)
+        forms = None
+        if signature is not None:
+            forms = parse_forms(signature, f"custom_backward({self._name})")
+        self._signature = ForwardSignature(fn, self._name, forms)
         for name in residuals:
             if name in self._signature.index:
                 msg = (
@@ -273,7 +283,13 @@ class CustomBackward(Generic[P, R]):
         return CustomBackwardModule(self, fixed)
 
     def __get__(self, instance: Any, owner: type | None = None) -> Any:
-        # Decorated methods bind like functions: `obj.op(x)` calls `op(obj, x)`.
+        # Decorated methods bind like functions: `obj.op(x)` calls `op(obj, x)`; over a
+        # staticmethod nothing is bound, over a classmethod the class is.
+        binding = self._binding
+        if binding is staticmethod:
+            return self
+        if binding is classmethod:
+            return types.MethodType(self, owner if owner is not None else type(instance))
         if instance is None:
             return self
         return types.MethodType(self, instance)
@@ -350,6 +366,7 @@ def custom_backward(
     /,
     *,
     backward: Callable[..., Any] | None = ...,
+    signature: str | Sequence[str] | None = ...,
     owns: str | Iterable[str] | None = ...,
     once_differentiable: bool = ...,
     materialize_grads: bool = ...,
@@ -363,6 +380,7 @@ def custom_backward(
     *,
     residuals: str | Iterable[str],
     backward: Callable[..., Any] | None = ...,
+    signature: str | Sequence[str] | None = ...,
     owns: str | Iterable[str] | None = ...,
     once_differentiable: bool = ...,
     materialize_grads: bool = ...,
@@ -376,6 +394,7 @@ def custom_backward(
     *,
     residuals: str | Iterable[str] | None = ...,
     backward: Callable[..., Any] | None = ...,
+    signature: str | Sequence[str] | None = ...,
     owns: str | Iterable[str] | None = ...,
     once_differentiable: bool = ...,
     materialize_grads: bool = ...,
@@ -388,6 +407,7 @@ def custom_backward(
     *,
     residuals: str | Iterable[str] | None = None,
     backward: Callable[..., Any] | None = None,
+    signature: str | Sequence[str] | None = None,
     owns: str | Iterable[str] | None = _UNSET,
     once_differentiable: bool = _UNSET,
     materialize_grads: bool = _UNSET,
@@ -405,18 +425,38 @@ def custom_backward(
         def _(grad, *, x):                 # keyword-only names choose what is kept
             return grad * (x.abs() <= 1)   # gradient for `x`; `bits` gets none
 
-    Works bare, with options (`@go.custom_backward(owns="x")`), and as a call on an
-    existing function (`go.custom_backward(torch.sign, backward=rule)`).
+    Works bare, with options (`@go.custom_backward(owns="x")`), over a `@staticmethod` or
+    `@classmethod` (binding as those do), and as a call on an existing function
+    (`go.custom_backward(torch.sign, backward=rule)`).
+
+    A builtin's parameters are read from its docstring, named as torch documents them
+    (`sign(input, *, out=None)`: the rule names `input`). `out` is not a parameter: an op
+    with a custom backward returns a new tensor, so a call with `out=` is an error. A builtin
+    documented in several forms, such as `sum(input, *, dtype=None)` and
+    `sum(input, dim, keepdim=False, *, dtype=None)`, has the parameters of all its forms, in
+    the order the forms list them (`input, dim, keepdim, dtype`), and a rule may name any of
+    them. Each call binds to the first form that takes it; the parameters that form lacks
+    hold None (`op(x)`: `dim` is None). A call that two forms read differently
+    (`torch.max(x, 1)`: `dim` or `other`?) is an error asking for a keyword argument
+    (`dim=1`) or for `signature=`.
 
     Args:
         fn: the forward. Any Python function of tensors, non-tensor values and
             tuples/lists/dicts of tensors, returning a tensor, a tuple of outputs or a
-            container of tensors.
+            container of tensors; or a builtin (see above).
         residuals: names of values the forward computes for the rule. The forward then
             returns `(output, {name: value, ...})`; callers get only `output`, and the rule
             names the residuals as keyword-only parameters. Tensors are saved with
             `save_for_backward`; nothing is recomputed.
         backward: the rule, when not registered with `@op.backward`.
+        signature: the forward's signature as text, replacing the one read from it: for a
+            function whose signature Python cannot read and whose docstring does not
+            document it, or documents forms you want to narrow down:
+            `go.custom_backward(torch.max, signature="(input, other)", backward=rule)`.
+            One string in Python's syntax with literal defaults (`"(input, dim=None)"`, or
+            `"max(input, other) -> Tensor"` as torch docs write it), or a tuple of such
+            strings for several forms. The defaults must be the function's own: a value
+            equal to its default is left out when the forward is called.
         owns, once_differentiable, materialize_grads: see `CustomBackward.backward`.
 
     Returns:
@@ -436,7 +476,7 @@ def custom_backward(
 
     def decorate(forward: Callable[P, R]) -> CustomBackward[P, R]:
         op: CustomBackward[P, R] = CustomBackward(
-            forward, residuals=residual_names, rule_options=options
+            forward, residuals=residual_names, rule_options=options, signature=signature
         )
         if backward is not None:
             op.backward(backward)

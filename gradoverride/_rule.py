@@ -22,6 +22,8 @@ from ._signature import ForwardSignature, describe
 
 __all__ = ["RESERVED_NAMES", "RuleSpec", "normalize_names"]
 
+_POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+
 #: The names a rule may ask for besides the forward's parameters and residuals.
 RESERVED_NAMES: Mapping[str, str] = {
     "output": "the forward's result, with the structure the forward returned",
@@ -123,6 +125,7 @@ class RuleSpec:
                     "e.g. `def rule(grad, *, x): ...`."
                 )
                 raise GradOverrideTypeError(msg)
+        _refuse_named_positionals(signature, forward, residuals, where, self.name)
         if n_grads == 0:
             msg = (
                 f"the {where} has no positional parameter for the upstream gradient; "
@@ -176,6 +179,41 @@ class RuleSpec:
 
     def __repr__(self) -> str:
         return f"<rule {self.name}>"
+
+
+def _refuse_named_positionals(
+    signature: inspect.Signature,
+    forward: ForwardSignature,
+    residuals: tuple[str, ...],
+    where: str,
+    rule_name: str,
+) -> None:
+    """A positional parameter (after the first) named like a forward parameter, a residual or
+    a reserved name is a forgotten `*`: it would receive an upstream gradient, not the value,
+    and fail only at the first backward, with a count message."""
+    params = list(signature.parameters.values())
+    positional = [p for p in params if p.kind in _POSITIONAL]
+    nameable = {*forward.names, *residuals, *RESERVED_NAMES}
+    misplaced = [p.name for p in positional[1:] if p.name in nameable]
+    if not misplaced:
+        return
+    grads = [p.name for p in positional if p.name not in misplaced]
+    star = next((f"*{p.name}" for p in params if p.kind is inspect.Parameter.VAR_POSITIONAL), "*")
+    keywords = [*misplaced, *(p.name for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY)]
+    arguments = ", ".join([*grads, star, *keywords])
+    short = rule_name.split(".")[-1]
+    fixed = f"lambda {arguments}: ..." if short == "<lambda>" else f"def {short}({arguments})"
+    listed = _listing(misplaced).replace(" or ", " and ")
+    kind, pronoun = ("a positional parameter", "it") if len(misplaced) == 1 else (
+        "positional parameters", "they"
+    )
+    msg = (
+        f"the {where} takes {listed} as {kind}, but positional parameters receive the "
+        f"upstream gradients (one per output of `{forward.name}`), and {pronoun} name"
+        f"{'s' if pronoun == 'it' else ''} what `{forward.name}` provides. Did you mean "
+        f"`{fixed}`? Values the rule needs are keyword-only parameters, after `*`."
+    )
+    raise GradOverrideTypeError(msg)
 
 
 def _listing(names: Iterable[str]) -> str:

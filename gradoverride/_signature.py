@@ -4,91 +4,403 @@ Every forward parameter is one *slot*. A call is bound to a tuple of values, one
 the order the forward declares them: a `*args` parameter holds a tuple, a `**kwargs`
 parameter a dict. Rules name slots; gradients are returned per slot.
 
-Builtins whose signature Python cannot read (`torch.sign`, `torch.matmul`, ...) are read from
-the first line of their docstring, which for torch functions is the documented signature
-(`sign(input, *, out=None) -> Tensor`), so a rule names their inputs as the torch docs do
-(`input`, `other`). A callable with neither is treated as `(*args, **kwargs)`.
+Builtins whose signature Python cannot read (`torch.sign`, `torch.sum`, ...) are read from
+their docstring, which for torch functions documents the signature: the first line
+(`sign(input, *, out=None) -> Tensor`) and, for an overloaded function, one
+`.. function:: sum(input, dim, keepdim=False, *, dtype=None)` line per further form. So a
+rule names their inputs as the torch docs do (`input`, `other`). The keyword-only `out` of
+those forms is not a slot: writing into `out=` cannot carry a gradient, and a call with
+`out=` is refused. A callable with neither signature nor documented form is treated as
+`(*args, **kwargs)`. `custom_backward(fn, signature="(input, dim=None)")` gives the forms
+explicitly instead.
+
+A function with several forms has one slot per parameter of any form (the union, in the
+order the forms list them). A call binds to the first form that takes it, as Python would
+bind it to that signature; the slots that form lacks hold None (`()` for a `*args` slot,
+`{}` for a `**kwargs` one). A call that two forms take with different names for the same
+positional argument (`torch.max(x, 1)`: `dim` or `other`?) is refused with the fix: pass it
+by keyword, or give the signature.
 """
 
 from __future__ import annotations
 
 import ast
 import inspect
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from ._errors import GradOverrideTypeError
 
-__all__ = ["ForwardSignature", "describe"]
+__all__ = ["ForwardSignature", "describe", "parse_forms"]
 
 _EMPTY = inspect.Parameter.empty
 _POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+_VAR_POSITIONAL = inspect.Parameter.VAR_POSITIONAL
+_VAR_KEYWORD = inspect.Parameter.VAR_KEYWORD
+_KEYWORD_ONLY = inspect.Parameter.KEYWORD_ONLY
+
+# Prefixes of the docstring lines that document a further form of an overloaded builtin.
+_DIRECTIVES = (".. function::", ".. method::")
+_OPENING = {"(": ")", "[": "]", "{": "}"}
 
 
 def describe(fn: object) -> str:
-    """The name messages use for a user's function: its qualified name, else its repr."""
+    """The name messages use for a user's function: its qualified name, else its repr.
+
+    torch's functions live on a private class (`_VariableFunctionsClass.sum`); they are
+    named as users call them, `torch.sum`.
+    """
     name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None)
-    return str(name) if name else repr(fn)
+    if not name:
+        return repr(fn)
+    name = str(name)
+    if name.startswith("_VariableFunctionsClass."):
+        return "torch." + name[len("_VariableFunctionsClass.") :]
+    return name
 
 
-def _signature_from_doc(fn: Callable[..., Any]) -> inspect.Signature | None:
-    """Read `name(params) -> ...` from the first line of a builtin's docstring."""
-    doc = getattr(fn, "__doc__", None)
-    name = getattr(fn, "__name__", None)
-    if not doc or not name:
-        return None
-    for line in doc.strip().splitlines()[:3]:
-        line = line.strip()
-        if not line.startswith(name + "("):
-            continue
-        head = line.split("->")[0].strip()
-        try:
-            tree = ast.parse(f"def _{head[len(name):]}: pass")
-            func = tree.body[0]
-            assert isinstance(func, ast.FunctionDef)
-            args = func.args
-            params: list[inspect.Parameter] = []
-            positional = [*args.posonlyargs, *args.args]
-            pos_defaults: list[Any] = [_EMPTY] * (len(positional) - len(args.defaults))
-            pos_defaults += [ast.literal_eval(d) for d in args.defaults]
-            for i, (arg, default) in enumerate(zip(positional, pos_defaults, strict=True)):
-                kind = (
-                    inspect.Parameter.POSITIONAL_ONLY
-                    if i < len(args.posonlyargs)
-                    else inspect.Parameter.POSITIONAL_OR_KEYWORD
-                )
-                params.append(inspect.Parameter(arg.arg, kind, default=default))
-            if args.vararg is not None:
-                params.append(inspect.Parameter(args.vararg.arg, inspect.Parameter.VAR_POSITIONAL))
-            for arg, kw_default in zip(args.kwonlyargs, args.kw_defaults, strict=True):
-                value = _EMPTY if kw_default is None else ast.literal_eval(kw_default)
-                params.append(
-                    inspect.Parameter(arg.arg, inspect.Parameter.KEYWORD_ONLY, default=value)
-                )
-            if args.kwarg is not None:
-                params.append(inspect.Parameter(args.kwarg.arg, inspect.Parameter.VAR_KEYWORD))
-            return inspect.Signature(params)
-        except (SyntaxError, ValueError, TypeError, AssertionError):
-            return None
-    return None
+# ---- reading forms from text --------------------------------------------------------------
 
 
-def read_signature(fn: Callable[..., Any]) -> tuple[inspect.Signature, bool]:
-    """The forward's signature, and whether it was read from a docstring (a builtin)."""
+def _closing_paren(text: str, start: int) -> int:
+    """Index of the `)` that closes the `(` at `start` (brackets and quotes respected)."""
+    stack: list[str] = []
+    quote = ""
+    for i in range(start, len(text)):
+        char = text[i]
+        if quote:
+            if char == quote:
+                quote = ""
+        elif char in "'\"":
+            quote = char
+        elif char in _OPENING:
+            stack.append(_OPENING[char])
+        elif stack and char == stack[-1]:
+            stack.pop()
+            if not stack:
+                return i
+    msg = "its parameter list is not closed"
+    raise ValueError(msg)
+
+
+def _is_optional(annotation: ast.expr | None) -> bool:
+    """`Optional[T]`, `Union[..., None]`, `T | None` or `None`: torch docs' "may be left out"."""
+    if annotation is None:
+        return False
+    if isinstance(annotation, ast.Constant):
+        return annotation.value is None
+    if isinstance(annotation, ast.BinOp) and isinstance(annotation.op, ast.BitOr):
+        return _is_optional(annotation.left) or _is_optional(annotation.right)
+    if isinstance(annotation, ast.Subscript):
+        head = annotation.value
+        head_name = head.attr if isinstance(head, ast.Attribute) else getattr(head, "id", "")
+        if head_name == "Optional":
+            return True
+        if head_name == "Union":
+            members = annotation.slice
+            items = members.elts if isinstance(members, ast.Tuple) else [members]
+            return any(_is_optional(item) for item in items)
+    return False
+
+
+def _default_value(node: ast.expr) -> Any:
+    """A documented default: a literal, or a dotted name of a loaded module (`torch.strided`)."""
     try:
-        return inspect.signature(fn), False
+        return ast.literal_eval(node)
+    except ValueError:
+        pass
+    parts: list[str] = []
+    root = node
+    while isinstance(root, ast.Attribute):
+        parts.append(root.attr)
+        root = root.value
+    if parts and isinstance(root, ast.Name) and root.id in sys.modules:
+        value: Any = sys.modules[root.id]
+        for part in reversed(parts):
+            value = getattr(value, part, _EMPTY)
+        if value is not _EMPTY:
+            return value
+    msg = f"its default `{ast.unparse(node)}` is neither a literal nor a loaded module's name"
+    raise ValueError(msg)
+
+
+def _parameters(args: ast.arguments) -> list[inspect.Parameter]:
+    """The parameters of a parsed `def`, defaults evaluated.
+
+    A parameter documented as optional (`out: Optional[Tensor]`) without a default gets None
+    where the signature allows one (keyword-only, or a trailing positional parameter).
+    """
+    positional = [*args.posonlyargs, *args.args]
+    pos_defaults: list[Any] = [_EMPTY] * (len(positional) - len(args.defaults))
+    pos_defaults += [_default_value(d) for d in args.defaults]
+    for i in range(len(positional) - 1, -1, -1):
+        if pos_defaults[i] is not _EMPTY:
+            continue
+        if not _is_optional(positional[i].annotation):
+            break
+        pos_defaults[i] = None
+    params: list[inspect.Parameter] = []
+    for i, (arg, default) in enumerate(zip(positional, pos_defaults, strict=True)):
+        kind = (
+            inspect.Parameter.POSITIONAL_ONLY
+            if i < len(args.posonlyargs)
+            else inspect.Parameter.POSITIONAL_OR_KEYWORD
+        )
+        params.append(inspect.Parameter(arg.arg, kind, default=default))
+    if args.vararg is not None:
+        params.append(inspect.Parameter(args.vararg.arg, _VAR_POSITIONAL))
+    for arg, kw_default in zip(args.kwonlyargs, args.kw_defaults, strict=True):
+        if kw_default is not None:
+            value = _default_value(kw_default)
+        else:
+            value = None if _is_optional(arg.annotation) else _EMPTY
+        params.append(inspect.Parameter(arg.arg, _KEYWORD_ONLY, default=value))
+    if args.kwarg is not None:
+        params.append(inspect.Parameter(args.kwarg.arg, _VAR_KEYWORD))
+    return params
+
+
+def _parse_form(text: str, names: Sequence[str] | None) -> inspect.Signature:
+    """`name(params) -> result`, or just `(params)`, as a signature; ValueError says why not.
+
+    `names`: the names the text may start with (a docstring's form must name its function);
+    None accepts any name or none.
+    """
+    text = text.strip()
+    for directive in _DIRECTIVES:
+        if text.startswith(directive):
+            text = text[len(directive) :].strip()
+    opening = text.find("(")
+    if opening < 0:
+        msg = "it has no parameter list in parentheses"
+        raise ValueError(msg)
+    head = text[:opening].strip()
+    if names is not None and head not in names:
+        msg = f"it documents `{head}`, not this function"
+        raise ValueError(msg)
+    if names is None and head and not all(part.isidentifier() for part in head.split(".")):
+        msg = f"`{head}` before the parameter list is not a name"
+        raise ValueError(msg)
+    closing = _closing_paren(text, opening)
+    rest = text[closing + 1 :].strip()
+    if rest and not rest.startswith("->"):
+        msg = f"`{rest}` follows the parameter list (only `-> result` may)"
+        raise ValueError(msg)
+    try:
+        tree = ast.parse(f"def _{text[opening : closing + 1]}: pass")
+    except SyntaxError as exc:
+        msg = f"its parameter list is not Python syntax ({exc.msg})"
+        raise ValueError(msg) from None
+    func = tree.body[0]
+    assert isinstance(func, ast.FunctionDef)  # the source is one `def`
+    return inspect.Signature(_parameters(func.args))
+
+
+def _doc_names(fn: Callable[..., Any]) -> tuple[str, ...]:
+    """The names a builtin's docstring may document it under.
+
+    `torch.special.erf` is `special_erf` to Python and `erf(...)` in its docs;
+    `torch.linalg.norm` is `linalg_norm` and `linalg.norm(...)`.
+    """
+    name = str(getattr(fn, "__name__", "") or "")
+    if not name:
+        return ()
+    names = [name]
+    module = str(getattr(fn, "__module__", "") or "")
+    prefix = module.rsplit(".", 1)[-1].lstrip("_")
+    if prefix and name.startswith(prefix + "_"):
+        names += [name[len(prefix) + 1 :], f"{prefix}.{name[len(prefix) + 1 :]}"]
+    return tuple(names)
+
+
+def _forms_from_doc(fn: Callable[..., Any]) -> list[inspect.Signature]:
+    """Every form a builtin's docstring documents: its first lines and `.. function::` lines."""
+    doc = getattr(fn, "__doc__", None)
+    names = _doc_names(fn)
+    if not isinstance(doc, str) or not names:
+        return []
+    forms: list[inspect.Signature] = []
+    for number, line in enumerate(doc.strip().splitlines()):
+        line = line.strip()
+        is_directive = line.startswith(_DIRECTIVES)
+        if not is_directive and (number >= 3 or forms):
+            continue
+        if not is_directive and not line.startswith(tuple(n + "(" for n in names)):
+            continue
+        try:
+            form = _without_out(_parse_form(line, names))
+        except ValueError:
+            continue
+        if all(str(form) != str(known) for known in forms):
+            forms.append(form)
+    return forms
+
+
+def _without_out(form: inspect.Signature) -> inspect.Signature:
+    """The form without its keyword-only `out`: writing into `out` cannot carry a gradient."""
+    params = [
+        p for p in form.parameters.values() if not (p.name == "out" and p.kind is _KEYWORD_ONLY)
+    ]
+    return form.replace(parameters=params)
+
+
+def parse_forms(text: str | Sequence[str], where: str) -> tuple[inspect.Signature, ...]:
+    """The forms a user gave as `signature=`: one string, or one per form."""
+    texts: list[Any] = [text] if isinstance(text, str) else []
+    if not texts and isinstance(text, Sequence):
+        texts = list(text)
+    if not texts or not all(isinstance(t, str) for t in texts):
+        msg = (
+            f"{where}: `signature` must be the parameter list as a string, such as "
+            f'"(input, dim=None, keepdim=False)", or a tuple of such strings (one per form); '
+            f"got {text!r}."
+        )
+        raise GradOverrideTypeError(msg)
+    forms = []
+    for item in texts:
+        try:
+            form = _parse_form(item, None)
+        except ValueError as exc:
+            msg = (
+                f"{where}: cannot read signature={item!r}: {exc}. Write the parameter list "
+                'as Python does, with literal defaults: "(input, dim=None, keepdim=False)".'
+            )
+            raise GradOverrideTypeError(msg) from None
+        if "out" in form.parameters:
+            msg = (
+                f"{where}: signature={item!r} has an `out` parameter; an op with a custom "
+                "backward returns a new tensor for autograd to attach the rule to, so it "
+                "does not take `out=`. Leave `out` out of the signature."
+            )
+            raise GradOverrideTypeError(msg)
+        forms.append(form)
+    return tuple(forms)
+
+
+def read_forms(fn: Callable[..., Any]) -> tuple[tuple[inspect.Signature, ...], bool]:
+    """The forward's forms (one unless documented overloads), and whether they were read
+    from its docstring or guessed (a builtin)."""
+    try:
+        return (inspect.signature(fn),), False
     except (TypeError, ValueError):
         pass
-    from_doc = _signature_from_doc(fn)
-    if from_doc is not None:
-        return from_doc, True
+    forms = _forms_from_doc(fn)
+    if forms:
+        return tuple(forms), True
     generic = inspect.Signature(
         [
-            inspect.Parameter("args", inspect.Parameter.VAR_POSITIONAL),
-            inspect.Parameter("kwargs", inspect.Parameter.VAR_KEYWORD),
+            inspect.Parameter("args", _VAR_POSITIONAL),
+            inspect.Parameter("kwargs", _VAR_KEYWORD),
         ]
     )
-    return generic, True
+    return (generic,), True
+
+
+def _merge_names(forms: Sequence[inspect.Signature]) -> list[str]:
+    """Every form's parameter names, each once, in the order the forms list them: a name
+    only a later form has goes just before the next of that form's names already placed."""
+    names: list[str] = []
+    for form in forms:
+        own = list(form.parameters)
+        for i, name in enumerate(own):
+            if name in names:
+                continue
+            later = next((n for n in own[i + 1 :] if n in names), None)
+            names.insert(len(names) if later is None else names.index(later), name)
+    return names
+
+
+# ---- one form, for binding among several ---------------------------------------------------
+
+
+class _Form:
+    """One of several documented forms: its parameters as slot indices, for binding."""
+
+    __slots__ = (
+        "keyword_only",
+        "positional",
+        "positional_names",
+        "signature",
+        "slots",
+        "var_keyword",
+        "var_positional",
+    )
+
+    def __init__(self, signature: inspect.Signature, index: dict[str, int]) -> None:
+        self.signature = signature
+        params = list(signature.parameters.values())
+        # (name, slot, default, positional_only) per positional parameter, in order.
+        self.positional = tuple(
+            (p.name, index[p.name], p.default, p.kind is inspect.Parameter.POSITIONAL_ONLY)
+            for p in params
+            if p.kind in _POSITIONAL
+        )
+        self.positional_names = {
+            name: i for i, (name, _, _, only) in enumerate(self.positional) if not only
+        }
+        self.keyword_only = {
+            p.name: (index[p.name], p.default) for p in params if p.kind is _KEYWORD_ONLY
+        }
+        self.var_positional = next(
+            (index[p.name] for p in params if p.kind is _VAR_POSITIONAL), None
+        )
+        self.var_keyword = next((index[p.name] for p in params if p.kind is _VAR_KEYWORD), None)
+        self.slots = frozenset(index[p.name] for p in params)
+
+    def accepts(self, n_args: int, keywords: Sequence[str]) -> bool:
+        """Whether `fn(<n_args positional>, **{k: ... for k in keywords})` binds to this form."""
+        n_positional = len(self.positional)
+        if n_args > n_positional and self.var_positional is None:
+            return False
+        for key in keywords:
+            at = self.positional_names.get(key)
+            if at is not None:
+                if at < n_args:
+                    return False  # given twice
+            elif key not in self.keyword_only and self.var_keyword is None:
+                return False
+        for i in range(n_args, n_positional):
+            name, _, default, only = self.positional[i]
+            if default is _EMPTY and (only or name not in keywords):
+                return False
+        return all(
+            default is not _EMPTY or name in keywords
+            for name, (_, default) in self.keyword_only.items()
+        )
+
+    def argument_name(self, position: int) -> str:
+        """The parameter that receives the positional argument at `position`."""
+        if position < len(self.positional):
+            return self.positional[position][0]
+        params = self.signature.parameters.values()
+        return "*" + next(p.name for p in params if p.kind is _VAR_POSITIONAL)
+
+    def bind(self, args: tuple[Any, ...], kwargs: dict[str, Any], values: list[Any]) -> list[Any]:
+        """Fill `values` (one per slot of all forms, each holding what an absent slot holds)
+        for a call this form accepts."""
+        n_args = len(args)
+        for i, (name, slot, default, only) in enumerate(self.positional):
+            if i < n_args:
+                values[slot] = args[i]
+            elif not only and name in kwargs:
+                values[slot] = kwargs[name]
+            else:
+                values[slot] = default
+        if self.var_positional is not None:
+            values[self.var_positional] = args[len(self.positional) :]
+        extra: dict[str, Any] = {}
+        for key, value in kwargs.items():
+            if key in self.keyword_only:
+                values[self.keyword_only[key][0]] = value
+            elif key not in self.positional_names:
+                extra[key] = value
+        for name, (slot, default) in self.keyword_only.items():
+            if name not in kwargs:
+                values[slot] = default
+        if self.var_keyword is not None:
+            values[self.var_keyword] = extra
+        return values
 
 
 class ForwardSignature:
@@ -96,14 +408,18 @@ class ForwardSignature:
 
     `bind` turns `(args, kwargs)` into one value per slot, defaults applied. For the common
     forward (positional-or-keyword parameters only, called positionally) it does no more than
-    pad `args` with defaults; anything else goes through `inspect.Signature.bind`.
+    pad `args` with defaults; anything else goes through `inspect.Signature.bind`, or, for a
+    function documented with several forms, through the first form that takes the call.
     """
 
     __slots__ = (
+        "_absent",
         "_defaults",
+        "_forms",
         "_omit_defaults",
         "_required",
         "fn",
+        "forms",
         "index",
         "is_plain",
         "kinds",
@@ -114,25 +430,47 @@ class ForwardSignature:
         "var_positional",
     )
 
-    def __init__(self, fn: Callable[..., Any], name: str) -> None:
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        name: str,
+        forms: Sequence[inspect.Signature] | None = None,
+    ) -> None:
+        """`forms`: the signature(s) to use instead of reading them (`signature=`)."""
         self.fn = fn
         self.name = name
-        self.signature, self._omit_defaults = read_signature(fn)
-        params = list(self.signature.parameters.values())
-        self.names: tuple[str, ...] = tuple(p.name for p in params)
-        self.kinds = tuple(p.kind for p in params)
+        if forms:
+            self.forms, self._omit_defaults = tuple(forms), True
+        else:
+            self.forms, self._omit_defaults = read_forms(fn)
+        self.signature = self.forms[0]
+        self.names: tuple[str, ...] = tuple(_merge_names(self.forms))
         self.index = {n: i for i, n in enumerate(self.names)}
+        params = [self._first_parameter(n) for n in self.names]
+        self.kinds = tuple(p.kind for p in params)
         self.var_positional = next(
-            (i for i, p in enumerate(params) if p.kind is inspect.Parameter.VAR_POSITIONAL), None
+            (i for i, p in enumerate(params) if p.kind is _VAR_POSITIONAL), None
         )
-        self.var_keyword = next(
-            (i for i, p in enumerate(params) if p.kind is inspect.Parameter.VAR_KEYWORD), None
-        )
+        self.var_keyword = next((i for i, p in enumerate(params) if p.kind is _VAR_KEYWORD), None)
         # A "plain" forward takes positional-or-keyword parameters only: binding a positional
         # call is then a tuple pad, and calling back is `fn(*values)`.
-        self.is_plain = all(p.kind in _POSITIONAL for p in params) and not self._omit_defaults
+        self.is_plain = (
+            len(self.forms) == 1
+            and all(p.kind in _POSITIONAL for p in params)
+            and not self._omit_defaults
+        )
         self._required = sum(1 for p in params if p.default is _EMPTY)
         self._defaults = tuple(p.default for p in params)
+        # Several forms: what a slot holds when the bound form lacks it.
+        self._forms = tuple(_Form(form, self.index) for form in self.forms)
+        self._absent: tuple[Any, ...] = tuple(
+            () if kind is _VAR_POSITIONAL else None for kind in self.kinds
+        )
+
+    def _first_parameter(self, name: str) -> inspect.Parameter:
+        return next(f.parameters[name] for f in self.forms if name in f.parameters)
+
+    # ---- binding ----------------------------------------------------------------------------
 
     def bind(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
         """One value per slot for the call `fn(*args, **kwargs)`, defaults applied."""
@@ -142,6 +480,10 @@ class ForwardSignature:
                 return args
             if self._required <= n < len(self.names):
                 return args + self._defaults[n:]
+        if kwargs and "out" in kwargs and "out" not in self.index and self._omit_defaults:
+            self._refuse_out()
+        if len(self._forms) > 1:
+            return self._bind_forms(args, kwargs)
         try:
             bound = self.signature.bind(*args, **kwargs)
         except TypeError as exc:
@@ -154,19 +496,87 @@ class ForwardSignature:
         arguments = bound.arguments
         return tuple(arguments[n] for n in self.names)
 
+    def _bind_forms(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+        keywords = tuple(kwargs)
+        n_args = len(args)
+        taking = [form for form in self._forms if form.accepts(n_args, keywords)]
+        if not taking:
+            self._refuse_call(args, kwargs)
+        chosen = taking[0]
+        for other in taking[1:]:
+            for position in range(n_args):
+                first, second = chosen.argument_name(position), other.argument_name(position)
+                if first != second:
+                    self._refuse_ambiguous(position, (chosen, first), (other, second))
+        absent: list[Any] = list(self._absent)
+        if self.var_keyword is not None:
+            absent[self.var_keyword] = {}
+        return tuple(chosen.bind(args, kwargs, absent))
+
+    def _resolve(self, n_args: int, keywords: Sequence[str]) -> _Form | None:
+        """The form a call of this shape binds to (the first that takes it)."""
+        return next((f for f in self._forms if f.accepts(n_args, keywords)), None)
+
+    def _show(self, form: inspect.Signature) -> str:
+        return f"{self.name}{form}"
+
+    def _refuse_out(self) -> None:
+        msg = (
+            f"`{self.name}` was called with `out=`, which an op with a custom backward does not "
+            "support: autograd attaches the rule to a new result tensor, and writing into "
+            "`out` would bypass it (torch itself refuses `out=` when an input requires grad). "
+            f"Use the result instead: `y = {self.name}(...)`, or `y.copy_({self.name}(...))` "
+            "outside of autograd."
+        )
+        raise GradOverrideTypeError(msg)
+
+    def _refuse_call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        reasons = []
+        for form in self.forms:
+            try:
+                form.bind(*args, **kwargs)
+            except TypeError as exc:
+                reasons.append(f"`{self._show(form)}`: {exc}")
+        msg = (
+            f"`{self.name}` was called with arguments none of its documented forms takes "
+            f"({'; '.join(reasons)}). Call it in one of these forms, or give the signature to "
+            f'use: `custom_backward({self.name}, signature="(...)", ...)`.'
+        )
+        raise GradOverrideTypeError(msg)
+
+    def _refuse_ambiguous(
+        self, position: int, first: tuple[_Form, str], second: tuple[_Form, str]
+    ) -> None:
+        (form_a, name_a), (form_b, name_b) = first, second
+        ordinal = _ordinal(position + 1)
+        keyword = name_a.lstrip("*")
+        msg = (
+            f"`{self.name}` is documented in several forms that take this call but name its "
+            f"{ordinal} positional argument differently: `{self._show(form_a.signature)}` "
+            f"reads it as `{name_a}`, `{self._show(form_b.signature)}` as `{name_b}`, so the "
+            "rule could not know which parameter it is. Pass it by keyword "
+            f"(`{keyword}=...` or `{name_b.lstrip('*')}=...`), or give the one signature to use: "
+            f'`custom_backward({self.name}, signature="{form_a.signature}", ...)`.'
+        )
+        raise GradOverrideTypeError(msg)
+
+    # ---- calling back -----------------------------------------------------------------------
+
     def call(self, values: Sequence[Any]) -> Any:
         """Call the forward with one value per slot."""
         if self.is_plain:
             return self.fn(*values)
+        if len(self._forms) > 1:
+            return self._call_forms(values)
         positional: list[Any] = []
         keywords: dict[str, Any] = {}
         slots = zip(self.names, self.kinds, values, self._defaults, strict=True)
         for name, kind, value, default in slots:
             if kind in _POSITIONAL:
                 positional.append(value)
-            elif kind is inspect.Parameter.VAR_POSITIONAL:
+            elif kind is _VAR_POSITIONAL:
                 positional.extend(value)
-            elif kind is inspect.Parameter.KEYWORD_ONLY:
+            elif kind is _KEYWORD_ONLY:
                 # Builtins read from their docs may reject a default passed explicitly
                 # (`out=None`), so leave defaults out for them.
                 if not (self._omit_defaults and value is default):
@@ -182,5 +592,60 @@ class ForwardSignature:
                 positional.pop()
         return self.fn(*positional, **keywords)
 
+    def _call_forms(self, values: Sequence[Any]) -> Any:
+        """Call the form the values came from, leaving out the defaults that form allows."""
+        form = self._form_of(values)
+        positional = [values[slot] for _, slot, _, _ in form.positional]
+        keywords = {name: values[slot] for name, (slot, _) in form.keyword_only.items()}
+        extra: dict[str, Any] = {} if form.var_keyword is None else values[form.var_keyword]
+        varargs: tuple[Any, ...] = (
+            () if form.var_positional is None else values[form.var_positional]
+        )
+        # Builtins may reject a default passed explicitly, so defaults are left out; but only
+        # while the shorter call still binds to this form (`median(x, -1)` is not
+        # `median(x)`, whose form reduces over every element).
+        trimmed = {
+            name: value
+            for name, value in keywords.items()
+            if value is not form.keyword_only[name][1]
+        }
+        if self._resolve(len(positional) + len(varargs), (*trimmed, *extra)) is form:
+            keywords = trimmed
+        if not varargs:
+            while positional:
+                default = form.positional[len(positional) - 1][2]
+                if positional[-1] is not default:
+                    break
+                if self._resolve(len(positional) - 1, (*keywords, *extra)) is not form:
+                    break
+                positional.pop()
+        return self.fn(*positional, *varargs, **keywords, **extra)
+
+    def _form_of(self, values: Sequence[Any]) -> _Form:
+        """The form with the fewest parameters among those that hold every given value.
+
+        The bound form's missing slots hold None, so it is among them; a form with fewer
+        parameters is too only when the values it lacks are None, which torch reads as not
+        given.
+        """
+        best: _Form | None = None
+        for form in self._forms:
+            if best is not None and len(form.slots) >= len(best.slots):
+                continue
+            if all(
+                slot in form.slots or _is_absent(values[slot]) for slot in range(len(values))
+            ):
+                best = form
+        assert best is not None  # the bound form holds every value
+        return best
+
     def __repr__(self) -> str:
-        return f"{self.name}{self.signature}"
+        return " | ".join(self._show(form) for form in self.forms)
+
+
+def _is_absent(value: Any) -> bool:
+    return value is None or (type(value) in (tuple, dict) and not value)
+
+
+def _ordinal(n: int) -> str:
+    return {1: "1st", 2: "2nd", 3: "3rd"}.get(n, f"{n}th")
