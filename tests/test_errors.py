@@ -249,7 +249,8 @@ def test_gradient_for_non_tensor_argument():
     y = op(_x(), 4)
     with _raises(
         go.GradOverrideError,
-        "backward of `quantize` returned a gradient for `bits`, which takes no gradient in this call",
+        "backward of `quantize` returned a gradient for `bits`, which takes no gradient in "
+        "this call",
     ) as info:
         y.sum().backward()
     _check_fragments(info, "return None for it")

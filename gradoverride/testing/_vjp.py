@@ -13,6 +13,7 @@ from typing import Any, Literal, TypeAlias
 import torch
 from torch import Tensor
 
+from .._audit import arm_all
 from .._errors import GradOverrideError
 from ._inputs import Call, floating_leaves
 
@@ -40,7 +41,12 @@ class Outputs:
 
 
 def forward(call: Call, leaves: Sequence[Tensor]) -> Outputs:
-    """Call the function on `leaves` (in place of the call's named tensors)."""
+    """Call the function on `leaves` (in place of the call's named tensors).
+
+    Every gradoverride op checks its next eager call for a tensor its forward reads without
+    being given it and for inputs changed in place (`GradOverrideError`), however many
+    calls it made before."""
+    arm_all()
     return Outputs(call.fn_name, call(leaves))
 
 
