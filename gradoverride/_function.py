@@ -73,6 +73,11 @@ class CallState:
     n_in = 0  # flat inputs (set by the attach form)
     dirty: tuple[int, ...] = ()  # flat inputs the forward changed in place (tracked ops only)
 
+    def __repr__(self) -> str:
+        # The same text for every call: torch.jit.trace compares the graphs of two calls,
+        # and prints this object (a constant argument of the recorded op) in them.
+        return "CallState()"
+
 
 class _Static:
     """A saved non-tensor value, told apart from an index into `saved_tensors`."""

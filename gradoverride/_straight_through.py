@@ -496,6 +496,12 @@ def straight_through(
         op: CustomBackward[P, R] = _build(  # type: ignore[assignment]
             forward, clip=clip, keep=keep, surrogate=surrogate, derivative=derivative
         )
+        # Pickled by value (when not found under its own name, as an op made from a builtin
+        # is not), it is made again by this call: its rule is generated, not importable.
+        options = {"clip": clip, "surrogate": surrogate, "derivative": derivative}
+        if keep is not _UNSET:
+            options["keep"] = keep
+        op._rebuild = (straight_through, (forward,), options)
         return op
 
     if fn is None:
