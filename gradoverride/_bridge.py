@@ -9,17 +9,21 @@ messages are those of `custom_backward`.
 
 By nature the call leaves PyTorch's graph: under `torch.compile` a bridge call is a graph
 break (it runs eagerly between compiled pieces), and under `fullgraph=True` compiling fails
-with an error that names the bridge and says so.
+with an error that names the bridge and says so. For the same reason a bridge cannot run on
+the wrapped tensors of a `torch.func` transform (vmap's batched tensors at the call, grad's
+and jacrev's in the backward), nor on TensorFlow tensors: each is a `GradOverrideError`
+that names the bridged function and says what works instead.
 """
 
 from __future__ import annotations
 
+import copy
 import functools
 import inspect
 import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar, overload
+from typing import Any, Generic, TypeAlias, TypeVar, overload
 
 import torch
 from torch import Tensor
@@ -28,6 +32,8 @@ from typing_extensions import ParamSpec
 
 from ._decorators import CustomBackward, custom_backward
 from ._errors import GradOverrideError, GradOverrideTypeError
+from ._frameworks import any_tensorflow, is_tensorflow
+from ._internals import transforms_active
 from ._signature import describe
 
 try:
@@ -131,6 +137,72 @@ def graph_break(fn: Callable[..., Any], reason: str) -> Callable[..., Any]:
     except TypeError:  # pragma: no cover - torch < 2.7
         wrapped = disable(fn)
     return wrapped
+
+
+# ---- what a bridged function cannot be given, or do --------------------------------------------
+
+
+def _is_batched(value: Any) -> bool:
+    """Whether `value` is a tensor batched by torch.func.vmap: it has no storage numpy could
+    read."""
+    return isinstance(value, Tensor) and bool(torch._C._functorch.is_batchedtensor(value))
+
+
+def _is_transformed(value: Any) -> bool:
+    """Whether `value` is a tensor wrapped by a torch.func transform: batched (vmap) or
+    grad-tracking (grad, jacrev, ...); neither has storage numpy could read."""
+    return _is_batched(value) or (
+        isinstance(value, Tensor) and bool(torch._C._functorch.is_gradtrackingtensor(value))
+    )
+
+
+def _is_read_only_array(value: Any) -> bool:
+    return isinstance(value, np.ndarray) and not value.flags.writeable
+
+
+def _wrote_read_only(exc: ValueError) -> bool:
+    """Whether `exc` is numpy refusing a write ("output array is read-only", "assignment
+    destination is read-only", ...)."""
+    return "is read-only" in str(exc)
+
+
+def _holding(bound: dict[str, Any], test: Callable[[Any], bool]) -> list[str]:
+    """The names in `bound` whose values (searched through tuples, lists and dicts) hold a
+    leaf passing `test`."""
+    return [
+        name for name, value in bound.items() if any(map(test, pytree.tree_leaves(value)))
+    ]
+
+
+def _bind(signature: inspect.Signature, args: Sequence[Any], kwargs: dict[str, Any]
+          ) -> dict[str, Any]:
+    """The arguments of a call by parameter name ({} when they do not fit `signature`)."""
+    try:
+        return dict(signature.bind(*args, **kwargs).arguments)
+    except TypeError:
+        return {}
+
+
+def _naming(names: Sequence[str], one: str, several: str, unknown: str) -> str:
+    """`one` / `several` with the backquoted names filled in for {names}, or `unknown`."""
+    if not names:
+        return unknown
+    shown = ", ".join(f"`{n}`" for n in names)
+    return (one if len(names) == 1 else several).format(names=shown)
+
+
+def _read_only_error(who: str, written: Sequence[str]) -> GradOverrideError:
+    """The error for `who` writing into one of the read-only arrays it was given."""
+    where = _naming(written, "its argument {names}", "one of its arguments {names}",
+                    "one of its array arguments")
+    first = written[0] if written else "x"
+    msg = (
+        f"{who} wrote into {where}, a read-only numpy array: go.bridge passes the caller's "
+        "tensors as read-only views, without a copy, so that the function cannot change "
+        f"them. Copy the array before writing into it (`{first} = {first}.copy()`), or "
+        f"compute a new one (`{first} = {first} + 1` rather than `{first} += 1`)."
+    )
+    return GradOverrideError(msg)
 
 
 # ---- estimators -------------------------------------------------------------------------------
@@ -250,8 +322,8 @@ class spsa(Estimator):
 
     Every input element is perturbed at once along a random ±1 direction.
 
-    Formula, averaged over `samples` directions ``d`` with independent ±1 entries (one
-    direction per differentiable input, drawn together)::
+    Formula, averaged over `samples` directions ``d`` with independent ±1 entries (each
+    differentiable input gets its own direction, independent of the others')::
 
         s = sum_k < grad_out_k, fn(x + h*d)_k - fn(x - h*d)_k >
         grad_x_i = mean over samples of  s / (2 h_i d_i)
@@ -261,6 +333,22 @@ class spsa(Estimator):
     cosine similarity with the true gradient is about 0.89 at ``samples = 5 n`` and passes 0.9
     with a few more samples. Use it for
     large inputs where finite differences cost too many calls.
+
+    Memory: the directions are drawn a chunk at a time (one sample, or `batch_size` samples
+    when vectorized) and dropped once that chunk is evaluated, so the estimator needs a few
+    times the input's size (the steps, the running sum, the chunk's perturbed inputs), not
+    `samples` times it.
+
+    Random directions: the bits are drawn in the order of one ``(samples, *shape)`` draw per
+    differentiable input, inputs in argument order, so the estimate is the same with or
+    without `vectorized` and for any `batch_size`. With `seed`, all inputs share one
+    stream seeded by it: the first input's directions are those of
+    ``torch.randint(0, 2, (samples, *shape), generator=torch.Generator().manual_seed(seed))``
+    and the next inputs' follow in the same stream. (Earlier versions restarted the seeded
+    stream for every input, so inputs of the same shape got the same direction and each
+    one's estimate had the others' gradient added to it: with a seed and several
+    differentiable inputs, the estimates now differ from those versions'; with one input,
+    or with a generator or the global RNG, they are the same.)
 
     Example::
 
@@ -276,7 +364,8 @@ class spsa(Estimator):
             from its seed). With neither, torch's global RNG is used (`torch.manual_seed`).
         vectorized: `fn` accepts a leading batch axis on its differentiated inputs and
             returns every output with it; the 2 * samples calls become one (or a few).
-        batch_size: with `vectorized`, the most perturbed inputs per call (None: all).
+        batch_size: with `vectorized`, the most perturbed inputs per call (None: all, so
+            the memory of all samples at once: set it for large inputs).
 
     Returns: an estimator for `bridge(fn, backward=...)`.
     """
@@ -313,40 +402,120 @@ class spsa(Estimator):
             raise GradOverrideTypeError(msg)
         _check_batch_size(self)
 
-    def _directions(self, shape: tuple[int, ...]) -> np.ndarray[Any, Any]:
-        """(samples, *shape) entries of ±1 as float64."""
-        size = (self.samples, *shape)
-        if isinstance(self.generator, np.random.Generator):
-            bits = self.generator.integers(0, 2, size=size)
-        else:
-            gen = self.generator
-            if self.seed is not None:
-                gen = torch.Generator().manual_seed(self.seed)
-            bits = torch.randint(0, 2, size, generator=gen, dtype=torch.int8).numpy()
-        return bits.astype(np.float64) * 2.0 - 1.0
-
     def vjp(self, problem: _Problem) -> list[np.ndarray[Any, Any] | None]:
         leaves = [leaf for leaf in problem.leaves if leaf in problem.differentiable]
-        directions = {leaf: self._directions(problem.arrays[leaf].shape) for leaf in leaves}
-        steps = {leaf: _steps(problem.arrays[leaf], self.step) for leaf in leaves}
-        sums = {leaf: np.zeros(problem.arrays[leaf].shape) for leaf in leaves}
+        bases = [problem.arrays[leaf] for leaf in leaves]
+        directions = _DirectionStream(self, [base.shape for base in bases])
+        steps = [_steps(base, self.step) for base in bases]
+        sums = [np.zeros(base.shape) for base in bases]
+        # Directions are drawn chunk by chunk and dropped after it: memory is that of the
+        # chunk being evaluated (one sample, or `batch_size` when vectorized), not samples * n.
         for chunk in _chunks(self.samples, self.vectorized, self.batch_size):
             m = len(chunk)
             replaced: dict[int, np.ndarray[Any, Any]] = {}
-            actual: dict[int, np.ndarray[Any, Any]] = {}
-            for leaf in leaves:
-                base = problem.arrays[leaf]
-                delta = steps[leaf] * directions[leaf][chunk]
-                plus = (base + delta).astype(base.dtype)
-                minus = (base - delta).astype(base.dtype)
-                replaced[leaf] = np.concatenate([plus, minus])
-                actual[leaf] = plus.astype(np.float64) - minus.astype(np.float64)
+            actual: list[np.ndarray[Any, Any]] = []
+            for k, (leaf, base) in enumerate(zip(leaves, bases, strict=True)):
+                replaced[leaf], difference = _perturb(base, steps[k], directions.draw(k, m))
+                actual.append(difference)
             values = problem.evaluate(replaced, 2 * m, self.vectorized)
             projection = values[:m] - values[m:]  # (m,)
-            for leaf in leaves:
-                scale = projection.reshape(m, *([1] * problem.arrays[leaf].ndim))
-                sums[leaf] += (scale / actual[leaf]).sum(axis=0)
-        return [sums[leaf] / self.samples if leaf in sums else None for leaf in problem.leaves]
+            for k, base in enumerate(bases):
+                scale = projection.reshape(m, *([1] * base.ndim))
+                np.divide(scale, actual[k], out=actual[k])
+                # One sample's terms are added as they are (no (n,) temporary for the sum).
+                sums[k] += actual[k][0] if m == 1 else actual[k].sum(axis=0)
+            del replaced, actual, difference  # free this chunk before drawing the next
+        estimates = dict(zip(leaves, sums, strict=True))
+        for total in sums:
+            total /= self.samples
+        return [estimates.get(leaf) for leaf in problem.leaves]
+
+
+# Where SPSA draws its directions; None is torch's global generator.
+_Source: TypeAlias = "torch.Generator | np.random.Generator | None"
+
+
+class _DirectionStream:
+    """The ±1 directions of SPSA, drawn a chunk of samples at a time.
+
+    The directions are those one draw of `(samples, *shape)` bits per differentiated input,
+    inputs one after the other, would give (torch and numpy give the same numbers drawn in
+    consecutive pieces): so the estimate does not depend on `vectorized` or `batch_size`,
+    and the source's state ends where that one draw would leave it. Input k > 0 starts
+    after the bits of the inputs before it: every input but the last reads from a copy of
+    the source, which skips past that input's bits; the last reads from the source itself.
+
+    Small inputs draw up to `_AHEAD` bits ahead (never past `samples`) instead of calling
+    the generator once per sample; the numbers are the same.
+    """
+
+    def __init__(self, estimator: spsa, shapes: Sequence[tuple[int, ...]]) -> None:
+        source: _Source = estimator.generator
+        if estimator.seed is not None:
+            source = torch.Generator().manual_seed(estimator.seed)
+        self._cursors: list[_Source] = []
+        for k, shape in enumerate(shapes):
+            if k == len(shapes) - 1:
+                self._cursors.append(source)
+                break
+            self._cursors.append(_copy_source(source))
+            # Skip in pieces of about a million bits, to keep memory bounded here too.
+            per_piece = max(1, 2**20 // max(1, math.prod(shape)))
+            for start in range(0, estimator.samples, per_piece):
+                _draw_bits(source, (min(per_piece, estimator.samples - start), *shape))
+        self._shapes = list(shapes)
+        self._left = [estimator.samples] * len(shapes)  # samples not drawn yet, per input
+        self._ahead = [np.empty((0, *shape), np.int8) for shape in shapes]
+
+    def draw(self, k: int, m: int) -> np.ndarray[Any, Any]:
+        """The next `m` directions of input k: (m, *shape) entries of ±1 as int8."""
+        ahead, shape = self._ahead[k], self._shapes[k]
+        if len(ahead) < m:
+            count = min(self._left[k], max(m - len(ahead), _AHEAD // max(1, math.prod(shape))))
+            bits = _draw_bits(self._cursors[k], (count, *shape))
+            signs = bits.astype(np.int8) * np.int8(2) - np.int8(1)
+            ahead = np.concatenate([ahead, signs]) if len(ahead) else signs
+            self._left[k] -= count
+        # A view of what is left would keep all of `ahead` alive: drop it when nothing is.
+        self._ahead[k] = ahead[m:] if len(ahead) > m else np.empty((0, *shape), np.int8)
+        drawn: np.ndarray[Any, Any] = ahead[:m]
+        return drawn
+
+
+_AHEAD = 1 << 16  # bits SPSA may draw ahead of the chunk it evaluates (64 KiB as int8)
+
+
+def _copy_source(source: _Source) -> _Source:
+    """An independent generator in the same state as `source`."""
+    if isinstance(source, np.random.Generator):
+        return copy.deepcopy(source)
+    state_of = torch.default_generator if source is None else source
+    twin = torch.Generator(device=state_of.device)
+    twin.set_state(state_of.get_state())
+    return twin
+
+
+def _draw_bits(source: _Source, size: tuple[int, ...]) -> np.ndarray[Any, Any]:
+    """`size` random 0/1 entries from `source`. From numpy, in its default integer dtype:
+    the stream the directions are documented to follow (numpy draws int8 differently)."""
+    if isinstance(source, np.random.Generator):
+        drawn: np.ndarray[Any, Any] = source.integers(0, 2, size=size)
+        return drawn
+    return torch.randint(0, 2, size, generator=source, dtype=torch.int8).numpy()
+
+
+def _perturb(base: np.ndarray[Any, Any], steps: np.ndarray[Any, Any],
+             signs: np.ndarray[Any, Any]) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]:
+    """The `2m` perturbed inputs ``[x + h*d; x - h*d]`` in `base`'s dtype, and the
+    representable differences ``(x + h*d) - (x - h*d)`` in float64, for m directions."""
+    m = len(signs)
+    delta = steps * signs  # (m, *shape) float64: exactly ±h
+    pair = np.empty((2 * m, *base.shape), dtype=base.dtype)
+    # Computed in float64 and rounded to base's dtype once, written in place.
+    np.add(base, delta, out=pair[:m], casting="unsafe")
+    np.subtract(base, delta, out=pair[m:], casting="unsafe")
+    np.subtract(pair[:m], pair[m:], out=delta, dtype=np.float64)  # reuses delta's memory
+    return pair, delta
 
 
 def _chunks(n: int, vectorized: bool, batch_size: int | None) -> Iterator[np.ndarray[Any, Any]]:
@@ -503,6 +672,11 @@ class Bridge(Generic[P]):
 
     __wrapped__: Callable[P, Any]
 
+    # Marked as TensorFlow AutoGraph's own (as `CustomBackward` is), so that a `tf.function`
+    # calls it as plain Python: the refusal of TensorFlow tensors then reaches the caller as
+    # itself, not wrapped in AutoGraph's StagingError.
+    autograph_info__ = frozenset(("autograph_artifact",))
+
     def __init__(
         self,
         fn: Callable[P, Any],
@@ -556,6 +730,10 @@ class Bridge(Generic[P]):
         self.op = op
 
         def run(*args: Any, **kwargs: Any) -> Any:
+            if transforms_active():
+                self._refuse_batched(args, kwargs)
+            if any_tensorflow(args, kwargs):
+                self._refuse_tensorflow(args, kwargs)
             return op(*args, **kwargs)
 
         run.__name__ = run.__qualname__ = f"bridge({self._name})"
@@ -580,7 +758,14 @@ class Bridge(Generic[P]):
                     keywords[param.name] = value
             else:
                 keywords.update(value)
-        return self._fn(*positional, **keywords)
+        try:
+            return self._fn(*positional, **keywords)
+        except ValueError as exc:
+            if not _wrote_read_only(exc):
+                raise
+            bound = dict(zip(self._parameters, values, strict=True))
+            who = f"`{self._name}`, called by the estimator on perturbed inputs,"
+            raise _read_only_error(who, _holding(bound, _is_read_only_array)) from exc
 
     def _make_forward(self) -> Callable[..., Any]:
         signature = self._signature
@@ -600,7 +785,16 @@ class Bridge(Generic[P]):
             kwargs = {
                 k: v for k, v in kwargs.items() if k not in defaults or v is not defaults[k]
             }
-            result = self._fn(*_tree_to_numpy(args), **_tree_to_numpy(kwargs))
+            arrays, named_arrays = _tree_to_numpy(args), _tree_to_numpy(kwargs)
+            try:
+                result = self._fn(*arrays, **named_arrays)
+            except ValueError as exc:
+                if not _wrote_read_only(exc):
+                    raise
+                bound = _bind(signature, arrays, named_arrays)
+                raise _read_only_error(
+                    f"`{name}`", _holding(bound, _is_read_only_array)
+                ) from exc
             outs = []
             for k, out in enumerate(_outputs(result)):
                 array = as_array(out, f"`{name}` (output {k})")
@@ -632,6 +826,7 @@ class Bridge(Generic[P]):
         names = self._parameters
 
         def rule(*grads: Any, **named: Any) -> dict[str, Any]:
+            self._refuse_transformed(f"the {type(estimator).__name__} estimator", (grads, named))
             values = tuple(named[n] for n in names)
             problem = _Problem(self, values, named["needs_grad"], grads, self.check_finite)
             estimates = estimator.vjp(problem)
@@ -652,10 +847,22 @@ class Bridge(Generic[P]):
         return rule
 
     def _make_user_rule(self, user_rule: Callable[..., Any]) -> Callable[..., Any]:
+        rule_name = describe(user_rule)
+        rule_signature = _read_signature(user_rule)
+
         def rule(*grads: Any, **named: Any) -> Any:
+            self._refuse_transformed(f"the rule `{rule_name}`", (grads, named))
             device = next((g.device for g in grads if isinstance(g, Tensor)), None)
-            result = user_rule(*_tree_to_numpy(grads), **_tree_to_numpy(named))
-            return self._convert_rule_result(result, device, describe(user_rule))
+            arrays, named_arrays = _tree_to_numpy(grads), _tree_to_numpy(named)
+            try:
+                result = user_rule(*arrays, **named_arrays)
+            except ValueError as exc:
+                if not _wrote_read_only(exc):
+                    raise
+                bound = _bind(rule_signature, arrays, named_arrays)
+                who = f"the backward rule `{rule_name}` of `{self._name}`"
+                raise _read_only_error(who, _holding(bound, _is_read_only_array)) from exc
+            return self._convert_rule_result(result, device, rule_name)
 
         functools.update_wrapper(rule, user_rule)
         return rule
@@ -706,6 +913,60 @@ class Bridge(Generic[P]):
                 "smooth near the input."
             )
             raise GradOverrideError(msg)
+
+    # -- arguments a bridge refuses -----------------------------------------------------------
+
+    def _refuse_batched(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Under vmap, a GradOverrideError if an argument is batched: `fn` would get a tensor
+        without data. (Under grad and jacrev the forward runs on real tensors, and so does
+        a closure's tensor under vmap; only the backward can fail, see `_refuse_transformed`.)
+        """
+        if not any(map(_is_batched, pytree.tree_leaves((args, kwargs)))):
+            return
+        where = _naming(
+            _holding(_bind(self._signature, args, kwargs), _is_batched),
+            "its argument {names} is a tensor", "its arguments {names} are tensors",
+            "an argument is a tensor",
+        )
+        msg = (
+            f"`{self._name}` is a go.bridge, which runs its function on numpy arrays, so it "
+            f"cannot run under torch.func.vmap: {where} batched by vmap, which numpy cannot "
+            "read (no data of its own). Call it outside vmap (in a loop over the batch, or on "
+            "the whole batch with a function written for a leading batch axis), or write "
+            f"`{self._name}` in torch ops, which vmap can transform."
+        )
+        raise GradOverrideError(msg)
+
+    def _refuse_transformed(self, rule: str, values: Any) -> None:
+        """In the backward, a GradOverrideError if torch.func hands it wrapped tensors: the
+        transform (grad, jacrev, hessian, ...) differentiates the bridge inside itself."""
+        if not (transforms_active() and any(map(_is_transformed, pytree.tree_leaves(values)))):
+            return
+        msg = (
+            f"`{self._name}` is a go.bridge, whose backward ({rule}) runs on numpy arrays, "
+            "so it cannot be differentiated inside a torch.func transform (grad, jacrev, "
+            "...): the transform gives the backward tensors it wraps, which have no data "
+            "numpy can read. Differentiate it outside the transform (torch.autograd.grad or "
+            ".backward() instead of torch.func.grad; the function torch.func.vjp returns "
+            "works when called outside any transform), or write "
+            f"`{self._name}` in torch ops, which torch.func can transform."
+        )
+        raise GradOverrideError(msg)
+
+    def _refuse_tensorflow(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """A GradOverrideTypeError: a bridge takes torch tensors only, for now."""
+        where = _naming(
+            _holding(_bind(self._signature, args, kwargs), is_tensorflow),
+            "its argument {names} is", "its arguments {names} are", "an argument is",
+        )
+        msg = (
+            f"`{self._name}` is a go.bridge, which takes torch tensors, and {where} "
+            "TensorFlow's; go.bridge has no TensorFlow support yet (it would hand torch "
+            "tensors to TensorFlow). Pass torch tensors, or on TensorFlow call the numpy "
+            "function through tf.numpy_function inside a go.custom_backward op, whose rule "
+            "gives the gradient."
+        )
+        raise GradOverrideTypeError(msg)
 
     # -- calling ------------------------------------------------------------------------------
 
@@ -760,7 +1021,10 @@ def bridge(
         def sine(x): return np.sin(x)
 
     Forward: tensor arguments (also inside tuples, lists and dicts) are passed to `fn` as
-    read-only numpy arrays (bfloat16 as float32); other arguments are passed through. `fn`
+    read-only numpy arrays (bfloat16 as float32); other arguments are passed through. The
+    arrays are views of the caller's CPU tensors, not copies, and read-only so that `fn`
+    cannot change them: `fn` (or a rule) writing into one raises a `GradOverrideError`
+    naming the argument; copy it first (``x = x.copy()``) to change it. `fn`
     returns an array-like (an array, a number, a list, a CPU tensor) or a tuple of them for
     several outputs. Each output comes back as a tensor on the device of the first tensor
     argument; floating outputs take the promoted dtype of the floating tensor arguments,
@@ -783,6 +1047,20 @@ def bridge(
     break: the code before and after it is compiled, the call runs eagerly. Under
     ``fullgraph=True`` compiling raises an error whose message says that a bridge call
     cannot be part of a fullgraph region.
+
+    `torch.func`: numpy needs tensors with data, and a transform's wrapped tensors have
+    none. Under `vmap`, a batched argument is a `GradOverrideError` at the call: loop over
+    the batch, or give the whole batch to a function written for a leading batch axis.
+    Under `grad`, `jacrev` and the like, the forward runs (torch hands a custom op's
+    forward real tensors) but the backward would get wrapped tensors, so differentiating a
+    bridge inside the transform is a `GradOverrideError`: use `torch.autograd.grad` or
+    ``.backward()`` instead, or call the function `torch.func.vjp` returns outside any
+    transform. Tensors the transform does not track (a closure's, a detached one) are
+    fine. To transform the computation itself, write it in torch ops.
+
+    TensorFlow: `bridge` takes torch tensors only for now; TensorFlow tensors are a
+    `GradOverrideTypeError`. On TensorFlow, call the numpy function through
+    `tf.numpy_function` inside a `go.custom_backward` op and give its gradient in the rule.
 
     Args:
         fn: the function, called on numpy arrays.
