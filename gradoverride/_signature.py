@@ -6,11 +6,11 @@ parameter a dict. Rules name slots; gradients are returned per slot.
 
 Builtins whose signature Python cannot read (`torch.sign`, `torch.sum`, ...) are read from
 their docstring (`_signature_forms`), which for torch functions documents the signature, one
-line per form, so a rule names their inputs as the torch docs do (`input`, `other`). The keyword-only `out` of
-those forms is not a slot: writing into `out=` cannot carry a gradient, and a call with
-`out=` is refused. A callable with neither signature nor documented form is treated as
-`(*args, **kwargs)`. `custom_backward(fn, signature="(input, dim=None)")` gives the forms
-explicitly instead.
+line per form, so a rule names their inputs as the torch docs do (`input`, `other`). The
+keyword-only `out` of those forms is not a slot: writing into `out=` cannot carry a
+gradient, and a call with `out=` is refused. A callable with neither signature nor
+documented form is treated as `(*args, **kwargs)`. `custom_backward(fn, signature="(input,
+dim=None)")` gives the forms explicitly instead.
 
 A function with several forms has one slot per parameter of any form (the union, in the
 order the forms list them). A call binds to the first form that takes it, as Python would

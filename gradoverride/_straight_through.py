@@ -498,7 +498,7 @@ def straight_through(
         )
         # Pickled by value (when not found under its own name, as an op made from a builtin
         # is not), it is made again by this call: its rule is generated, not importable.
-        options = {"clip": clip, "surrogate": surrogate, "derivative": derivative}
+        options: dict[str, Any] = {"clip": clip, "surrogate": surrogate, "derivative": derivative}
         if keep is not _UNSET:
             options["keep"] = keep
         op._rebuild = (straight_through, (forward,), options)

@@ -403,7 +403,8 @@ def test_a_forward_returning_no_tensor_is_refused(result, shown) -> None:
     def _(grad):
         return grad
 
-    with pytest.raises(go.GradOverrideError, match=re.escape(f"returned {shown}, which holds no tensor")):
+    message = re.escape(f"returned {shown}, which holds no tensor")
+    with pytest.raises(go.GradOverrideError, match=message):
         nothing(torch.randn(2, requires_grad=True))
 
 
