@@ -27,6 +27,7 @@ from torch.utils.hooks import RemovableHandle
 
 from ._errors import GradOverrideError, GradOverrideTypeError
 from ._internals import transforms_active
+from ._signature import describe
 from ._transform import transformed
 
 if TYPE_CHECKING:
@@ -59,6 +60,26 @@ class HookHandle:
             handle.remove()
         self._handles = []
         self.active = False
+
+    @classmethod
+    def of(cls, module: nn.Module) -> HookHandle:
+        """A handle for every `grad_hook` on `module` (after `torch.load` or a copy, where
+        the handle returned at registration does not reach the new module)."""
+        entries: list[_Removable] = []
+        for hooks in (module._forward_pre_hooks, module._forward_hooks):
+            for key, hook in list(hooks.items()):
+                owner = getattr(hook, "__self__", hook)  # bound methods of _ParameterHooks
+                if isinstance(owner, _Transforming | _ParameterHooks):
+                    entries.append(_HookEntry(module, key))
+                    if isinstance(owner, _ParameterHooks) and owner not in entries:
+                        entries.append(owner)
+        if not entries:
+            msg = (
+                f"this {type(module).__name__} has no `go.grad_hook`, so there is no handle "
+                "to give; call `HookHandle.of` on the module the hook was registered on."
+            )
+            raise GradOverrideError(msg)
+        return cls(f"the grad_hooks of {type(module).__name__}", entries)
 
     def __enter__(self) -> HookHandle:
         return self
@@ -159,44 +180,103 @@ def grad_hook(
 
     if at == "parameters":
         _prepare_eager_hook()
-        hooks = _ParameterHooks(module, transform)
+        hooks = _ParameterHooks(transform, type(module).__name__)
+        hooks.hook_parameters_of(module)
         pre = module.register_forward_pre_hook(hooks.before_forward)
         post = module.register_forward_hook(hooks.after_forward, always_call=True)
         return HookHandle(description, [pre, post, hooks])
 
     if at == "inputs":
-
-        def pre_hook(
-            mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
-        ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
-            if not torch.is_grad_enabled():
-                return None
-
-            # Each input through an identity op whose backward is the transform: it changes
-            # only the gradient this module sends back, not the input's other uses, and,
-            # not being a view, it may be changed in place by the module
-            # (`nn.ReLU(inplace=True)`), where a hook on a view would be lost.
-            def through(t: Any) -> Any:
-                if isinstance(t, Tensor) and t.requires_grad:
-                    return transformed(t, transform)
-                return t
-
-            return pytree.tree_map(through, args), pytree.tree_map(through, kwargs)
-
         # prepend=True: a later transform then sits further from the module, so the first
         # registered receives the gradient first, as at the outputs.
-        handle = module.register_forward_pre_hook(pre_hook, with_kwargs=True, prepend=True)
+        handle = module.register_forward_pre_hook(
+            _AtInputs(transform), with_kwargs=True, prepend=True
+        )
         return HookHandle(description, [handle])
 
-    def forward_hook(
-        mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
+    handle = module.register_forward_hook(_AtOutputs(transform), with_kwargs=True)
+    return HookHandle(description, [handle])
+
+
+class _HookEntry:
+    """One module hook, removable by its key (what a RemovableHandle does, for a hook whose
+    handle was not kept: one that came back with the module from `torch.load`)."""
+
+    def __init__(self, module: nn.Module, key: int) -> None:
+        self.module = module
+        self.key = key
+
+    def remove(self) -> None:
+        m = self.module
+        for hooks in (
+            m._forward_pre_hooks, m._forward_hooks, m._forward_pre_hooks_with_kwargs,
+            m._forward_hooks_with_kwargs, m._forward_hooks_always_called,
+        ):
+            hooks.pop(self.key, None)
+
+
+class _Transforming:
+    """A module hook holding a gradient transform. An object, not a closure, so a module
+    with hooks pickles (`torch.save`) and loads back with them, the transform being stored
+    by reference (a module-level function or a recipe)."""
+
+    __slots__ = ("transform",)
+
+    def __init__(self, transform: Callable[[Tensor], Tensor | None]) -> None:
+        self.transform = transform
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        _require_picklable(self.transform)
+        return (type(self), (self.transform,))
+
+
+class _AtInputs(_Transforming):
+    """Forward pre-hook: each input through an identity op whose backward is the transform.
+
+    It changes only the gradient this module sends back, not the input's other uses, and,
+    not being a view, it may be changed in place by the module (`nn.ReLU(inplace=True)`),
+    where a tensor hook on a view would be lost."""
+
+    def __call__(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+        if not torch.is_grad_enabled():
+            return None
+        transform = self.transform
+
+        def through(t: Any) -> Any:
+            if isinstance(t, Tensor) and t.requires_grad:
+                return transformed(t, transform)
+            return t
+
+        return pytree.tree_map(through, args), pytree.tree_map(through, kwargs)
+
+
+class _AtOutputs(_Transforming):
+    """Forward hook: a tensor hook on each output (it fires with the gradient of the value
+    the module returned, even when an in-place op changes the output afterwards)."""
+
+    def __call__(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
     ) -> Any:
         if not torch.is_grad_enabled():
             return None
-        return _hook_tensors(output, transform, (args, kwargs))
+        return _hook_tensors(output, self.transform, (args, kwargs))
 
-    handle = module.register_forward_hook(forward_hook, with_kwargs=True)
-    return HookHandle(description, [handle])
+
+def _require_picklable(transform: Any) -> None:
+    import pickle
+
+    try:
+        pickle.dumps(transform)
+    except Exception as exc:  # pickle raises several types here
+        msg = (
+            f"a module with `go.grad_hook({describe(transform)})` cannot be pickled: the "
+            f"transform is not importable by name ({type(exc).__name__}: {exc}). pickle "
+            "stores functions by module and name, so define the transform at the top level "
+            "of a module (not a lambda or a nested function), or use a gradient recipe."
+        )
+        raise GradOverrideError(msg) from None
 
 
 class _ParameterHooks:
@@ -209,19 +289,30 @@ class _ParameterHooks:
     other tensor in the parameter's place (what `torch.func.functional_call` passes, a
     tensor under a `torch.func` transform) goes through an identity op whose backward is the
     transform, for that call: hooking the caller's tensor itself would change its other uses.
+
+    `torch.save` and `copy.deepcopy` do not keep tensor hooks; a pickled or copied module
+    gets a fresh object here, which hooks the parameters of the copy at its first call.
     """
 
-    def __init__(self, module: nn.Module, transform: Callable[[Tensor], Tensor | None]) -> None:
+    def __init__(self, transform: Callable[[Tensor], Tensor | None], where: str) -> None:
         self.transform = transform
-        self.where = type(module).__name__
+        self.where = where
         self.hooked: set[int] = set()  # ids of the parameters hooked (read under dynamo)
         self.handles: dict[int, tuple[weakref.ref[Tensor], RemovableHandle]] = {}
         self.swapped: list[tuple[dict[str, Any], str, Tensor]] = []
-        self.removed = False
+
+    def hook_parameters_of(self, module: nn.Module) -> None:
         for sub in module.modules():
             for p in sub._parameters.values():
                 if isinstance(p, nn.Parameter) and p.requires_grad:
                     self._hook(p)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        _require_picklable(self.transform)
+        return (_ParameterHooks, (self.transform, self.where))
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _ParameterHooks:
+        return _ParameterHooks(self.transform, self.where)
 
     def _hook(self, p: Tensor) -> None:
         key = id(p)

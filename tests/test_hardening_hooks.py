@@ -1,0 +1,142 @@
+"""`grad_hook` where it used to lose the transform silently: in-place modules at the inputs,
+parameters that change after registration or that `functional_call` passes in."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.func import functional_call
+
+import gradoverride as go
+
+pytestmark = pytest.mark.filterwarnings("ignore:.*should not be instantiated:DeprecationWarning")
+
+
+def times_ten(grad: torch.Tensor) -> torch.Tensor:
+    return grad * 10
+
+
+def test_inputs_of_an_inplace_module_are_transformed() -> None:
+    relu = nn.ReLU(inplace=True)
+    go.grad_hook(relu, times_ten, at="inputs")
+    x = torch.tensor([-1.0, 2.0], requires_grad=True)
+    h = x * 1.0
+    relu(h).sum().backward()
+    torch.testing.assert_close(x.grad, torch.tensor([0.0, 10.0]))
+
+
+def test_the_input_transform_changes_only_this_modules_path() -> None:
+    linear = nn.Linear(2, 2, bias=False)
+    with torch.no_grad():
+        linear.weight.copy_(torch.eye(2))
+    go.grad_hook(linear, times_ten, at="inputs")
+    x = torch.tensor([1.0, 2.0], requires_grad=True)
+    (linear(x).sum() + x.sum()).backward()
+    torch.testing.assert_close(x.grad, torch.full((2,), 11.0))  # 10 through linear, 1 direct
+
+
+def test_a_parameter_unfrozen_after_registration_is_transformed() -> None:
+    linear = nn.Linear(2, 1)
+    linear.weight.requires_grad_(False)
+    go.grad_hook(linear, times_ten, at="parameters")
+    linear.weight.requires_grad_(True)
+    linear(torch.ones(1, 2)).sum().backward()
+    torch.testing.assert_close(linear.weight.grad, torch.full((1, 2), 10.0))
+    torch.testing.assert_close(linear.bias.grad, torch.full((1,), 10.0))
+
+
+def test_a_parameter_replaced_by_load_state_dict_assign_is_transformed() -> None:
+    linear = nn.Linear(2, 1)
+    go.grad_hook(linear, times_ten, at="parameters")
+    linear.load_state_dict(
+        {"weight": torch.ones(1, 2), "bias": torch.zeros(1)}, assign=True
+    )
+    linear(torch.ones(1, 2)).sum().backward()
+    torch.testing.assert_close(linear.weight.grad, torch.full((1, 2), 10.0))
+
+
+def test_parameters_passed_to_functional_call_are_transformed_for_that_call_only() -> None:
+    linear = nn.Linear(2, 1)
+    go.grad_hook(linear, times_ten, at="parameters")
+    weight = torch.ones(1, 2, requires_grad=True)
+    bias = torch.zeros(1, requires_grad=True)
+    out = functional_call(linear, {"weight": weight, "bias": bias}, (torch.ones(1, 2),))
+    (out.sum() + weight.sum()).backward()  # the direct use of `weight` is not transformed
+    torch.testing.assert_close(weight.grad, torch.full((1, 2), 11.0))
+    assert linear.weight is not weight, "functional_call restored the module's own parameter"
+
+
+def test_parameters_under_torch_func_grad_are_transformed() -> None:
+    linear = nn.Linear(2, 1)
+    go.grad_hook(linear, times_ten, at="parameters")
+    params = {"weight": torch.ones(1, 2), "bias": torch.zeros(1)}
+
+    def loss(params):
+        return functional_call(linear, params, (torch.ones(1, 2),)).sum()
+
+    grads = torch.func.grad(loss)(params)
+    torch.testing.assert_close(grads["weight"], torch.full((1, 2), 10.0))
+    torch.testing.assert_close(grads["bias"], torch.full((1,), 10.0))
+
+
+def test_removing_a_parameter_hook_removes_hooks_added_later() -> None:
+    linear = nn.Linear(2, 1)
+    linear.weight.requires_grad_(False)
+    handle = go.grad_hook(linear, times_ten, at="parameters")
+    linear.weight.requires_grad_(True)
+    linear(torch.ones(1, 2)).sum().backward()  # hooks the unfrozen weight
+    handle.remove()
+    linear.weight.grad = None
+    linear(torch.ones(1, 2)).sum().backward()
+    torch.testing.assert_close(linear.weight.grad, torch.ones(1, 2))
+
+
+# Dynamo reads `.grad` of the non-leaf tensors it resumes with after a graph break (torch's own
+# warning, hidden from users, not from `filterwarnings = error`).
+@pytest.mark.compile
+@pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf")
+def test_a_parameter_unfrozen_later_under_compile_is_transformed_or_refused() -> None:
+    linear = nn.Linear(2, 1)
+    linear.weight.requires_grad_(False)
+    go.grad_hook(linear, times_ten, at="parameters")
+    linear.weight.requires_grad_(True)
+    with pytest.raises(Exception, match=r"grad_hook\(at='parameters'\)"):
+        torch.compile(linear, fullgraph=True, backend="aot_eager")(torch.ones(1, 2))
+    compiled = torch.compile(linear, backend="aot_eager")  # without fullgraph: a graph break
+    compiled(torch.ones(1, 2)).sum().backward()
+    torch.testing.assert_close(linear.weight.grad, torch.full((1, 2), 10.0))
+
+
+@pytest.mark.parametrize("at", ["inputs", "outputs", "parameters"])
+def test_a_module_with_grad_hooks_saves_loads_and_copies_with_them(at) -> None:
+    import copy
+    import io
+
+    linear = nn.Linear(2, 1)
+    go.grad_hook(linear, times_ten, at=at)
+    buffer = io.BytesIO()
+    torch.save(linear, buffer)
+    buffer.seek(0)
+    for again in (torch.load(buffer, weights_only=False), copy.deepcopy(linear)):
+        x = torch.ones(1, 2, requires_grad=True)
+        again(x).sum().backward()
+        if at == "parameters":
+            torch.testing.assert_close(again.weight.grad, torch.full((1, 2), 10.0))
+        else:
+            torch.testing.assert_close(x.grad, again.weight.detach() * 10)
+        go.HookHandle.of(again).remove()
+        x.grad = None
+        again.zero_grad()
+        again(x).sum().backward()
+        torch.testing.assert_close(x.grad, again.weight.detach())
+        torch.testing.assert_close(again.weight.grad, torch.ones(1, 2))
+
+
+def test_saving_a_module_with_a_lambda_transform_says_why() -> None:
+    import io
+
+    linear = nn.Linear(2, 1)
+    go.grad_hook(linear, lambda g: g * 2, at="outputs")
+    with pytest.raises(go.GradOverrideError, match=r"cannot be pickled.*not a lambda"):
+        torch.save(linear, io.BytesIO())
