@@ -143,12 +143,20 @@ def graph_break(fn: Callable[..., Any], reason: str) -> Callable[..., Any]:
 
 
 def _is_batched(value: Any) -> bool:
-    """Whether `value` is a tensor batched by torch.func.vmap: it has no storage numpy could
-    read."""
-    return isinstance(value, Tensor) and bool(torch._C._functorch.is_batchedtensor(value))
+    """Whether `value` is a tensor batched by torch.func.vmap, at any level of the transforms
+    (`vmap(grad(f))` wraps it in a grad-tracking tensor first): numpy would get its
+    unbatched storage-less inside."""
+    functorch = torch._C._functorch
+    while isinstance(value, Tensor):
+        if functorch.is_batchedtensor(value):
+            return True
+        if not functorch.is_functorch_wrapped_tensor(value):
+            return False
+        value = functorch.get_unwrapped(value)
+    return False
 
 
-def _is_transformed(value: Any) -> bool:
+def is_transformed(value: Any) -> bool:
     """Whether `value` is a tensor wrapped by a torch.func transform: batched (vmap) or
     grad-tracking (grad, jacrev, ...); neither has storage numpy could read."""
     return _is_batched(value) or (
@@ -643,6 +651,10 @@ class _Problem:
 # ---- the bridge -------------------------------------------------------------------------------
 
 
+def _rebuild_bridge(fn: Callable[..., Any], backward: Any, check_finite: bool) -> Bridge[...]:
+    return Bridge(fn, backward, check_finite=check_finite)
+
+
 def _read_signature(fn: Callable[..., Any]) -> inspect.Signature:
     try:
         return inspect.signature(fn)
@@ -741,6 +753,19 @@ class Bridge(Generic[P]):
         # Dynamo cannot trace `fn` (it leaves PyTorch): make the call an explicit graph break
         # whose reason, shown by fullgraph=True's error, names the function.
         self._run = graph_break(run, _COMPILE_REASON.format(name=self._name))
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Pickled as the call that makes it (the function and the rule by reference), so a
+        # saved model holding a bridge loads back with it.
+        from ._decorators import _require_importable
+
+        _require_importable(self._fn, f"bridge({self._name})", "the bridged function")
+        if not isinstance(self.backward, Estimator):
+            _require_importable(self.backward, f"bridge({self._name})", "its backward rule")
+        return (_rebuild_bridge, (self._fn, self.backward, self.check_finite))
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Bridge[P]:
+        return self  # shared, as a function is: a bridge holds no per-copy state
 
     # -- forward ------------------------------------------------------------------------------
 
@@ -940,7 +965,7 @@ class Bridge(Generic[P]):
     def _refuse_transformed(self, rule: str, values: Any) -> None:
         """In the backward, a GradOverrideError if torch.func hands it wrapped tensors: the
         transform (grad, jacrev, hessian, ...) differentiates the bridge inside itself."""
-        if not (transforms_active() and any(map(_is_transformed, pytree.tree_leaves(values)))):
+        if not (transforms_active() and any(map(is_transformed, pytree.tree_leaves(values)))):
             return
         msg = (
             f"`{self._name}` is a go.bridge, whose backward ({rule}) runs on numpy arrays, "

@@ -298,6 +298,9 @@ class CustomBackward(Generic[P, R]):
         rule = "no rule" if self._rule is None else f"backward={self._rule.name}"
         return f"<custom_backward {self._name}{self._signature.signature}, {rule}>"
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> CustomBackward[P, R]:
+        return self  # shared, as a function is: an op holds no per-copy state
+
     def __reduce__(self) -> Any:
         # Pickle by reference, as functions are, when the op is found under its module and
         # qualified name (a decorated module-level function); otherwise (an op made from a

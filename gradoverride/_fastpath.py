@@ -64,7 +64,7 @@ def generate(
 
     `namespace` provides the helpers the source calls: Tensor, CallState, CONTAINERS,
     forward_general, setup_general, backward_general, run_general, finish, fn, call,
-    shape_output, view_if_input, any_autocast_enabled, any_tensorflow, run_tensorflow,
+    shape_output, as_output, saved_for, any_autocast_enabled, any_tensorflow, run_tensorflow,
     autocast_state, call_rule, check_gradient, flat_gradients, GradOverrideError,
     rule, rule_name, names, owned, op, is_dynamo_compiling, transforms_active, FAST_APPLY.
     """
@@ -137,10 +137,13 @@ def generate(
             "",
             f"def forward_eager(ctx, state{''.join(', ' + v for v in values)}):",
             f"    output = fn({', '.join(values)})",
-            # An input returned as-is becomes a view of it (see _function._view_if_input).
+            # An input returned as-is, or a view of an intermediate: see _passthrough.as_output.
             f"    if {' or '.join(f'output is {v}' for v in values)}:",
             "        output = output.view_as(output)",
-            "    elif not isinstance(output, Tensor):",
+            "    elif isinstance(output, Tensor):",
+            "        if output._base is not None:",
+            f"            output = as_output(output, {_tuple(values)})",
+            "    else:",
             "        state = CallState()",
             f"        output = shape_output(output, state, {_tuple(values)})",
             f"        setup_general(ctx, (state{''.join(', ' + v for v in values)}), output)",
@@ -162,7 +165,16 @@ def generate(
         f"    {_tuple(metas)}, statics, autocast = record",
     ]
     if saved:
-        lines.append(f"    {_tuple([f's{k}' for k in range(len(saved))])} = ctx.saved_tensors")
+        read = [name for name, _ in requested] + (["output"] if wants_output else [])
+        # A try block costs nothing until it catches (Python 3.11); `saved_for` then says
+        # which value was changed in place, in the op's terms.
+        lines += [
+            "    try:",
+            f"        {_tuple([f's{k}' for k in range(len(saved))])} = ctx.saved_tensors",
+            "    except RuntimeError:",
+            f"        saved_for(ctx, op, {tuple(read)!r})",
+            "        raise",
+        ]
     for k, (name, _) in enumerate(requested):
         lines.append(f"    k{k} = s{k} if s{k} is not None else statics[{k}]")
         kwargs.append((name, f"k{k}"))
@@ -243,7 +255,7 @@ def generate(
         "    if state.layout is None:",
         "        out = fn(*flat)" if plain else "        out = call(flat)",
         "        if isinstance(out, Tensor):",
-        "            return view_if_input(out, flat, ())",
+        "            return as_output(out, flat)",
         "        return shape_output(out, state, flat)",
         "    return forward_general(state, *flat)",
     ]

@@ -42,7 +42,7 @@ from ._internals import (
     raw_apply,
     transforms_active,
 )
-from ._passthrough import passthrough
+from ._passthrough import as_output, shows_input
 from ._rule import RuleSpec
 from ._signature import ForwardSignature
 
@@ -72,6 +72,7 @@ class CallState:
     residuals: tuple[Any, ...] = ()
     n_in = 0  # flat inputs (set by the attach form)
     dirty: tuple[int, ...] = ()  # flat inputs the forward changed in place (tracked ops only)
+    input_views: tuple[int, ...] = ()  # outputs showing an input (the attach form)
 
     def __repr__(self) -> str:
         # The same text for every call: torch.jit.trace compares the graphs of two calls,
@@ -210,21 +211,6 @@ def _reference(value: Tensor, leaves: tuple[Any, ...], seen: tuple[Any, ...]) ->
         if item is value:
             return _InputRef(i)
     return None
-
-
-def _view_if_input(value: Any, flat: tuple[Any, ...], dirty: tuple[int, ...]) -> Any:
-    """An output that is one of the inputs, returned as-is, becomes a view of it.
-
-    A Function returning an input as-is makes PyTorch treat it as a view anyway, but the
-    `setup_context` form (used by `torch.func`, `torch.compile`, and whenever the op's fast
-    path is not taken) then refuses to save it; a view made here works on every call path.
-    An input the forward changed in place (`dirty`) is returned as itself, for `mark_dirty`.
-    """
-    if isinstance(value, Tensor):
-        for i, item in enumerate(flat):
-            if item is value and i not in dirty:
-                return value.view_as(value)
-    return value
 
 
 def _flatten_output(out: Any, state: CallState, op: str) -> tuple[Any, ...]:
@@ -419,7 +405,7 @@ def build_call(
         kwargs: dict[str, Any] = {}
         saved_tensors: tuple[Tensor, ...] = ()
         if plan:
-            saved_tensors = ctx.saved_tensors
+            saved_tensors = saved_for(ctx, op, tuple(name for name, _, _ in plan))
             for name, spec, entries in plan:
                 leaves = [saved_tensors[e] if type(e) is int else e.value for e in entries]
                 kwargs[name] = leaves[0] if spec is None else pytree.tree_unflatten(leaves, spec)
@@ -499,10 +485,10 @@ def _build_owning(
             out, given = unpack_residuals(out, residuals, op)
             leaves = _flatten_output(out, state, op)
             res = _place_residuals(given, residuals, leaves, flat, state)
-            return (*(_view_if_input(leaf, flat, dirty) for leaf in leaves), *res)
+            return (*(as_output(leaf, flat, dirty) for leaf in leaves), *res)
         if isinstance(out, Tensor):
-            return _view_if_input(out, flat, dirty)
-        return tuple(_view_if_input(leaf, flat, dirty) for leaf in _flatten_output(out, state, op))
+            return as_output(out, flat, dirty)
+        return tuple(as_output(leaf, flat, dirty) for leaf in _flatten_output(out, state, op))
 
     def forward(state: CallState, *flat: Any) -> Any:
         versions = _versions(flat) if track_inplace else None
@@ -569,7 +555,7 @@ def _build_owning(
                 "CONTAINERS": _CONTAINERS,
                 "forward_general": forward,
                 "shape_output": shape_output,
-                "view_if_input": _view_if_input,
+                "as_output": as_output,
                 "fn": fn,
                 "call": call,
                 "setup_general": setup_general,
@@ -581,6 +567,7 @@ def _build_owning(
                 "run_tensorflow": run_tensorflow,
                 "autocast_state": _autocast_state,
                 "call_rule": _call_rule,
+                "saved_for": saved_for,
                 "check_gradient": check_gradient,
                 "flat_gradients": flat_gradients,
                 "GradOverrideError": GradOverrideError,
@@ -645,11 +632,8 @@ def _build_attaching(
         # a view made inside a Function.
         n_in = state.n_in
         if state.out_spec is None:
-            return passthrough(args[n_in])
-        return tuple(
-            passthrough(a) if isinstance(a, Tensor) else a
-            for a in args[n_in : n_in + state.n_out]
-        )
+            return _attached(args[n_in], 0, state)
+        return tuple(_attached(a, k, state) for k, a in enumerate(args[n_in : n_in + state.n_out]))
 
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
         state = inputs[0]
@@ -697,14 +681,13 @@ def _build_attaching(
             leaves = _flatten_output(out, state, op)
         if given is not None:
             res = _place_residuals(given, residuals, leaves, detached, state)
-        # An output that is an input (as-is, or its detached copy) becomes a view of it, so
-        # an in-place op on the result is refused as on any view, instead of changing the
-        # caller's tensor behind autograd's back.
-        leaves = tuple(
-            leaf.view_as(leaf)
-            if isinstance(leaf, Tensor) and any(leaf is v for v in (*flat, *detached))
-            else leaf
-            for leaf in leaves
+        # An output that shows an input (the input itself, its detached copy, or a view of
+        # either) is returned as a view, so an in-place op on the result is refused as on any
+        # view, instead of changing the caller's tensor behind autograd's back.
+        seen = (*flat, *detached)
+        state.input_views = tuple(
+            k for k, leaf in enumerate(leaves)
+            if isinstance(leaf, Tensor) and shows_input(leaf, seen)
         )
         if FAST_APPLY and not is_dynamo_compiling() and not transforms_active():
             result = raw(state, *flat, *leaves, *res)
@@ -715,6 +698,35 @@ def _build_attaching(
         return pytree.tree_unflatten(list(result), state.out_spec)
 
     return run, cls
+
+
+def saved_for(ctx: Any, op: str, names: tuple[str, ...]) -> tuple[Tensor, ...]:
+    """`ctx.saved_tensors`, with PyTorch's error for a saved tensor changed in place since
+    the forward said in the op's terms: which values the rule reads, and the fix. (Any other
+    error is raised as is.)"""
+    try:
+        saved: tuple[Tensor, ...] = ctx.saved_tensors
+    except RuntimeError as exc:
+        if "modified by an inplace operation" not in str(exc):
+            raise
+        listed = ", ".join(f"`{n}`" for n in names)
+        msg = (
+            f"the backward rule of `{op}` reads {listed}, and one of them was changed in "
+            "place after the forward (an in-place op such as `relu_()` on the result or on "
+            "an input), so the rule would read a value the forward never saw. Make that op "
+            "out of place (`y = torch.relu(y)`), or apply it to a copy (`y.clone()`)."
+        )
+        raise GradOverrideError(msg) from exc
+    return saved
+
+
+def _attached(value: Any, k: int, state: CallState) -> Any:
+    """The attach form's output `k`: the forward's result passed through, as a new tensor
+    sharing its memory (an in-place op may follow: nothing else sees the forward's own
+    intermediates), or as a view when it shows an input (changing it stays an error)."""
+    if not isinstance(value, Tensor):
+        return value
+    return value.view_as(value) if k in state.input_views else value.detach()
 
 
 def _versions(flat: tuple[Any, ...]) -> tuple[int | None, ...]:

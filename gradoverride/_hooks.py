@@ -27,6 +27,7 @@ from torch.utils.hooks import RemovableHandle
 
 from ._errors import GradOverrideError, GradOverrideTypeError
 from ._internals import transforms_active
+from ._jit import RefuseScripting
 from ._signature import describe
 from ._transform import transformed
 
@@ -50,9 +51,12 @@ class _Removable(Protocol):
 class HookHandle:
     """Returned by `grad_hook`; `.remove()` takes the transform away (twice is a no-op)."""
 
-    def __init__(self, description: str, handles: list[_Removable]) -> None:
+    def __init__(
+        self, description: str, handles: list[_Removable], module: nn.Module | None = None
+    ) -> None:
         self._description = description
         self._handles = handles
+        self._module = module
         self.active = True
 
     def remove(self) -> None:
@@ -60,26 +64,21 @@ class HookHandle:
             handle.remove()
         self._handles = []
         self.active = False
+        if self._module is not None and not _hook_entries(self._module):
+            _allow_scripting(self._module)
 
     @classmethod
     def of(cls, module: nn.Module) -> HookHandle:
         """A handle for every `grad_hook` on `module` (after `torch.load` or a copy, where
         the handle returned at registration does not reach the new module)."""
-        entries: list[_Removable] = []
-        for hooks in (module._forward_pre_hooks, module._forward_hooks):
-            for key, hook in list(hooks.items()):
-                owner = getattr(hook, "__self__", hook)  # bound methods of _ParameterHooks
-                if isinstance(owner, _Transforming | _ParameterHooks):
-                    entries.append(_HookEntry(module, key))
-                    if isinstance(owner, _ParameterHooks) and owner not in entries:
-                        entries.append(owner)
+        entries = _hook_entries(module)
         if not entries:
             msg = (
                 f"this {type(module).__name__} has no `go.grad_hook`, so there is no handle "
                 "to give; call `HookHandle.of` on the module the hook was registered on."
             )
             raise GradOverrideError(msg)
-        return cls(f"the grad_hooks of {type(module).__name__}", entries)
+        return cls(f"the grad_hooks of {type(module).__name__}", entries, module)
 
     def __enter__(self) -> HookHandle:
         return self
@@ -184,7 +183,8 @@ def grad_hook(
         hooks.hook_parameters_of(module)
         pre = module.register_forward_pre_hook(hooks.before_forward)
         post = module.register_forward_hook(hooks.after_forward, always_call=True)
-        return HookHandle(description, [pre, post, hooks])
+        _refuse_scripting(module)
+        return HookHandle(description, [pre, post, hooks], module)
 
     if at == "inputs":
         # prepend=True: a later transform then sits further from the module, so the first
@@ -192,10 +192,38 @@ def grad_hook(
         handle = module.register_forward_pre_hook(
             _AtInputs(transform), with_kwargs=True, prepend=True
         )
-        return HookHandle(description, [handle])
+        _refuse_scripting(module)
+        return HookHandle(description, [handle], module)
 
     handle = module.register_forward_hook(_AtOutputs(transform), with_kwargs=True)
-    return HookHandle(description, [handle])
+    _refuse_scripting(module)
+    return HookHandle(description, [handle], module)
+
+
+def _hook_entries(module: nn.Module) -> list[_Removable]:
+    """Every grad_hook on `module`, as removable entries."""
+    entries: list[_Removable] = []
+    for hooks in (module._forward_pre_hooks, module._forward_hooks):
+        for key, hook in list(hooks.items()):
+            owner = getattr(hook, "__self__", hook)  # bound methods of _ParameterHooks
+            if isinstance(owner, _Transforming | _ParameterHooks):
+                entries.append(_HookEntry(module, key))
+                if isinstance(owner, _ParameterHooks) and owner not in entries:
+                    entries.append(owner)
+    return entries
+
+
+def _refuse_scripting(module: nn.Module) -> None:
+    """TorchScript cannot run the hooks (Python objects): scripting the module raises."""
+    if "__prepare_scriptable__" not in module.__dict__:
+        module.__dict__["__prepare_scriptable__"] = RefuseScripting(
+            f"`{type(module).__name__}` (it has a go.grad_hook)"
+        )
+
+
+def _allow_scripting(module: nn.Module) -> None:
+    if isinstance(module.__dict__.get("__prepare_scriptable__"), RefuseScripting):
+        del module.__dict__["__prepare_scriptable__"]
 
 
 class _HookEntry:

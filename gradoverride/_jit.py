@@ -11,11 +11,11 @@ inference graph, where no backward rule applies.
 
 from __future__ import annotations
 
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from ._errors import GradOverrideError
 
-__all__ = ["jit_message", "refuse_scripting"]
+__all__ = ["RefuseScripting", "jit_message", "refuse_scripting"]
 
 
 def jit_message(where: str, tool: str) -> str:
@@ -31,3 +31,21 @@ def jit_message(where: str, tool: str) -> str:
 
 def refuse_scripting(where: str) -> NoReturn:
     raise GradOverrideError(jit_message(where, "torch.jit.script"))
+
+
+class RefuseScripting:
+    """Put on a module instance as `__prepare_scriptable__` (by `override_backward` and
+    `grad_hook`, which cannot change the module's class): scripting it raises.
+
+    An object, not a closure, so that the module still pickles."""
+
+    __slots__ = ("where",)
+
+    def __init__(self, where: str) -> None:
+        self.where = where
+
+    def __call__(self) -> NoReturn:
+        refuse_scripting(self.where)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (RefuseScripting, (self.where,))

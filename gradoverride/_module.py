@@ -33,7 +33,7 @@ from torch.nn.parameter import UninitializedParameter
 from ._decorators import CustomBackward
 from ._errors import GradOverrideError, GradOverrideTypeError
 from ._gradients import check_gradient
-from ._jit import jit_message, refuse_scripting
+from ._jit import RefuseScripting, jit_message, refuse_scripting
 from ._rule import RESERVED_NAMES, normalize_names
 from ._signature import describe
 
@@ -605,23 +605,6 @@ class Module(nn.Module, metaclass=_ModuleMeta):
         refuse_scripting(f"`{type(self).__qualname__}`")
 
 
-class _RefuseScripting:
-    """Put on an overridden module as `__prepare_scriptable__`: scripting it raises.
-
-    An object (not a closure) so that the module still pickles."""
-
-    __slots__ = ("where",)
-
-    def __init__(self, where: str) -> None:
-        self.where = where
-
-    def __call__(self) -> nn.Module:
-        refuse_scripting(self.where)
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (_RefuseScripting, (self.where,))
-
-
 class _OverriddenForward:
     """What `override_backward` installs as `module.forward`.
 
@@ -801,5 +784,5 @@ def override_backward(
     module_rule.op_for(_parameter_names(module), module.__dict__.get("inplace") is True)
     forward = _OverriddenForward(module, rule, options, module_rule)
     module.__dict__["forward"] = forward
-    module.__dict__["__prepare_scriptable__"] = _RefuseScripting(f"`{type(module).__name__}`")
+    module.__dict__["__prepare_scriptable__"] = RefuseScripting(f"`{type(module).__name__}`")
     return OverrideHandle(module, forward)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-__all__ = ["passthrough"]
+__all__ = ["as_output", "passthrough", "shows_input"]
 
 
 def passthrough(x: Tensor) -> Tensor:
@@ -27,3 +27,35 @@ def passthrough(x: Tensor) -> Tensor:
     if x._base is not None or (x.is_leaf and x.requires_grad):
         return x.view_as(x)
     return x.detach()
+
+
+def shows_input(t: Tensor, inputs: tuple[object, ...]) -> bool:
+    """Whether `t` is one of `inputs` or a view sharing a base with one of them."""
+    base = t._base
+    for item in inputs:
+        if item is t:
+            return True
+        if base is not None and isinstance(item, Tensor) and (base is item or base is item._base):
+            return True
+    return False
+
+
+def as_output(t: object, inputs: tuple[object, ...], dirty: tuple[int, ...] = ()) -> object:
+    """What a Function whose forward ran inside it (the rule owning every input) returns for
+    the forward's result `t`, given the Function's inputs.
+
+    * an input returned as-is becomes a view of it: PyTorch treats it as one anyway, but the
+      `setup_context` form (`torch.func`, `torch.compile`) refuses to save it otherwise; an
+      input changed in place (`dirty`, by index) is returned as itself, for `mark_dirty`;
+    * a view of something made inside the forward (`(x * 2).view(-1)`) becomes a plain
+      tensor sharing its memory (nothing else can see its base), so an in-place op may
+      follow; a view of an input stays a view, and changing it in place stays an error.
+    """
+    if not isinstance(t, Tensor):
+        return t
+    for i, item in enumerate(inputs):
+        if item is t:
+            return t if i in dirty else t.view_as(t)
+    if t._base is not None and not shows_input(t, inputs):
+        return t.detach()
+    return t

@@ -32,7 +32,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from .._bridge import as_array, graph_break, to_numpy
+from .._bridge import as_array, graph_break, is_transformed, to_numpy
 from .._decorators import custom_backward
 from .._errors import GradOverrideError, GradOverrideTypeError
 from .._frameworks import is_tensorflow
@@ -107,6 +107,15 @@ class _SolverRecipe(Recipe):
         Returns a tensor of shape ``(*batch, *solution)``.
         """
         batch, instance = self._split(w)
+        if self.numpy and is_transformed(w):
+            msg = (
+                f"{self!r} calls its numpy solver `{describe(self.solver)}`, which cannot run "
+                "under a torch.func transform (grad, vmap, jacrev): numpy needs real tensors, "
+                "and the transform's wrapped ones have no data of their own. Differentiate "
+                "with `loss.backward()` or `torch.autograd.grad` outside the transform, or "
+                "give a solver written in torch ops (`numpy=False`)."
+            )
+            raise GradOverrideError(msg)
         flat = w.detach().reshape(-1, *instance)
         n = flat.shape[0]
         inputs: Any = to_numpy(flat) if self.numpy else flat

@@ -22,6 +22,7 @@ from torch import Tensor, nn
 from .._decorators import custom_backward
 from .._errors import GradOverrideError, GradOverrideTypeError
 from .._frameworks import is_tensorflow
+from .._jit import refuse_scripting
 from .._straight_through import (
     DEFAULT_KEEP,
     Keep,
@@ -557,6 +558,10 @@ class LearnedStepQuantizer(nn.Module):
         self.recipe = recipe
         self.step = nn.Parameter(torch.tensor(1.0 if step is None else float(step)))
         self._needs_init = step is None
+
+    def __prepare_scriptable__(self) -> nn.Module:
+        # torch.jit.script calls this on every module it scripts.
+        refuse_scripting(f"the module form of {self.recipe!r}")
 
     def forward(self, x: Tensor) -> Tensor:
         if not isinstance(x, Tensor) and is_tensorflow(x):

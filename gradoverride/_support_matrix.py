@@ -1,0 +1,197 @@
+"""The support matrix: every op kind under every context, supported or refused with a reason.
+
+This table is the one source of truth: `tests/test_support_matrix.py` runs one test per cell
+(a supported cell must give eager mode's gradients; a refused cell must raise the error named
+here), and `docs/support-matrix.md` is generated from it (`python -m
+gradoverride._support_matrix docs/support-matrix.md`; a test fails when the page is stale).
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+__all__ = ["CONTEXTS", "KINDS", "NOTES", "REFUSED", "Refusal", "markdown"]
+
+#: Op kinds: (key, what it is). Each has a case in the test suite.
+KINDS: tuple[tuple[str, str], ...] = (
+    ("custom_backward", "`@go.custom_backward`, the rule owning every input"),
+    ("custom_backward owns=", "a rule owning some inputs; the rest keep autograd's gradient"),
+    ("custom_backward residuals", "values computed in forward, read by the rule"),
+    ("custom_backward once_differentiable", "a rule that runs without recording a graph"),
+    ("straight_through", "the identity backward"),
+    ("straight_through clip", "the clipped straight-through (`clip=`)"),
+    ("straight_through surrogate", "a surrogate's derivative by autograd (`surrogate=`)"),
+    ("go.Module", "a module whose `backward` owns its input and parameters"),
+    ("go.Module owns=", "a module whose rule owns its input; parameters keep autograd's"),
+    ("override_backward", "a rule given to an existing `nn.Linear`"),
+    ("grad_hook inputs", "a transform at a module's inputs"),
+    ("grad_hook outputs", "a transform at a module's outputs"),
+    ("grad_hook parameters", "a transform at a module's parameters"),
+    ("recipe: straight-through estimator", "`ste_round` (the STE family: round, sign, ...)"),
+    ("recipe: learned step (lsq)", "`lsq` with a learnable step"),
+    ("recipe: surrogate spike", "`spike` (every surrogate shares the op)"),
+    ("recipe: gradient flow", "`reverse_grad` (scaling, clipping, sanitizing share the op)"),
+    ("recipe: discrete choice", "`ste_argmax` (straight-through argmax)"),
+    ("recipe: black-box solver", "`blackbox_solver` around a numpy solver"),
+    ("bridge", "`go.bridge`: numpy in the middle of the graph"),
+)
+
+#: Contexts: (key, how the cell runs the op).
+CONTEXTS: tuple[tuple[str, str], ...] = (
+    ("eager", "forward and backward in eager mode (the baseline, checked against an "
+     "independent computation)"),
+    ("compile", "`torch.compile(fullgraph=True)`, the first call compiled, static shapes"),
+    ("compile dynamic", "`torch.compile(fullgraph=True, dynamic=True)`, two input shapes"),
+    ("torch.func.grad", "`torch.func.grad` of the loss with respect to the input"),
+    ("vmap", "`torch.func.vmap(torch.func.grad(...))`: per-sample gradients"),
+    ("functional_call", "`torch.func.functional_call` with other parameters"),
+    ("checkpoint", "`torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`"),
+    ("in-place after", "an in-place op (`relu_`) on the result right after"),
+    ("save/load", "`torch.save` then `torch.load` of the module"),
+    ("deepcopy", "`copy.deepcopy` of the module"),
+    ("torch.jit.script", "`torch.jit.script` of the module"),
+    ("autocast", "`torch.autocast('cpu', dtype=torch.bfloat16)`"),
+    ("threads", "two threads calling the same module at once"),
+)
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """A cell that raises instead of computing: what it raises and why."""
+
+    reason: str
+    error: str = "GradOverrideError"  # the exception class name the cell raises
+    match: str = ""  # a regular expression its message matches
+
+
+_SCRIPT = Refusal(
+    "TorchScript compiles the forward from source or records it alone, without the Python "
+    "rule; every gradoverride module refuses, so a scripted module never trains silently "
+    "with its ordinary gradient. Use `torch.compile`.",
+    match=r"torch\.jit\.script cannot keep the backward",
+)
+_NUMPY_COMPILE = Refusal(
+    "A call into numpy leaves the graph: it is a graph break, so `fullgraph=True` fails "
+    "(without `fullgraph` the call runs eagerly between compiled pieces).",
+    error="Unsupported",
+    match=r"numpy|cannot be compiled|graph break",
+)
+_NUMPY_TRANSFORM = Refusal(
+    "numpy needs real tensors: under `torch.func` a bridge or a numpy solver cannot run on "
+    "the transform's wrapped tensors. Call it outside the transform, or write the "
+    "computation in torch ops.",
+    match=r"torch\.func",
+)
+
+_SCRIPT_BRIDGE = Refusal(
+    "A bridge is Python and numpy code, which TorchScript cannot convert to its types: "
+    "TorchScript raises its own error (it \"failed to convert Python type\" `Bridge`). Keep "
+    "the module in Python.",
+    error="RuntimeError",
+    match=r"Bridge",
+)
+_SOLVER_OUTPUT = Refusal(
+    "The solver's rule reads the solver's output (the interpolation of Vlastelica et al. "
+    "compares two solutions), so an in-place op on that output changes what the rule reads; "
+    "the backward raises, saying to make the op out of place or apply it to a copy.",
+    match=r"changed in place after the forward",
+)
+
+#: The refused cells, by (kind, context). Every other cell is supported.
+REFUSED: dict[tuple[str, str], Refusal] = {
+    **{(kind, "torch.jit.script"): _SCRIPT for kind, _ in KINDS if kind != "bridge"},
+    ("bridge", "torch.jit.script"): _SCRIPT_BRIDGE,
+    ("recipe: black-box solver", "in-place after"): _SOLVER_OUTPUT,
+    **{
+        (kind, context): refusal
+        for kind in ("recipe: black-box solver", "bridge")
+        for context, refusal in (
+            ("compile", _NUMPY_COMPILE),
+            ("compile dynamic", _NUMPY_COMPILE),
+            ("torch.func.grad", _NUMPY_TRANSFORM),
+            ("vmap", _NUMPY_TRANSFORM),
+        )
+    },
+}
+
+#: Supported cells with something to know, by (kind, context).
+NOTES: dict[tuple[str, str], str] = {
+    ("custom_backward residuals", "eager"): (
+        "First-order gradients; a second differentiation that reaches a residual raises "
+        "(a residual is a constant to autograd)."
+    ),
+    ("go.Module", "functional_call"): "The rule reads the parameters passed in.",
+    ("go.Module owns=", "functional_call"): "The rule reads the parameters passed in.",
+    ("override_backward", "functional_call"): "The rule reads the parameters passed in.",
+    ("grad_hook parameters", "functional_call"): (
+        "The passed tensors' gradients are transformed for that call."
+    ),
+    ("grad_hook parameters", "save/load"): (
+        "`torch.save` keeps no tensor hooks; the loaded module hooks its parameters again "
+        "at its first call."
+    ),
+}
+
+
+def _cell(kind: str, context: str) -> str:
+    refusal = REFUSED.get((kind, context))
+    if refusal is not None:
+        return "refused ¹" if context == "torch.jit.script" else "refused"
+    return "yes *" if (kind, context) in NOTES else "yes"
+
+
+def markdown() -> str:
+    """The support matrix as a Markdown page."""
+    contexts = [key for key, _ in CONTEXTS]
+    lines = [
+        "# Support matrix",
+        "",
+        "<!-- Generated by `python -m gradoverride._support_matrix docs/support-matrix.md` "
+        "from gradoverride/_support_matrix.py; do not edit. -->",
+        "",
+        "Every op kind under every context. **yes**: supported, and tested to give the same "
+        "gradients as eager mode (itself tested against an independent computation). "
+        "**refused**: the call raises the error given below, with the reason and the fix in "
+        "its message; nothing is silently wrong. The test suite runs one test per cell "
+        "(`tests/test_support_matrix.py`).",
+        "",
+        "| op kind | " + " | ".join(contexts) + " |",
+        "| --- | " + " | ".join("---" for _ in contexts) + " |",
+    ]
+    for kind, _ in KINDS:
+        cells = [_cell(kind, context) for context in contexts]
+        lines.append(f"| {kind} | " + " | ".join(cells) + " |")
+    lines += ["", "## Op kinds", ""]
+    lines += [f"- **{kind}**: {text}." for kind, text in KINDS]
+    lines += ["", "## Contexts", ""]
+    lines += [f"- **{key}**: {text}." for key, text in CONTEXTS]
+    lines += ["", "## Refused cells", ""]
+    seen: dict[Refusal, list[str]] = {}
+    for (kind, context), refusal in REFUSED.items():
+        seen.setdefault(refusal, []).append(f"{kind} in {context}")
+    for refusal, cells in seen.items():
+        where = "every kind in torch.jit.script (¹)" if refusal is _SCRIPT else "; ".join(cells)
+        lines.append(f"- {where}: `{refusal.error}`. {refusal.reason}")
+    lines += ["", "## Notes (*)", ""]
+    lines += [f"- {kind} in {context}: {text}" for (kind, context), text in NOTES.items()]
+    lines += [
+        "",
+        "## torch.export and ONNX",
+        "",
+        "`torch.export` and ONNX export record the forward for inference: the graph they "
+        "produce has no backward, so no rule applies there, and the exported forward is the "
+        "op's forward (a straight-through round exports as a round). Export a trained model "
+        "for inference; train with eager mode or `torch.compile`.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":  # pragma: no cover - the docs page's generator
+    text = markdown()
+    if len(sys.argv) > 1:
+        with open(sys.argv[1], "w", encoding="utf-8") as page:
+            page.write(text)
+    else:
+        print(text)

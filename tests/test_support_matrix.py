@@ -1,0 +1,245 @@
+"""One test per cell of the support matrix (`gradoverride/_support_matrix.py`).
+
+A supported cell must give eager mode's gradients (eager mode itself is checked against each
+case's independent reference); a refused cell must raise the error the table names. The
+published page (`docs/support-matrix.md`) must be the table's own rendering.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import re
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import matrix_cases
+import pytest
+import torch
+from matrix_cases import CASES, Grads
+from torch import Tensor, nn
+from torch.func import functional_call
+from torch.utils.checkpoint import checkpoint
+
+from gradoverride import _support_matrix as matrix
+
+pytestmark = pytest.mark.filterwarnings(
+    # torch's own warnings while compiling and scripting, not gradoverride's.
+    "ignore:.*should not be instantiated:DeprecationWarning",
+    "ignore:`torch.jit.script` is deprecated:DeprecationWarning",
+    "ignore:The .grad attribute of a Tensor that is not a leaf",
+)
+
+_gen = torch.Generator().manual_seed(0)
+# Inputs away from the ops' kinks (rounding ties at multiples of 1/8, the clip bound at 1).
+X = (torch.rand(4, 3, generator=_gen) * 2.6 - 1.3).clamp(-1.3, 1.3)
+X = torch.where((X * 8).frac().abs() < 0.1, X + 0.03, X)
+UP = torch.randn(4, 3, generator=_gen)
+
+CONTEXTS = [key for key, _ in matrix.CONTEXTS]
+KINDS = [key for key, _ in matrix.KINDS]
+
+
+def gradients(
+    module: nn.Module,
+    x: Tensor,
+    up: Tensor,
+    call: Callable[[Tensor], Tensor] | None = None,
+    after: Callable[[Tensor], Tensor] | None = None,
+) -> Grads:
+    """d sum(after(call(x)) * up) / d(x and each parameter of `module`)."""
+    x = x.clone().requires_grad_()
+    out = (module if call is None else call)(x)
+    if after is not None:
+        out = after(out)
+    names = ["x", *(name for name, _ in module.named_parameters())]
+    tensors = [x, *(p for _, p in module.named_parameters())]
+    grads = torch.autograd.grad((out * up).sum(), tensors, allow_unused=True)
+    return {n: torch.zeros_like(t) if g is None else g for n, t, g in zip(names, tensors, grads)}
+
+
+def assert_same(got: Grads, expected: Grads, *, keys: Any = None, **tolerance: float) -> None:
+    for name in keys or expected:
+        assert got[name].dtype == expected[name].dtype, name
+        torch.testing.assert_close(got[name], expected[name], msg=lambda m, n=name: f"{n}: {m}",
+                                   **tolerance)
+
+
+def eager(kind: str, x: Tensor = X, up: Tensor = UP, **kw: Any) -> Grads:
+    return gradients(CASES[kind].build(), x, up, **kw)
+
+
+# ---- the contexts ------------------------------------------------------------------------
+
+
+def run_eager(kind: str) -> None:
+    case = CASES[kind]
+    module = case.build()
+    assert_same(gradients(module, X, UP), case.reference(module, X, UP))
+
+
+def run_compile(kind: str, dynamic: bool = False) -> None:
+    # Many cases share `OpModule.forward`; without a reset dynamo would count the cases as
+    # recompilations of one function and stop at its recompile limit.
+    torch._dynamo.reset()
+    module = CASES[kind].build()  # fresh: the first call is the compiled one
+    compiled = torch.compile(module, fullgraph=True, dynamic=dynamic, backend="aot_eager")
+    assert_same(gradients(module, X, UP, call=compiled), eager(kind))
+    if dynamic:
+        x2, up2 = X[:2] * 0.5, UP[:2]
+        assert_same(gradients(module, x2, up2, call=compiled), eager(kind, x2, up2))
+
+
+def run_func_grad(kind: str) -> None:
+    module = CASES[kind].build()
+    got = torch.func.grad(lambda x: (module(x) * UP).sum())(X)
+    assert_same({"x": got}, eager(kind), keys=["x"])
+
+
+def run_vmap(kind: str) -> None:
+    module = CASES[kind].build()
+    xs, ups = torch.stack([X, X * 0.5]), torch.stack([UP, -UP])
+    got = torch.func.vmap(torch.func.grad(lambda x, up: (module(x) * up).sum()))(xs, ups)
+    for k in range(2):
+        assert_same({"x": got[k]}, eager(kind, xs[k], ups[k]), keys=["x"])
+
+
+def run_functional_call(kind: str) -> None:
+    module = CASES[kind].build()
+    params = {n: (p.detach() * 1.1 + 0.05).requires_grad_() for n, p in module.named_parameters()}
+    x = X.clone().requires_grad_()
+    out = functional_call(module, params, (x,))
+    names = ["x", *params]
+    grads = torch.autograd.grad((out * UP).sum(), [x, *params.values()], allow_unused=True)
+    got = {n: torch.zeros_like(t) if g is None else g
+           for n, t, g in zip(names, [x, *params.values()], grads)}
+    expected_module = CASES[kind].build()
+    with torch.no_grad():
+        for name, p in expected_module.named_parameters():
+            p.copy_(params[name])
+    assert_same(got, gradients(expected_module, X, UP))
+
+
+def run_checkpoint(kind: str) -> None:
+    module = CASES[kind].build()
+    got = gradients(module, X, UP, call=lambda x: checkpoint(module, x, use_reentrant=False))
+    assert_same(got, eager(kind))
+
+
+def run_inplace_after(kind: str) -> None:
+    module = CASES[kind].build()
+    got = gradients(module, X, UP, after=lambda out: out.relu_())
+    assert_same(got, eager(kind, after=torch.relu))
+
+
+def run_save_load(kind: str) -> None:
+    saved = CASES[kind].saved
+    buffer = io.BytesIO()
+    torch.save(saved, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    assert_same(gradients(loaded, X, UP), gradients(saved, X, UP))
+
+
+def run_deepcopy(kind: str) -> None:
+    saved = CASES[kind].saved
+    assert_same(gradients(copy.deepcopy(saved), X, UP), gradients(saved, X, UP))
+
+
+def run_script(kind: str) -> None:
+    # The kind's own module form: a function kind's `op.module()` / `recipe.module()`.
+    module = CASES[kind].build()
+    op = getattr(module, "op", None)
+    form = op.module() if hasattr(op, "module") else module
+    torch.jit.script(form)
+
+
+def run_autocast(kind: str) -> None:
+    module = CASES[kind].build()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = gradients(module, X, UP)
+    assert_same(got, eager(kind), rtol=5e-2, atol=5e-2)
+
+
+def run_threads(kind: str) -> None:
+    module = CASES[kind].build()  # fresh: both threads make its first call at once
+    expected = eager(kind)
+    start = threading.Barrier(2)
+    results: list[Grads | BaseException] = []
+
+    def work() -> None:
+        try:
+            start.wait()
+            for _ in range(3):
+                results.append(gradients(module, X, UP))
+        except BaseException as exc:  # reported in the main thread
+            results.append(exc)
+
+    threads = [threading.Thread(target=work) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for result in results:
+        if isinstance(result, BaseException):
+            raise result
+        assert_same(result, expected)
+
+
+RUN: dict[str, Callable[[str], None]] = {
+    "eager": run_eager,
+    "compile": run_compile,
+    "compile dynamic": lambda kind: run_compile(kind, dynamic=True),
+    "torch.func.grad": run_func_grad,
+    "vmap": run_vmap,
+    "functional_call": run_functional_call,
+    "checkpoint": run_checkpoint,
+    "in-place after": run_inplace_after,
+    "save/load": run_save_load,
+    "deepcopy": run_deepcopy,
+    "torch.jit.script": run_script,
+    "autocast": run_autocast,
+    "threads": run_threads,
+}
+
+
+def _marks(context: str) -> list[Any]:
+    return [pytest.mark.compile] if context.startswith("compile") else []
+
+
+@pytest.mark.parametrize(
+    ("kind", "context"),
+    [pytest.param(k, c, id=f"{k} | {c}", marks=_marks(c)) for k in KINDS for c in CONTEXTS],
+)
+def test_cell(kind: str, context: str) -> None:
+    refusal = matrix.REFUSED.get((kind, context))
+    if refusal is None:
+        RUN[context](kind)
+        return
+    with pytest.raises(Exception) as info:
+        RUN[context](kind)
+    names = {cls.__name__ for cls in type(info.value).__mro__}
+    assert refusal.error in names, f"raised {type(info.value).__name__}: {info.value}"
+    assert re.search(refusal.match, str(info.value), re.DOTALL), str(info.value)
+
+
+def test_the_table_covers_every_case_and_context() -> None:
+    assert set(KINDS) == set(CASES), "every kind has a case in tests/matrix_cases.py"
+    assert set(CONTEXTS) == set(RUN), "every context has a runner here"
+    for kind, context in (*matrix.REFUSED, *matrix.NOTES):
+        assert kind in KINDS and context in CONTEXTS, (kind, context)
+
+
+def test_the_published_page_is_generated_from_the_table() -> None:
+    page = Path(__file__).parent.parent / "docs" / "support-matrix.md"
+    assert page.read_text(encoding="utf-8") == matrix.markdown(), (
+        "docs/support-matrix.md is stale: run "
+        "`python -m gradoverride._support_matrix docs/support-matrix.md`"
+    )
+
+
+def test_matrix_cases_are_importable_by_name() -> None:
+    # `saved` modules pickle their classes and ops by reference.
+    assert matrix_cases.OpModule.__module__ == "matrix_cases"
