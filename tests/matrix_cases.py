@@ -246,7 +246,7 @@ def _ref_layer_owns(m: nn.Module, x: Tensor, up: Tensor) -> Grads:
     return {"x": up * w * 2, "weights": (up * torch.round(x * 4) / 4).sum(0)}
 
 
-def linear_rule(grad: Tensor, *, input: Tensor, module: nn.Module) -> Grads:  # noqa: A002
+def linear_rule(grad: Tensor, *, input: Tensor, module: nn.Module) -> Grads:
     """nn.Linear's own gradients, the input's doubled (so the override shows)."""
     return {"input": grad @ module.weight * 2, "weight": grad.T @ input, "bias": grad.sum(0)}
 

@@ -57,7 +57,10 @@ def gradients(
     names = ["x", *(name for name, _ in module.named_parameters())]
     tensors = [x, *(p for _, p in module.named_parameters())]
     grads = torch.autograd.grad((out * up).sum(), tensors, allow_unused=True)
-    return {n: torch.zeros_like(t) if g is None else g for n, t, g in zip(names, tensors, grads)}
+    return {
+        n: torch.zeros_like(t) if g is None else g
+        for n, t, g in zip(names, tensors, grads, strict=True)
+    }
 
 
 def assert_same(got: Grads, expected: Grads, *, keys: Any = None, **tolerance: float) -> None:
@@ -114,7 +117,7 @@ def run_functional_call(kind: str) -> None:
     names = ["x", *params]
     grads = torch.autograd.grad((out * UP).sum(), [x, *params.values()], allow_unused=True)
     got = {n: torch.zeros_like(t) if g is None else g
-           for n, t, g in zip(names, [x, *params.values()], grads)}
+           for n, t, g in zip(names, [x, *params.values()], grads, strict=True)}
     expected_module = CASES[kind].build()
     with torch.no_grad():
         for name, p in expected_module.named_parameters():
