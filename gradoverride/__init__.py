@@ -12,7 +12,8 @@
         return grad * (x.abs() <= 1)
 """
 
-from ._bridge import Bridge, bridge, finite_differences, spsa
+from typing import TYPE_CHECKING, Any
+
 from ._decorators import CustomBackward, CustomBackwardModule, custom_backward
 from ._errors import GradOverrideError, GradOverrideTypeError
 from ._hooks import HookHandle, grad_hook
@@ -20,7 +21,25 @@ from ._module import Module, OverrideHandle, override_backward
 from ._rule import RESERVED_NAMES
 from ._straight_through import straight_through
 
+if TYPE_CHECKING:
+    from ._bridge import Bridge, bridge, finite_differences, spsa
+
 __version__ = "0.1.0"
+
+# `go.bridge` and its estimators are loaded on first use: their module is the package's
+# largest, and `import gradoverride` has a budget of 50 ms on top of `import torch`.
+_LAZY = {"Bridge", "bridge", "finite_differences", "spsa"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        from . import _bridge
+
+        value = getattr(_bridge, name)
+        globals()[name] = value
+        return value
+    msg = f"module 'gradoverride' has no attribute {name!r}"
+    raise AttributeError(msg)
 
 __all__ = [
     "RESERVED_NAMES",

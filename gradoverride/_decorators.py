@@ -20,7 +20,7 @@ from ._function import build_call
 from ._internals import transforms_active
 from ._jit import refuse_scripting
 from ._rule import RuleSpec, normalize_names
-from ._signature import ForwardSignature, describe, parse_forms
+from ._signature import ForwardSignature, describe
 
 __all__ = ["CustomBackward", "CustomBackwardModule", "custom_backward"]
 
@@ -81,6 +81,8 @@ class CustomBackward(Generic[P, R]):
         self._name = describe(fn)
         forms = None
         if signature is not None:
+            from ._signature_forms import parse_forms
+
             forms = parse_forms(signature, f"custom_backward({self._name})")
         self._signature = ForwardSignature(fn, self._name, forms)
         for name in residuals:

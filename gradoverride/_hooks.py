@@ -29,7 +29,6 @@ from ._errors import GradOverrideError, GradOverrideTypeError
 from ._internals import transforms_active
 from ._jit import RefuseScripting
 from ._signature import describe
-from ._transform import transformed
 
 if TYPE_CHECKING:
     from .recipes._base import GradientTransform
@@ -271,6 +270,7 @@ class _AtInputs(_Transforming):
         if not torch.is_grad_enabled():
             return None
         transform = self.transform
+        from ._transform import transformed
 
         def through(t: Any) -> Any:
             if isinstance(t, Tensor) and t.requires_grad:
@@ -362,6 +362,8 @@ class _ParameterHooks:
                     if id(p) not in self.hooked:
                         self._hook_later(p)
                 else:
+                    from ._transform import transformed
+
                     self.swapped.append((params, name, p))
                     params[name] = transformed(p, self.transform)  # type: ignore[assignment]
 

@@ -27,9 +27,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ._errors import GradOverrideTypeError
-from ._signature_forms import parse_forms, read_forms
 
-__all__ = ["ForwardSignature", "describe", "parse_forms"]
+__all__ = ["ForwardSignature", "describe"]
 
 _EMPTY = inspect.Parameter.empty
 _POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
@@ -199,7 +198,13 @@ class ForwardSignature:
         if forms:
             self.forms, self._omit_defaults = tuple(forms), True
         else:
-            self.forms, self._omit_defaults = read_forms(fn)
+            try:
+                self.forms, self._omit_defaults = (inspect.signature(fn),), False
+            except (TypeError, ValueError):
+                # A builtin: its forms are read from its docstring (imported only then).
+                from ._signature_forms import read_forms
+
+                self.forms, self._omit_defaults = read_forms(fn)
         self.signature = self.forms[0]
         self.names: tuple[str, ...] = tuple(_merge_names(self.forms))
         self.index = {n: i for i, n in enumerate(self.names)}
