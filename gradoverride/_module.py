@@ -626,6 +626,21 @@ class _OverriddenForward:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self._rule.call(self.module, args, kwargs)
 
+    # What tools read off a bound `forward` (torch.export reads `__code__` for the argument
+    # names, `inspect.signature` the signature): the module's own forward's.
+    @property
+    def __code__(self) -> Any:
+        return type(self.module).forward.__code__
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        params = list(inspect.signature(type(self.module).forward).parameters.values())
+        return inspect.Signature(params[1:])
+
+    @property
+    def __name__(self) -> str:
+        return "forward"
+
     def __reduce__(self) -> tuple[Any, ...]:
         from ._decorators import _require_importable
 

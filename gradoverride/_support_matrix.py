@@ -53,6 +53,8 @@ CONTEXTS: tuple[tuple[str, str], ...] = (
     ("torch.jit.script", "`torch.jit.script` of the module"),
     ("autocast", "`torch.autocast('cpu', dtype=torch.bfloat16)`"),
     ("threads", "two threads calling the same module at once"),
+    ("torch.export", "`torch.export.export` of the module: an inference graph of the forward, "
+     "with the same outputs (no rule applies in it)"),
 )
 
 
@@ -91,6 +93,13 @@ _SCRIPT_BRIDGE = Refusal(
     error="RuntimeError",
     match=r"Bridge",
 )
+_NUMPY_EXPORT = Refusal(
+    "`torch.export` traces the forward with fake tensors, which numpy cannot read: PyTorch "
+    "raises its own error (\".numpy() is not supported for tensor subclasses\"). Export the "
+    "parts around the numpy call.",
+    error="RuntimeError",
+    match=r"numpy\(\) is not supported",
+)
 _SOLVER_OUTPUT = Refusal(
     "The solver's rule reads the solver's output (the interpolation of Vlastelica et al. "
     "compares two solutions), so an in-place op on that output changes what the rule reads; "
@@ -111,6 +120,7 @@ REFUSED: dict[tuple[str, str], Refusal] = {
             ("compile dynamic", _NUMPY_COMPILE),
             ("torch.func.grad", _NUMPY_TRANSFORM),
             ("vmap", _NUMPY_TRANSFORM),
+            ("torch.export", _NUMPY_EXPORT),
         )
     },
 }
@@ -181,8 +191,10 @@ def markdown() -> str:
         "",
         "`torch.export` and ONNX export record the forward for inference: the graph they "
         "produce has no backward, so no rule applies there, and the exported forward is the "
-        "op's forward (a straight-through round exports as a round). Export a trained model "
-        "for inference; train with eager mode or `torch.compile`.",
+        "op's forward (a straight-through round exports as a round); the `torch.export` "
+        "column checks that it gives the module's outputs. Export a trained model for "
+        "inference; train with eager mode or `torch.compile`. (ONNX export goes through "
+        "`torch.export` and needs the `onnx` package, which the tests do not install.)",
         "",
     ]
     return "\n".join(lines)

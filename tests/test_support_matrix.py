@@ -191,6 +191,12 @@ def run_threads(kind: str) -> None:
         assert_same(result, expected)
 
 
+def run_export(kind: str) -> None:
+    module = CASES[kind].build()
+    exported = torch.export.export(module, (X,)).module()
+    torch.testing.assert_close(exported(X), module(X))
+
+
 RUN: dict[str, Callable[[str], None]] = {
     "eager": run_eager,
     "compile": run_compile,
@@ -205,6 +211,7 @@ RUN: dict[str, Callable[[str], None]] = {
     "torch.jit.script": run_script,
     "autocast": run_autocast,
     "threads": run_threads,
+    "torch.export": run_export,
 }
 
 
