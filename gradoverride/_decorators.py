@@ -298,7 +298,7 @@ class CustomBackward(Generic[P, R]):
 
     def __repr__(self) -> str:
         rule = "no rule" if self._rule is None else f"backward={self._rule.name}"
-        return f"<custom_backward {self._name}{self._signature.signature}, {rule}>"
+        return f"<custom_backward {self._signature!r}, {rule}>"
 
     def __deepcopy__(self, memo: dict[int, Any]) -> CustomBackward[P, R]:
         return self  # shared, as a function is: an op holds no per-copy state

@@ -34,7 +34,7 @@ def function_name(fn: object) -> str:
     if isinstance(fn, functools.partial):
         return function_name(fn.func)
     # torch's builtins live on a private class; `torch.tanh` is how users write them.
-    return describe(fn).replace("_VariableFunctionsClass.", "torch.", 1)
+    return describe(fn)
 
 
 def _parameters(fn: Callable[..., Any]) -> list[inspect.Parameter]:
