@@ -342,6 +342,46 @@ def test_every_recipe_compiles_with_fullgraph_and_matches_eager() -> None:
     assert_consistent(loss, x0, s0, modes=("compile",))
 
 
+WINDOWED = [
+    (R.binarize(), -1.0, 1.0),
+    (R.binarize(keep="mask"), -1.0, 1.0),
+    (R.ste_clamp(-0.5, 1.0, outside="zero"), -0.5, 1.0),
+    (R.ste_clamp(-1.0, 1.0, outside="zero", keep="mask"), -1.0, 1.0),
+]
+
+
+@pytest.mark.compile
+@_TORCH_CTX_WARNING
+@pytest.mark.parametrize("recipe,low,high", WINDOWED, ids=[repr(r) for r, _, _ in WINDOWED])
+def test_windows_compile_with_dynamic_shapes_and_match_eager(
+    recipe: Any, low: float, high: float
+) -> None:
+    # Under dynamic shapes dynamo traces the bounds as symbolic floats: the window must still
+    # compile (it once failed rounding them at trace time) and include its bounds.
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    at_bounds = [low, high, math.nextafter(low, -2.0), math.nextafter(high, 2.0)]
+    inputs = [
+        torch.tensor([*at_bounds, -2.0, 0.0, 0.75, 2.0]),
+        torch.tensor([*at_bounds, -3.0, -0.25, 0.5, 0.9, 1.5, 3.0, -0.0]),
+    ]
+    counter = CompileCounterWithBackend("aot_eager")
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(recipe, dynamic=True, fullgraph=True, backend=counter)
+        compiles = []
+        for x in inputs:
+            g = torch.randn(x.shape, generator=torch.Generator().manual_seed(0))
+            y, gx = _grad(recipe, x, g)
+            y_c, gx_c = _grad(compiled, x, g)
+            assert torch.equal(y_c, y) and torch.equal(gx_c, gx), (x, gx_c, gx)
+            assert torch.equal(gx, _window(x, g, low, high))
+            compiles.append(counter.frame_count)
+    finally:
+        torch._dynamo.reset()
+    assert compiles[1] == compiles[0]  # the graph for the first shape serves the second
+
+
 @pytest.mark.parametrize(
     "recipe", [R.ste_round(), R.binarize(), R.ste_clamp(-1.0, 1.0, outside="zero"),
                R.quantize(bits=3, bound=1.0)], ids=repr

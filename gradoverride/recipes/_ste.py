@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import torch
 from torch import Tensor, nn
@@ -25,9 +25,11 @@ from .._frameworks import is_tensorflow
 from .._straight_through import (
     DEFAULT_KEEP,
     Keep,
+    WindowBounds,
     masked_gradient,
     parse_clip,
     straight_through,
+    window_bounds,
     window_gradient,
     window_mask,
 )
@@ -81,25 +83,38 @@ def _(grad: Tensor) -> Tensor:
     return grad
 
 
+class _Windowed(Protocol):
+    """A recipe whose gradient passes inside a window: `ste_clamp`, `binarize`."""
+
+    @property
+    def _bounds(self) -> WindowBounds | None: ...
+
+    @property
+    def keep(self) -> Keep: ...
+
+    def _forward(self, x: Tensor) -> Tensor: ...
+
+
+# The recipe itself is the argument, not its bounds: the op's argument check would visit
+# every bound of the table, and dynamo then traces each as a symbolic float under dynamic
+# shapes and restarts its analysis to fix those the graph does not use.
+
+
 @custom_backward
-def _ste_window(
-    x: Tensor, forward: Callable[[Tensor], Tensor], low: float, high: float
-) -> Tensor:
-    """`forward(x)`; backward the upstream gradient where low <= x <= high (keeps x)."""
-    return forward(x)
+def _ste_window(x: Tensor, recipe: _Windowed) -> Tensor:
+    """`recipe._forward(x)`; backward the upstream gradient inside the window (keeps x)."""
+    return recipe._forward(x)
 
 
 @_ste_window.backward
-def _(grad: Tensor, *, x: Tensor, low: float, high: float) -> Tensor:
-    return window_gradient(grad, x, low, high)
+def _(grad: Tensor, *, x: Tensor, recipe: _Windowed) -> Tensor:
+    return window_gradient(grad, x, _bounds_of(recipe))
 
 
 @custom_backward(residuals=("mask",))
-def _ste_window_mask(
-    x: Tensor, forward: Callable[[Tensor], Tensor], low: float, high: float
-) -> Any:
+def _ste_window_mask(x: Tensor, recipe: _Windowed) -> Any:
     """As `_ste_window`, keeping a one-byte mask of the window instead of x."""
-    return forward(x), {"mask": window_mask(x, low, high)}
+    return recipe._forward(x), {"mask": window_mask(x, _bounds_of(recipe))}
 
 
 @_ste_window_mask.backward
@@ -107,18 +122,21 @@ def _(grad: Tensor, *, mask: Tensor) -> Tensor:
     return masked_gradient(grad, mask)
 
 
-def _windowed(
-    x: Tensor,
-    forward: Callable[[Tensor], Tensor],
-    window: tuple[float, float] | None,
-    keep: Keep,
-) -> Tensor:
-    if window is None:
-        return _ste(x, forward)
-    if keep == "mask":
-        result: Tensor = _ste_window_mask(x, forward, *window)
+def _bounds_of(recipe: _Windowed) -> WindowBounds:
+    bounds = recipe._bounds
+    if bounds is None:  # pragma: no cover - `_windowed` calls the windowed ops with a window only
+        msg = f"{recipe!r} has no window to test its input against."
+        raise GradOverrideError(msg)
+    return bounds
+
+
+def _windowed(x: Tensor, recipe: _Windowed) -> Tensor:
+    if recipe._bounds is None:
+        return _ste(x, recipe._forward)
+    if recipe.keep == "mask":
+        result: Tensor = _ste_window_mask(x, recipe)
         return result
-    return _ste_window(x, forward, *window)
+    return _ste_window(x, recipe)
 
 
 def _check_keep(recipe: Recipe, keep: object) -> None:
@@ -218,6 +236,7 @@ class ste_clamp(Recipe):
     outside: Literal["pass", "zero"]
     keep: Keep = DEFAULT_KEEP
     _window: tuple[float, float] = field(init=False, repr=False, compare=False)
+    _bounds: WindowBounds | None = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.outside not in ("pass", "zero"):
@@ -228,6 +247,7 @@ class ste_clamp(Recipe):
             raise GradOverrideError(msg)
         _check_keep(self, self.keep)
         _set(self, "_window", parse_clip((self.low, self.high), "ste_clamp", "(low, high)"))
+        _set(self, "_bounds", window_bounds(self._window) if self.outside == "zero" else None)
 
     def _forward(self, x: Tensor) -> Tensor:
         return torch.clamp(x, self.low, self.high)
@@ -235,8 +255,7 @@ class ste_clamp(Recipe):
     def __call__(self, x: Tensor) -> Tensor:
         if not isinstance(x, Tensor) and is_tensorflow(x):
             return tensorflow_call(self, x)
-        window = self._window if self.outside == "zero" else None
-        return _windowed(x, self._forward, window, self.keep)
+        return _windowed(x, self)
 
 
 def _binary_sign(x: Tensor) -> Tensor:
@@ -262,16 +281,21 @@ class binarize(Recipe):
     clip: float | None = 1.0
     keep: Keep = DEFAULT_KEEP
     _window: tuple[float, float] | None = field(init=False, repr=False, compare=False)
+    _bounds: WindowBounds | None = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         _check_keep(self, self.keep)
         window = None if self.clip is None else parse_clip(self.clip, "binarize")
         _set(self, "_window", window)
+        _set(self, "_bounds", None if window is None else window_bounds(window))
 
     def __call__(self, x: Tensor) -> Tensor:
         if not isinstance(x, Tensor) and is_tensorflow(x):
             return tensorflow_call(self, x)
-        return _windowed(x, _binary_sign, self._window, self.keep)
+        return _windowed(x, self)
+
+    def _forward(self, x: Tensor) -> Tensor:
+        return _binary_sign(x)
 
 
 # ---- ternarize -----------------------------------------------------------------------------
