@@ -139,6 +139,26 @@ def _windowed(x: Tensor, recipe: _Windowed) -> Tensor:
     return _ste_window(x, recipe)
 
 
+def _check_input(recipe: object, x: object, argument: str = "x") -> None:
+    """Refuse an input a straight-through recipe cannot pass a gradient to: every recipe
+    here exists for its backward, and an integer or bool tensor never gets a gradient."""
+    if isinstance(x, Tensor) and x.dtype.is_floating_point:
+        return
+    if not isinstance(x, Tensor):
+        got, fix = type(x).__name__, f"torch.as_tensor({argument}, dtype=torch.float32)"
+    elif x.dtype.is_complex:
+        got, fix = f"a {x.dtype} tensor (the recipes are defined on real numbers)", ""
+    else:
+        got, fix = f"a {x.dtype} tensor, which gets no gradient", f"{argument}.float()"
+    msg = (
+        f"{recipe!r}: `{argument}` must be a floating-point tensor (float16, bfloat16, "
+        f"float32 or float64); got {got}."
+    )
+    if fix:
+        msg += f" Convert it first: `{fix}`."
+    raise GradOverrideTypeError(msg)
+
+
 def _check_keep(recipe: Recipe, keep: object) -> None:
     if keep not in ("input", "mask"):
         msg = (
@@ -178,6 +198,7 @@ class ste_round(Recipe):
     def __call__(self, x: Tensor) -> Tensor:
         if not isinstance(x, Tensor) and is_tensorflow(x):
             return tensorflow_call(self, x)
+        _check_input(self, x)
         return _ste_round(x)
 
 
@@ -188,6 +209,7 @@ class ste_floor(Recipe):
     def __call__(self, x: Tensor) -> Tensor:
         if not isinstance(x, Tensor) and is_tensorflow(x):
             return tensorflow_call(self, x)
+        _check_input(self, x)
         return _ste_floor(x)
 
 
@@ -198,6 +220,7 @@ class ste_ceil(Recipe):
     def __call__(self, x: Tensor) -> Tensor:
         if not isinstance(x, Tensor) and is_tensorflow(x):
             return tensorflow_call(self, x)
+        _check_input(self, x)
         return _ste_ceil(x)
 
 
@@ -212,6 +235,7 @@ class ste_sign(Recipe):
     def __call__(self, x: Tensor) -> Tensor:
         if not isinstance(x, Tensor) and is_tensorflow(x):
             return tensorflow_call(self, x)
+        _check_input(self, x)
         return _ste_sign(x)
 
 
@@ -255,6 +279,7 @@ class ste_clamp(Recipe):
     def __call__(self, x: Tensor) -> Tensor:
         if not isinstance(x, Tensor) and is_tensorflow(x):
             return tensorflow_call(self, x)
+        _check_input(self, x)
         return _windowed(x, self)
 
 
@@ -292,6 +317,7 @@ class binarize(Recipe):
     def __call__(self, x: Tensor) -> Tensor:
         if not isinstance(x, Tensor) and is_tensorflow(x):
             return tensorflow_call(self, x)
+        _check_input(self, x)
         return _windowed(x, self)
 
     def _forward(self, x: Tensor) -> Tensor:
@@ -347,6 +373,7 @@ class ternarize(Recipe):
     def __call__(self, x: Tensor) -> Tensor:
         if not isinstance(x, Tensor) and is_tensorflow(x):
             return tensorflow_call(self, x)
+        _check_input(self, x)
         return _ste(x, self._forward)
 
 
@@ -485,6 +512,7 @@ class quantize(Recipe):
     def __call__(self, x: Tensor) -> Tensor:
         if not isinstance(x, Tensor) and is_tensorflow(x):
             return tensorflow_call(self, x)
+        _check_input(self, x)
         if self.keep == "mask":
             result: Tensor = _quantize_mask(x, self)
             return result
@@ -552,21 +580,23 @@ class lsq(Recipe):
     def __call__(self, x: Tensor, step: Tensor) -> Tensor:
         if not isinstance(x, Tensor) and is_tensorflow(x):
             return tensorflow_call(self, x, step)
+        _check_input(self, x)
         if not isinstance(step, Tensor):
             msg = (
                 f"{self!r}: `step` must be a tensor (a learnable parameter), got "
                 f"{type(step).__name__} {step!r}; use `lsq(...).module()` to hold it."
             )
             raise GradOverrideTypeError(msg)
+        _check_input(self, step, "step")
         return _lsq(x, step, self)
 
     def init_step(self, x: Tensor) -> Tensor:
         """The paper's initial step for `x`: 2 * mean(|x|) / sqrt(Qp), floored at the dtype's
         smallest normal number so an all-zero first input (a zero-initialised weight, an
         all-zero ReLU batch) does not give step 0, which makes x / step NaN for good."""
+        _check_input(self, x)
         step = 2 * x.detach().abs().mean() / math.sqrt(self.code_range[1])
-        tiny = torch.finfo(x.dtype).tiny if x.dtype.is_floating_point else 1e-38
-        return step.clamp_min(tiny)
+        return step.clamp_min(torch.finfo(x.dtype).tiny)
 
     def module(self, step: float | None = None) -> LearnedStepQuantizer:  # type: ignore[override]
         """An `nn.Module` with a learnable `step` (from the first input when None)."""
@@ -585,6 +615,7 @@ class LearnedStepQuantizer(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         if not isinstance(x, Tensor) and is_tensorflow(x):
             return tensorflow_call(self, x)
+        _check_input(self.recipe, x)
         if self._needs_init:
             with torch.no_grad():
                 self.step.copy_(self.recipe.init_step(x))
