@@ -8,8 +8,19 @@ pushes the feature extractor to drop what tells the domains apart, `x1` included
 label classifier then uses the feature that works in both domains (`x0`).
 
 Printed: the domain accuracy (a fresh probe trained to tell the domains apart from the
-current features) falls toward chance (0.5) while the task accuracy on the target domain,
-whose labels are never used in training, rises. Runs in a few seconds on a CPU.
+current features, scored on held-out samples) falls toward chance (0.5) while the task
+accuracy on the target domain, whose labels are never used in training, rises far above
+that of the same classifier trained on the source alone (near chance). Runs in a few
+seconds on a CPU.
+
+Two choices keep the result stable (the adversarial game oscillates, and what it reaches
+varies with the seed and the CPU's rounding):
+
+* the probe is scored on samples it was not trained on: scored on its own training
+  samples, it reads about 0.6 even on features that carry no domain information at all;
+* the domain head is wide (64 hidden units) and the reversal ramps to 2: a strong domain
+  classifier and a firm push make the features drop the domain instead of trading it back
+  and forth with the task loss, which keeps wanting `x1`.
 
     python examples/domain_adversarial.py
 """
@@ -39,8 +50,11 @@ def accuracy(logits: torch.Tensor, labels: torch.Tensor) -> float:
     return float(((logits.squeeze(-1) > 0).long() == labels).float().mean())
 
 
-def domain_probe_accuracy(features: torch.Tensor, domains: torch.Tensor) -> float:
-    """How well a fresh small classifier tells the domains apart from these features."""
+def domain_probe_accuracy(
+    features: torch.Tensor, held_out: torch.Tensor, domains: torch.Tensor
+) -> float:
+    """How well a fresh small classifier, trained on `features`, tells the domains apart on
+    the `held_out` features of other samples (chance: 0.5); `domains` labels both."""
     torch.manual_seed(1)
     probe = nn.Sequential(nn.Linear(features.shape[1], 16), nn.ReLU(), nn.Linear(16, 1))
     optimizer = torch.optim.Adam(probe.parameters(), lr=1e-2)
@@ -53,22 +67,48 @@ def domain_probe_accuracy(features: torch.Tensor, domains: torch.Tensor) -> floa
         loss.backward()
         optimizer.step()
     with torch.no_grad():
-        return accuracy(probe(features), domains)
+        return accuracy(probe(held_out), domains)
 
 
-def main(steps: int = STEPS) -> tuple[list[float], list[float]]:
+def classifier() -> tuple[nn.Module, nn.Module]:
+    """The feature extractor and the label classifier on top of it."""
+    return nn.Sequential(nn.Linear(6, 32), nn.ReLU(), nn.Linear(32, 8), nn.ReLU()), nn.Linear(8, 1)
+
+
+def source_only_accuracy(
+    xs: torch.Tensor, ys: torch.Tensor, xt: torch.Tensor, yt: torch.Tensor, steps: int = 200
+) -> float:
+    """The target accuracy of the same classifier trained on the source alone, without the
+    domain classifier: it leans on `x1` and is near chance on the target."""
+    features, task_head = classifier()
+    optimizer = torch.optim.Adam([*features.parameters(), *task_head.parameters()], lr=1e-2)
+    for _ in range(steps):
+        loss = nn.functional.binary_cross_entropy_with_logits(
+            task_head(features(xs)).squeeze(-1), ys.float()
+        )
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    with torch.no_grad():
+        return accuracy(task_head(features(xt)), yt)
+
+
+def main(steps: int = STEPS, seed: int = 0) -> tuple[list[float], list[float], float]:
+    """Train; return the domain and target-task accuracies printed, and the source-only
+    baseline. `seed` seeds the data and the initialisation."""
     torch.set_num_threads(1)  # tiny tensors: threads cost more than they save
-    gen = torch.Generator().manual_seed(0)
-    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
     xs, ys = make_domain(1000, target=False, gen=gen)
     xt, yt = make_domain(1000, target=True, gen=gen)
     x_both = torch.cat([xs, xt])
     domains = torch.cat([torch.zeros(1000), torch.ones(1000)]).long()
+    x_held_out = torch.cat([make_domain(1000, target=False, gen=gen)[0],
+                            make_domain(1000, target=True, gen=gen)[0]])  # for the probe only
 
-    features = nn.Sequential(nn.Linear(6, 32), nn.ReLU(), nn.Linear(32, 8), nn.ReLU())
-    task_head = nn.Linear(8, 1)
-    reversal = reverse_grad(scale=ganin_ramp(total_steps=steps)).module()
-    domain_head = nn.Sequential(reversal, nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1))
+    features, task_head = classifier()
+    reversal = reverse_grad(scale=ganin_ramp(total_steps=steps, max_scale=2.0)).module()
+    domain_head = nn.Sequential(reversal, nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 1))
     print(domain_head)
     params = [*features.parameters(), *task_head.parameters(), *domain_head.parameters()]
     optimizer = torch.optim.Adam(params, lr=1e-2)
@@ -80,7 +120,8 @@ def main(steps: int = STEPS) -> tuple[list[float], list[float]]:
             with torch.no_grad():
                 target_acc = accuracy(task_head(features(xt)), yt)
                 source_acc = accuracy(task_head(features(xs)), ys)
-            probe_acc = domain_probe_accuracy(features(x_both), domains)
+                seen, unseen = features(x_both), features(x_held_out)
+            probe_acc = domain_probe_accuracy(seen, unseen, domains)
             domain_acc.append(probe_acc)
             task_acc.append(target_acc)
             print(
@@ -102,11 +143,14 @@ def main(steps: int = STEPS) -> tuple[list[float], list[float]]:
         optimizer.step()
         reversal.step()  # advance the ramp once per training step
 
+    baseline = source_only_accuracy(xs, ys, xt, yt)
+    print(f"trained on the source alone: task accuracy (target) {baseline:.3f}")
     print(
         f"domain accuracy fell from {max(domain_acc[:2]):.3f} to {domain_acc[-1]:.3f} "
-        f"(chance 0.5); task accuracy rose from {task_acc[0]:.3f} to {task_acc[-1]:.3f}"
+        f"(chance 0.5); task accuracy (target) rose from {baseline:.3f} (source alone) "
+        f"to {task_acc[-1]:.3f}"
     )
-    return domain_acc, task_acc
+    return domain_acc, task_acc, baseline
 
 
 if __name__ == "__main__":

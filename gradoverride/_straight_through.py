@@ -34,14 +34,16 @@ from typing_extensions import ParamSpec
 
 from ._decorators import CustomBackward, custom_backward
 from ._errors import GradOverrideError, GradOverrideTypeError
-from ._internals import assume_constant_result
 
 __all__ = [
     "DEFAULT_KEEP",
+    "Bounds",
     "Keep",
+    "WindowBounds",
     "masked_gradient",
     "parse_clip",
     "straight_through",
+    "window_bounds",
     "window_gradient",
     "window_mask",
     "window_outside",
@@ -96,68 +98,102 @@ def parse_clip(clip: object, where: str, argument: str = "clip") -> tuple[float,
     raise GradOverrideTypeError(msg)
 
 
-# The window is two plain floats, not an object: dynamo cannot wrap a user object met in a
-# closure while it speculates a Function's forward or backward.
+# The window reaches the functions below as `WindowBounds` (`window_bounds`), a dict of plain
+# floats rather than an object: dynamo cannot wrap a user object met in a closure while it
+# speculates a Function's forward or backward. Everything that depends on the bounds' values
+# is decided when the op or recipe is built, not while tracing: under dynamic shapes dynamo
+# may trace each bound as a symbolic float, known only when the graph runs, so nothing can
+# round it at trace time, and comparing two such floats (`low == -high`) makes dynamo
+# specialise them and restart its analysis, over and over (torch 2.13).
 #
 # Eager and compiled code use different forms of the same window, each the fastest measured
 # (benchmarks/ste.py). Eager: one `hardtanh_backward` kernel, or a bool mask. Compiled: the
-# window as arithmetic, sign(sign(high - x) + 1) (1 inside, bounds included; 0 outside),
+# window as arithmetic, sign(1 - sign(x - high)) (1 inside, bounds included; 0 outside),
 # because Inductor's CPU kernels that write bool tensors ran ~3x slower than eager, and a
 # comparison in the backward let the partitioner save a bool mask in place of the input
-# (the arithmetic form took 0.25x the time of `torch.where` at 4096x4096).
+# (the arithmetic form took 0.25x the time of `torch.where` at 4096x4096; the symmetric
+# form, on |x|, ~5% less than testing both bounds).
+
+Bounds = tuple[float | None, float]
+"""A window's bounds `(low, high)`; `low` is None for the symmetric window [-high, high]."""
+
+WindowBounds = dict[torch.dtype | None, Bounds]
+"""A window's bounds rounded to each floating dtype (key None: as given, for other dtypes)."""
+
+_ROUNDED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-def window_gradient(grad: Tensor, x: Tensor, low: float, high: float) -> Tensor:
-    """`grad` where `low <= x <= high`, zero elsewhere. The gradient at a NaN input is not
-    specified: torch's `hardtanh_backward` gives 0 or the upstream gradient depending on
-    where the element falls in its vectorized loop (the input is NaN either way)."""
+def window_bounds(window: tuple[float, float]) -> WindowBounds:
+    """The window `(low, high)` as the functions below take it: its bounds rounded to each
+    floating dtype, as eager mode's `x <= high` rounds them, so that comparing an input with
+    them needs no rounding. Inductor computes float16 and bfloat16 arithmetic in float32 and
+    would otherwise compare with the bound unrounded, putting an input equal to the rounded
+    bound (0.3 rounds up in float16) outside the window."""
+    low, high = window
+    given: Bounds = (None, high) if low == -high else (low, high)
+    bounds: WindowBounds = {None: given}
+    for dtype in _ROUNDED_DTYPES:
+        bounds[dtype] = (None if given[0] is None else _rounded(given[0], dtype),
+                         _rounded(high, dtype))
+    return bounds
+
+
+def _rounded(value: float, dtype: torch.dtype) -> float:
+    """`value` rounded to `dtype` (through float32 for narrower dtypes, as torch converts a
+    Python number), as a Python float."""
+    return float(torch.tensor(value, dtype=torch.float64).to(dtype).item())
+
+
+def _bounds_for(bounds: WindowBounds, dtype: torch.dtype) -> Bounds:
+    return bounds.get(dtype) or bounds[None]
+
+
+def window_gradient(grad: Tensor, x: Tensor, bounds: WindowBounds) -> Tensor:
+    """`grad` inside the window (`window_bounds`), zero outside. The gradient at a NaN input
+    is not specified: torch's `hardtanh_backward` gives 0 or the upstream gradient depending
+    on where the element falls in its vectorized loop (the input is NaN either way)."""
+    low, high = _bounds_for(bounds, x.dtype)
     if torch.compiler.is_compiling():
         return grad * _inside(x, low, high)
     if grad.dtype == x.dtype:
-        bounds = _open_bounds(low, high, x.dtype)
-        if bounds is not None:
-            result: Tensor = torch.ops.aten.hardtanh_backward(grad, x, bounds[0], bounds[1])
+        open_bounds = _open_bounds(-high if low is None else low, high, x.dtype)
+        if open_bounds is not None:
+            result: Tensor = torch.ops.aten.hardtanh_backward(grad, x, *open_bounds)
             return result
-    return torch.where(window_outside(x, low, high), 0, grad)
+    return torch.where(_outside(x, low, high), 0, grad)
 
 
-def window_outside(x: Tensor, low: float, high: float) -> Tensor:
-    """The bool mask of inputs outside `[low, high]`."""
-    if low == -high:
+def window_outside(x: Tensor, bounds: WindowBounds) -> Tensor:
+    """The bool mask of inputs outside the window (`window_bounds`)."""
+    return _outside(x, *_bounds_for(bounds, x.dtype))
+
+
+def _outside(x: Tensor, low: float | None, high: float) -> Tensor:
+    if low is None:
         return x.abs() > high
     return (x < low) | (x > high)
 
 
-def _rounded_now(value: float, dtype: torch.dtype) -> float:
-    """`value` rounded to `dtype`, as a Python float."""
-    return float(torch.tensor(value, dtype=torch.float64).to(dtype).item())
+def _inside(x: Tensor, low: float | None, high: float) -> Tensor:
+    """1 where x is inside the window, else 0, in x's dtype, without comparisons.
 
-
-# Under dynamo this runs at trace time and its result is a constant (no `.item()` traced).
-_rounded: Callable[[float, torch.dtype], float] = assume_constant_result(_rounded_now)
-
-
-def _inside(x: Tensor, low: float, high: float) -> Tensor:
-    """1 where `low <= x <= high`, else 0, in x's dtype, without comparisons.
-
-    The bounds are first rounded to x's dtype, as eager mode's comparisons do: Inductor
-    computes float16 arithmetic in float32 with the Python constant unrounded, which would
-    put an input equal to the rounded bound (0.3 rounds up in float16) outside."""
-    high = _rounded(high, x.dtype)
-    if low == -high:
-        return torch.sign(torch.sign(high - x.abs()) + 1)
-    inside = torch.sign(torch.sign(high - x) + 1)
-    if not math.isinf(low):
-        inside = inside * torch.sign(torch.sign(x - _rounded(low, x.dtype)) + 1)
+    Each bound is subtracted from a tensor (`x - high`, not `high - x`): dynamo turns a
+    symbolic float into a tensor for `tensor - float`, and for `float - tensor` specialises
+    it and restarts its analysis."""
+    if low is None:
+        return torch.sign(1 - torch.sign(x.abs() - high))
+    inside = torch.sign(1 - torch.sign(x - high))
+    if low > -math.inf:  # not `math.isinf`, which dynamo cannot apply to a symbolic float
+        inside = inside * torch.sign(torch.sign(x - low) + 1)
     return inside
 
 
-def window_mask(x: Tensor, low: float, high: float) -> Tensor:
+def window_mask(x: Tensor, bounds: WindowBounds) -> Tensor:
     """What `keep="mask"` saves, one byte per element: where x is outside the window (bool)
     in eager mode, where it is inside (uint8, no bool kernel) while compiling."""
     if torch.compiler.is_compiling():
-        return _inside(x, low, high).to(torch.uint8)
-    return window_outside(x, low, high)
+        return _inside(x, *_bounds_for(bounds, x.dtype)).to(torch.uint8)
+    return window_outside(x, bounds)
 
 
 def masked_gradient(grad: Tensor, mask: Tensor) -> Tensor:
@@ -314,7 +350,7 @@ def _build(
     op: CustomBackward[..., Any] = custom_backward(fn)
     first = _first_parameter(op, where)
     n_params = len(op.parameters)
-    lh = window
+    bounds = None if window is None else window_bounds(window)
 
     if surrogate is not None:
         sur = surrogate
@@ -332,7 +368,7 @@ def _build(
                 )
                 raise GradOverrideError(msg)
             (grad,) = vjp(upstream.to(value.dtype))
-            return grad if lh is None else window_gradient(grad, x, *lh)
+            return grad if bounds is None else window_gradient(grad, x, bounds)
 
         requested: tuple[str, ...] = (first,)
     elif derivative is not None:
@@ -341,14 +377,14 @@ def _build(
         def body(upstream: Tensor, **saved: Any) -> Tensor:
             x = saved[first]
             grad = upstream * deriv(x)
-            return grad if lh is None else window_gradient(grad, x, *lh)
+            return grad if bounds is None else window_gradient(grad, x, bounds)
 
         requested = (first,)
-    elif window is not None:
-        low, high = window
+    elif bounds is not None:
+        clip_bounds = bounds
 
         def body(upstream: Tensor, **saved: Any) -> Tensor:
-            return window_gradient(upstream, saved[first], low, high)
+            return window_gradient(upstream, saved[first], clip_bounds)
 
         requested = (first,)
     else:
@@ -356,7 +392,7 @@ def _build(
         requested = ()
     op.backward(_rule(body, first, n_params, requested, name))
     op._tensorflow_rule = _tensorflow_rule(
-        op._name, first, n_params, window=lh, surrogate=surrogate, derivative=derivative
+        op._name, first, n_params, window=window, surrogate=surrogate, derivative=derivative
     )
     return op
 
@@ -391,17 +427,17 @@ def _build_mask(
     fn: Callable[..., Any], window: tuple[float, float], name: str
 ) -> CustomBackward[..., Any]:
     """keep='mask': the forward also returns where its input is outside the window."""
-    low, high = window
+    bounds = window_bounds(window)
 
     @functools.wraps(fn)
     def forward(*args: Any, **kwargs: Any) -> Any:
         x = args[0]
         if isinstance(x, Tensor):
-            mask = window_mask(x, low, high)
+            mask = window_mask(x, bounds)
         else:  # a TensorFlow tensor: only then is the TensorFlow side imported
             from ._tensorflow._straight_through import window_mask as tensorflow_window_mask
 
-            mask = tensorflow_window_mask(x, low, high)
+            mask = tensorflow_window_mask(x, *window)
         return fn(*args, **kwargs), {"mask": mask}
 
     op: CustomBackward[..., Any] = custom_backward(forward, residuals=("mask",))

@@ -77,10 +77,11 @@ def _check_rose(out: str, what: str, minimum: float) -> None:
 
 
 def _check_domain_adversarial(out: str) -> None:
-    """Domain accuracy falls toward chance (0.5) while target-domain task accuracy rises."""
+    """Domain accuracy falls toward chance (0.5), and target-domain task accuracy rises well
+    above that of the same classifier trained on the source alone (near chance)."""
     match = re.search(
         rf"domain accuracy fell from {_NUMBER} to {_NUMBER} \(chance 0\.5\); "
-        rf"task accuracy rose from {_NUMBER} to {_NUMBER}",
+        rf"task accuracy \(target\) rose from {_NUMBER} \(source alone\) to {_NUMBER}",
         out,
     )
     assert match, f"no 'domain accuracy fell from ... task accuracy rose from ...' line:\n{out}"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import math
+import re
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -342,6 +343,38 @@ def test_every_recipe_compiles_with_fullgraph_and_matches_eager() -> None:
     assert_consistent(loss, x0, s0, modes=("compile",))
 
 
+@pytest.mark.compile
+@_TORCH_CTX_WARNING
+@pytest.mark.parametrize("recipe,low,high", WINDOWED, ids=[repr(r) for r, *_ in WINDOWED])
+def test_windows_compile_with_dynamic_shapes_and_match_eager(
+    recipe: Any, low: float, high: float
+) -> None:
+    # Under dynamic shapes dynamo traces the bounds as symbolic floats: the window must still
+    # compile (it once failed rounding them at trace time) and include its bounds.
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    at_bounds = [low, high, math.nextafter(low, -2.0), math.nextafter(high, 2.0)]
+    inputs = [
+        torch.tensor([*at_bounds, -2.0, 0.0, 0.75, 2.0]),
+        torch.tensor([*at_bounds, -3.0, -0.25, 0.5, 0.9, 1.5, 3.0, -0.0]),
+    ]
+    counter = CompileCounterWithBackend("aot_eager")
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(recipe, dynamic=True, fullgraph=True, backend=counter)
+        compiles = []
+        for x in inputs:
+            g = torch.randn(x.shape, generator=torch.Generator().manual_seed(0))
+            y, gx = _grad(recipe, x, g)
+            y_c, gx_c = _grad(compiled, x, g)
+            assert torch.equal(y_c, y) and torch.equal(gx_c, gx), (x, gx_c, gx)
+            assert torch.equal(gx, _window(x, g, low, high))
+            compiles.append(counter.frame_count)
+    finally:
+        torch._dynamo.reset()
+    assert compiles[1] == compiles[0]  # the graph for the first shape serves the second
+
+
 @pytest.mark.parametrize(
     "recipe", [R.ste_round(), R.binarize(), R.ste_clamp(-1.0, 1.0, outside="zero"),
                R.quantize(bits=3, bound=1.0)], ids=repr
@@ -395,6 +428,51 @@ def test_mistakes_are_errors_that_name_the_fix(make: Any, error: type[Exception]
                                                message: str) -> None:
     with pytest.raises(error, match=message):
         make()
+
+
+_FLOAT_DTYPES_TEXT = r"must be a floating-point tensor \(float16, bfloat16, float32 or float64\)"
+
+
+@pytest.mark.parametrize("recipe", [*ALL, R.lsq(bits=3)], ids=repr)
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int8, torch.uint8, torch.bool], ids=str)
+def test_integer_inputs_are_errors_that_name_the_recipe_and_the_fix(
+    recipe: Any, dtype: torch.dtype
+) -> None:
+    # An integer or bool tensor never gets a gradient, and every recipe here exists for its
+    # gradient: once a raw torch error or a silently truncated result.
+    x = torch.tensor([0, 1, 1], dtype=dtype)
+    args = (x, torch.tensor(0.5)) if isinstance(recipe, R.lsq) else (x,)
+    message = (
+        rf"{re.escape(repr(recipe))}: `x` {_FLOAT_DTYPES_TEXT}; got a {re.escape(str(dtype))} "
+        r"tensor, which gets no gradient\. Convert it first: `x\.float\(\)`\.$"
+    )
+    with pytest.raises(go.GradOverrideTypeError, match=message):
+        recipe(*args)
+
+
+def test_lsq_integer_step_and_module_input_are_errors() -> None:
+    recipe = R.lsq(bits=3)
+    with pytest.raises(go.GradOverrideTypeError,
+                       match=r"lsq\(bits=3, .*\): `step` must be a floating-point tensor .* got "
+                             r"a torch\.int64 tensor, .* `step\.float\(\)`"):
+        recipe(torch.ones(3), torch.tensor(1))
+    for call in (recipe.module(), recipe.init_step):
+        with pytest.raises(go.GradOverrideTypeError,
+                           match=r"lsq\(bits=3, .*\): `x` must be a floating-point tensor .* "
+                                 r"got a torch\.int32 tensor"):
+            call(torch.ones(3, dtype=torch.int32))
+
+
+def test_complex_and_non_tensor_inputs_are_errors() -> None:
+    with pytest.raises(go.GradOverrideTypeError,
+                       match=r"binarize\(.*\): `x` must be a floating-point tensor .*; got a "
+                             r"torch\.complex64 tensor \(the recipes are defined on real "
+                             r"numbers\)\.$"):
+        R.binarize()(torch.ones(2, dtype=torch.complex64))
+    with pytest.raises(go.GradOverrideTypeError,
+                       match=r"ste_round\(\): `x` must be a floating-point tensor .*; got list\. "
+                             r"Convert it first: `torch\.as_tensor\(x, dtype=torch\.float32\)`"):
+        R.ste_round()([0.5, 1.5])
 
 
 # ---- peers ------------------------------------------------------------------------------------

@@ -282,6 +282,52 @@ def test_every_form_compiles_with_fullgraph_and_matches_eager() -> None:
     assert_consistent(loss, x0, modes=("compile",))
 
 
+def assert_dynamic_compile_matches_eager(
+    op: Callable[[torch.Tensor], torch.Tensor], inputs: list[torch.Tensor],
+    backend: str = "aot_eager",
+) -> None:
+    """`op` under `torch.compile(dynamic=True, fullgraph=True)` gives eager's values and
+    gradients on each input, the graph compiled for the first reused for the others."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    counter = CompileCounterWithBackend(backend)
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(op, dynamic=True, fullgraph=True, backend=counter)
+        compiles = []
+        for x in inputs:
+            g = torch.randn(x.shape, generator=torch.Generator().manual_seed(0)).to(x.dtype)
+            y, gx = _grad(op, x, g)
+            y_c, gx_c = _grad(compiled, x, g)
+            assert torch.equal(y_c, y), (x, y_c, y)
+            assert torch.equal(gx_c, gx), (x, gx_c, gx)
+            compiles.append(counter.frame_count)
+    finally:
+        torch._dynamo.reset()
+    assert compiles == compiles[:1] * len(inputs)  # no recompilation for a new shape
+
+
+@pytest.mark.compile
+@_TORCH_CTX_WARNING
+@pytest.mark.parametrize(
+    "op,low,high",
+    [(sign_clip, -1.0, 1.0), (sign_clip_pair, -0.5, 1.0), (sign_clip_mask_sym, -1.0, 1.0),
+     (sign_clip_mask, -0.5, 1.0)],
+    ids=["clip", "pair", "mask", "pair-mask"],
+)
+def test_clip_compiles_with_dynamic_shapes_and_matches_eager(
+    op: Any, low: float, high: float
+) -> None:
+    # Under dynamic shapes dynamo traces the bound as a symbolic float: the window must
+    # still compile (it once failed rounding the bound at trace time) and be inclusive.
+    at_bounds = [low, high, math.nextafter(low, -2.0), math.nextafter(high, 2.0)]
+    inputs = [
+        torch.tensor([*at_bounds, -2.0, 0.0, 0.75, 2.0]),
+        torch.tensor([*at_bounds, -3.0, -0.25, 0.5, 0.9, 1.5, 3.0, -0.0]),
+    ]
+    assert_dynamic_compile_matches_eager(op, inputs)
+
+
 @pytest.mark.parametrize("op", [sign_ste, sign_clip, sign_clip_mask_sym, step_tanh, step_dtanh])
 def test_vmap_of_grad_matches_the_loop(op: Any) -> None:
     xs = torch.tensor([[-2.0, -1.0, 0.3, 1.0], [0.5, 1.5, -0.2, 0.0]])
@@ -363,3 +409,19 @@ def test_clip_bound_rounded_to_the_dtype_alike_eager_and_inductor(dtype: torch.d
 
     x = torch.tensor([0.3, -0.3, 0.5], dtype=dtype)
     assert_consistent(st, x, modes=("compile",), backend="inductor")
+
+
+@pytest.mark.compile
+@_TORCH_CTX_WARNING
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+def test_clip_bound_rounded_to_the_dtype_under_dynamic_shapes_with_inductor() -> None:
+    # Under dynamic shapes the bounds reach the graph as symbolic floats, and Inductor
+    # computes float16 in float32: -0.7 and 0.3 must still be rounded as eager rounds them.
+    @go.straight_through(clip=(-0.7, 0.3))
+    def st(x: torch.Tensor) -> torch.Tensor:
+        return torch.sign(x)
+
+    edges = [0.3, -0.7, 0.2998, -0.6997, 0.3003, -0.7007, 0.0]
+    inputs = [torch.tensor(edges, dtype=torch.float16),
+              torch.tensor([*edges, 1.0, -1.0, 0.25], dtype=torch.float16)]
+    assert_dynamic_compile_matches_eager(st, inputs, backend="inductor")

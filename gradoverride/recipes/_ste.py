@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import torch
 from torch import Tensor, nn
@@ -26,9 +26,11 @@ from .._jit import refuse_scripting
 from .._straight_through import (
     DEFAULT_KEEP,
     Keep,
+    WindowBounds,
     masked_gradient,
     parse_clip,
     straight_through,
+    window_bounds,
     window_gradient,
     window_mask,
 )
@@ -82,25 +84,38 @@ def _(grad: Tensor) -> Tensor:
     return grad
 
 
+class _Windowed(Protocol):
+    """A recipe whose gradient passes inside a window: `ste_clamp`, `binarize`."""
+
+    @property
+    def _bounds(self) -> WindowBounds | None: ...
+
+    @property
+    def keep(self) -> Keep: ...
+
+    def _forward(self, x: Tensor) -> Tensor: ...
+
+
+# The recipe itself is the argument, not its bounds: the op's argument check would visit
+# every bound of the table, and dynamo then traces each as a symbolic float under dynamic
+# shapes and restarts its analysis to fix those the graph does not use.
+
+
 @custom_backward
-def _ste_window(
-    x: Tensor, forward: Callable[[Tensor], Tensor], low: float, high: float
-) -> Tensor:
-    """`forward(x)`; backward the upstream gradient where low <= x <= high (keeps x)."""
-    return forward(x)
+def _ste_window(x: Tensor, recipe: _Windowed) -> Tensor:
+    """`recipe._forward(x)`; backward the upstream gradient inside the window (keeps x)."""
+    return recipe._forward(x)
 
 
 @_ste_window.backward
-def _(grad: Tensor, *, x: Tensor, low: float, high: float) -> Tensor:
-    return window_gradient(grad, x, low, high)
+def _(grad: Tensor, *, x: Tensor, recipe: _Windowed) -> Tensor:
+    return window_gradient(grad, x, _bounds_of(recipe))
 
 
 @custom_backward(residuals=("mask",))
-def _ste_window_mask(
-    x: Tensor, forward: Callable[[Tensor], Tensor], low: float, high: float
-) -> Any:
+def _ste_window_mask(x: Tensor, recipe: _Windowed) -> Any:
     """As `_ste_window`, keeping a one-byte mask of the window instead of x."""
-    return forward(x), {"mask": window_mask(x, low, high)}
+    return recipe._forward(x), {"mask": window_mask(x, _bounds_of(recipe))}
 
 
 @_ste_window_mask.backward
@@ -108,18 +123,41 @@ def _(grad: Tensor, *, mask: Tensor) -> Tensor:
     return masked_gradient(grad, mask)
 
 
-def _windowed(
-    x: Tensor,
-    forward: Callable[[Tensor], Tensor],
-    window: tuple[float, float] | None,
-    keep: Keep,
-) -> Tensor:
-    if window is None:
-        return _ste(x, forward)
-    if keep == "mask":
-        result: Tensor = _ste_window_mask(x, forward, *window)
+def _bounds_of(recipe: _Windowed) -> WindowBounds:
+    bounds = recipe._bounds
+    if bounds is None:  # pragma: no cover - `_windowed` calls the windowed ops with a window only
+        msg = f"{recipe!r} has no window to test its input against."
+        raise GradOverrideError(msg)
+    return bounds
+
+
+def _windowed(x: Tensor, recipe: _Windowed) -> Tensor:
+    if recipe._bounds is None:
+        return _ste(x, recipe._forward)
+    if recipe.keep == "mask":
+        result: Tensor = _ste_window_mask(x, recipe)
         return result
-    return _ste_window(x, forward, *window)
+    return _ste_window(x, recipe)
+
+
+def _check_input(recipe: object, x: object, argument: str = "x") -> None:
+    """Refuse an input a straight-through recipe cannot pass a gradient to: every recipe
+    here exists for its backward, and an integer or bool tensor never gets a gradient."""
+    if isinstance(x, Tensor) and x.dtype.is_floating_point:
+        return
+    if not isinstance(x, Tensor):
+        got, fix = type(x).__name__, f"torch.as_tensor({argument}, dtype=torch.float32)"
+    elif x.dtype.is_complex:
+        got, fix = f"a {x.dtype} tensor (the recipes are defined on real numbers)", ""
+    else:
+        got, fix = f"a {x.dtype} tensor, which gets no gradient", f"{argument}.float()"
+    msg = (
+        f"{recipe!r}: `{argument}` must be a floating-point tensor (float16, bfloat16, "
+        f"float32 or float64); got {got}."
+    )
+    if fix:
+        msg += f" Convert it first: `{fix}`."
+    raise GradOverrideTypeError(msg)
 
 
 def _check_keep(recipe: Recipe, keep: object) -> None:
@@ -161,6 +199,7 @@ class ste_round(Recipe):
     def __call__(self, x: Tensor) -> Tensor:
         if not isinstance(x, Tensor) and is_tensorflow(x):
             return tensorflow_call(self, x)
+        _check_input(self, x)
         return _ste_round(x)
 
 
@@ -171,6 +210,7 @@ class ste_floor(Recipe):
     def __call__(self, x: Tensor) -> Tensor:
         if not isinstance(x, Tensor) and is_tensorflow(x):
             return tensorflow_call(self, x)
+        _check_input(self, x)
         return _ste_floor(x)
 
 
@@ -181,6 +221,7 @@ class ste_ceil(Recipe):
     def __call__(self, x: Tensor) -> Tensor:
         if not isinstance(x, Tensor) and is_tensorflow(x):
             return tensorflow_call(self, x)
+        _check_input(self, x)
         return _ste_ceil(x)
 
 
@@ -195,6 +236,7 @@ class ste_sign(Recipe):
     def __call__(self, x: Tensor) -> Tensor:
         if not isinstance(x, Tensor) and is_tensorflow(x):
             return tensorflow_call(self, x)
+        _check_input(self, x)
         return _ste_sign(x)
 
 
@@ -219,6 +261,7 @@ class ste_clamp(Recipe):
     outside: Literal["pass", "zero"]
     keep: Keep = DEFAULT_KEEP
     _window: tuple[float, float] = field(init=False, repr=False, compare=False)
+    _bounds: WindowBounds | None = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.outside not in ("pass", "zero"):
@@ -229,6 +272,7 @@ class ste_clamp(Recipe):
             raise GradOverrideError(msg)
         _check_keep(self, self.keep)
         _set(self, "_window", parse_clip((self.low, self.high), "ste_clamp", "(low, high)"))
+        _set(self, "_bounds", window_bounds(self._window) if self.outside == "zero" else None)
 
     def _forward(self, x: Tensor) -> Tensor:
         return torch.clamp(x, self.low, self.high)
@@ -236,8 +280,8 @@ class ste_clamp(Recipe):
     def __call__(self, x: Tensor) -> Tensor:
         if not isinstance(x, Tensor) and is_tensorflow(x):
             return tensorflow_call(self, x)
-        window = self._window if self.outside == "zero" else None
-        return _windowed(x, self._forward, window, self.keep)
+        _check_input(self, x)
+        return _windowed(x, self)
 
 
 def _binary_sign(x: Tensor) -> Tensor:
@@ -263,16 +307,22 @@ class binarize(Recipe):
     clip: float | None = 1.0
     keep: Keep = DEFAULT_KEEP
     _window: tuple[float, float] | None = field(init=False, repr=False, compare=False)
+    _bounds: WindowBounds | None = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         _check_keep(self, self.keep)
         window = None if self.clip is None else parse_clip(self.clip, "binarize")
         _set(self, "_window", window)
+        _set(self, "_bounds", None if window is None else window_bounds(window))
 
     def __call__(self, x: Tensor) -> Tensor:
         if not isinstance(x, Tensor) and is_tensorflow(x):
             return tensorflow_call(self, x)
-        return _windowed(x, _binary_sign, self._window, self.keep)
+        _check_input(self, x)
+        return _windowed(x, self)
+
+    def _forward(self, x: Tensor) -> Tensor:
+        return _binary_sign(x)
 
 
 # ---- ternarize -----------------------------------------------------------------------------
@@ -324,6 +374,7 @@ class ternarize(Recipe):
     def __call__(self, x: Tensor) -> Tensor:
         if not isinstance(x, Tensor) and is_tensorflow(x):
             return tensorflow_call(self, x)
+        _check_input(self, x)
         return _ste(x, self._forward)
 
 
@@ -462,6 +513,7 @@ class quantize(Recipe):
     def __call__(self, x: Tensor) -> Tensor:
         if not isinstance(x, Tensor) and is_tensorflow(x):
             return tensorflow_call(self, x)
+        _check_input(self, x)
         if self.keep == "mask":
             result: Tensor = _quantize_mask(x, self)
             return result
@@ -529,21 +581,23 @@ class lsq(Recipe):
     def __call__(self, x: Tensor, step: Tensor) -> Tensor:
         if not isinstance(x, Tensor) and is_tensorflow(x):
             return tensorflow_call(self, x, step)
+        _check_input(self, x)
         if not isinstance(step, Tensor):
             msg = (
                 f"{self!r}: `step` must be a tensor (a learnable parameter), got "
                 f"{type(step).__name__} {step!r}; use `lsq(...).module()` to hold it."
             )
             raise GradOverrideTypeError(msg)
+        _check_input(self, step, "step")
         return _lsq(x, step, self)
 
     def init_step(self, x: Tensor) -> Tensor:
         """The paper's initial step for `x`: 2 * mean(|x|) / sqrt(Qp), floored at the dtype's
         smallest normal number so an all-zero first input (a zero-initialised weight, an
         all-zero ReLU batch) does not give step 0, which makes x / step NaN for good."""
+        _check_input(self, x)
         step = 2 * x.detach().abs().mean() / math.sqrt(self.code_range[1])
-        tiny = torch.finfo(x.dtype).tiny if x.dtype.is_floating_point else 1e-38
-        return step.clamp_min(tiny)
+        return step.clamp_min(torch.finfo(x.dtype).tiny)
 
     def module(self, step: float | None = None) -> LearnedStepQuantizer:  # type: ignore[override]
         """An `nn.Module` with a learnable `step` (from the first input when None)."""
@@ -566,6 +620,7 @@ class LearnedStepQuantizer(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         if not isinstance(x, Tensor) and is_tensorflow(x):
             return tensorflow_call(self, x)
+        _check_input(self.recipe, x)
         if self._needs_init:
             with torch.no_grad():
                 self.step.copy_(self.recipe.init_step(x))
