@@ -15,9 +15,6 @@ path gives the same gradients.
   `tests/test_internals.py` checks. While compiling or under a transform callers use
   `cls.apply`, so dynamo and functorch see exactly what they expect.
 * `any_autocast_enabled()`: one C call instead of one per device type (dynamo folds it).
-* `assume_constant_result(fn)`: what `torch.compiler.assume_constant_result` does (it sets
-  `fn._dynamo_marked_constant = True`), without the `import torch._dynamo` that function
-  starts with: that import costs over a second, and `import gradoverride` has 50 ms.
 
 Private torch pieces used elsewhere, each with a test that fails if it goes missing:
 
@@ -27,6 +24,9 @@ Private torch pieces used elsewhere, each with a test that fails if it goes miss
 * `torch.ops.aten._softmax_backward_data` (`recipes/_discrete.py`), with a written-out fallback.
 * `torch._assert_async` (`recipes/_flow.py`, `sanitize_grad(mode="raise")` under compile).
 * `torch.utils._pytree`: flattening container inputs and outputs (also used by torch.func).
+* `torch._C._functorch` (`_bridge.py`): telling a transform's wrapped tensors (which numpy
+  cannot read) from real ones, to refuse a bridge under `torch.func` by name.
+* `torch._C._get_tracing_state` (`_module.py`): whether `torch.jit.trace` is recording.
 """
 
 from __future__ import annotations
@@ -39,7 +39,6 @@ import torch
 __all__ = [
     "FAST_APPLY",
     "any_autocast_enabled",
-    "assume_constant_result",
     "raw_apply",
     "transforms_active",
 ]
@@ -75,9 +74,3 @@ except AttributeError:  # pragma: no cover - depends on torch version
             for device in ("cpu", "cuda", "xpu", "mps", "hpu")
             if torch.amp.is_autocast_available(device)
         )
-
-
-def assume_constant_result(fn: F) -> F:
-    """Mark `fn` as dynamo's `assume_constant_result` does, without importing dynamo."""
-    fn._dynamo_marked_constant = True  # type: ignore[attr-defined]
-    return fn

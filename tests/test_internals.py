@@ -157,19 +157,6 @@ def test_private_pieces_used_by_modules_and_recipes_exist() -> None:
     assert hasattr(torch.ops.aten, "_softmax_backward_data")
 
 
-def test_assume_constant_result_marks_a_function_as_torch_does() -> None:
-    # gradoverride marks the function itself so that importing it does not import dynamo.
-    from gradoverride._internals import assume_constant_result
-
-    def ours() -> None: ...
-
-    def theirs() -> None: ...
-
-    assume_constant_result(ours)
-    torch.compiler.assume_constant_result(theirs)
-    assert vars(ours) == vars(theirs) == {"_dynamo_marked_constant": True}
-
-
 def test_import_gradoverride_does_not_import_dynamo() -> None:
     # `import torch._dynamo` alone costs over a second, twenty times the import budget.
     import subprocess
