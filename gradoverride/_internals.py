@@ -32,7 +32,7 @@ Private torch pieces used elsewhere, each with a test that fails if it goes miss
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 
@@ -43,7 +43,6 @@ __all__ = [
     "transforms_active",
 ]
 
-F = TypeVar("F", bound=Callable[..., Any])
 
 try:
     _function_base_apply: Any = torch._C._FunctionBase.__dict__["apply"]
