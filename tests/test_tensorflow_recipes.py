@@ -620,3 +620,14 @@ def test_torch_tensor_scale_is_refused() -> None:
 def test_gradient_transform_takes_one_tensor() -> None:
     with pytest.raises(TypeError, match="takes one tensor; got 2 positional"):
         clip_grad_value(clip_value=1.0)(tf.constant(X), 3)
+
+
+@pytest.mark.parametrize(
+    "recipe", [binarize(), ste_round(), ternarize(), quantize(bits=4)], ids=repr
+)
+@pytest.mark.parametrize("dtype", ["int32", "int64", "bool"])
+def test_integer_tensorflow_inputs_are_refused_as_on_torch(recipe: Any, dtype: str) -> None:
+    x = tf.cast(tf.constant([1, 0, 2]), dtype)
+    message = rf"`x` must be a floating-point tensor.*{dtype}"
+    with pytest.raises(go.GradOverrideTypeError, match=message):
+        recipe(x)

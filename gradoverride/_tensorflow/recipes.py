@@ -812,11 +812,36 @@ def _unsupported(recipe: object, x: Any, name: str | None = None) -> GradOverrid
     return GradOverrideTypeError(msg)
 
 
+#: The recipes that exist for their backward and so refuse an input that gets no gradient.
+_FLOATING_ONLY = (
+    ste_round, ste_floor, ste_ceil, ste_sign, ste_clamp, binarize, ternarize, quantize, lsq
+)
+
+
+def _check_floating(recipe: object, x: Any, argument: str = "x") -> None:
+    """The torch recipes' refusal of integer and bool inputs, for a TensorFlow `x`."""
+    import tensorflow as tf
+
+    dtype = tf.as_dtype(x.dtype)
+    if dtype.is_floating:
+        return
+    kind = "defined on real numbers" if dtype.is_complex else "gets no gradient"
+    msg = (
+        f"{recipe!r}: `{argument}` must be a floating-point tensor (float16, bfloat16, "
+        f"float32 or float64); got a TensorFlow {dtype.name} tensor, which {kind}."
+    )
+    if not dtype.is_complex:
+        msg += f" Convert it first: `tf.cast({argument}, tf.float32)`."
+    raise GradOverrideTypeError(msg)
+
+
 def call(recipe: object, x: Any, /, *args: Any, **kwargs: Any) -> Any:
     """`recipe(x, ...)` for a TensorFlow `x` (the torch recipe's `__call__` sends it here)."""
     implementation = _lookup(_CALLS, recipe)
     if implementation is None:
         raise _unsupported(recipe, x)
+    if isinstance(recipe, _FLOATING_ONLY):
+        _check_floating(recipe, x)
     return implementation(recipe, x, *args, **kwargs)
 
 
