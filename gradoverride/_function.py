@@ -42,7 +42,7 @@ from ._internals import (
     raw_apply,
     transforms_active,
 )
-from ._passthrough import as_output, shows_input
+from ._passthrough import as_output, related, shows_input
 from ._rule import RuleSpec
 from ._signature import ForwardSignature
 
@@ -485,10 +485,11 @@ def _build_owning(
             out, given = unpack_residuals(out, residuals, op)
             leaves = _flatten_output(out, state, op)
             res = _place_residuals(given, residuals, leaves, flat, state)
-            return (*(as_output(leaf, flat, dirty) for leaf in leaves), *res)
+            return (*(as_output(leaf, flat, dirty, leaves) for leaf in leaves), *res)
         if isinstance(out, Tensor):
             return as_output(out, flat, dirty)
-        return tuple(as_output(leaf, flat, dirty) for leaf in _flatten_output(out, state, op))
+        leaves = _flatten_output(out, state, op)
+        return tuple(as_output(leaf, flat, dirty, leaves) for leaf in leaves)
 
     def forward(state: CallState, *flat: Any) -> Any:
         versions = _versions(flat) if track_inplace else None
@@ -687,7 +688,14 @@ def _build_attaching(
         seen = (*flat, *detached)
         state.input_views = tuple(
             k for k, leaf in enumerate(leaves)
-            if isinstance(leaf, Tensor) and shows_input(leaf, seen)
+            if isinstance(leaf, Tensor)
+            and (
+                shows_input(leaf, seen)
+                or any(
+                    isinstance(other, Tensor) and related(leaf, other)
+                    for j, other in enumerate(leaves) if j != k
+                )
+            )
         )
         if FAST_APPLY and not is_dynamo_compiling() and not transforms_active():
             result = raw(state, *flat, *leaves, *res)
@@ -723,7 +731,8 @@ def saved_for(ctx: Any, op: str, names: tuple[str, ...]) -> tuple[Tensor, ...]:
 def _attached(value: Any, k: int, state: CallState) -> Any:
     """The attach form's output `k`: the forward's result passed through, as a new tensor
     sharing its memory (an in-place op may follow: nothing else sees the forward's own
-    intermediates), or as a view when it shows an input (changing it stays an error)."""
+    intermediates), or as a view when it shows an input or another output (changing it
+    stays an error)."""
     if not isinstance(value, Tensor):
         return value
     return value.view_as(value) if k in state.input_views else value.detach()

@@ -27,7 +27,8 @@ from torch.utils.hooks import RemovableHandle
 
 from ._errors import GradOverrideError, GradOverrideTypeError
 from ._internals import transforms_active
-from ._jit import RefuseScripting
+from ._jit import RefuseScripting, jit_message
+from ._passthrough import shows_input
 from ._signature import describe
 
 if TYPE_CHECKING:
@@ -120,15 +121,29 @@ def _as_transform(fn: Any) -> Callable[[Tensor], Tensor | None]:
 
 
 def _hook_tensors(tree: Any, transform: Callable[[Tensor], Tensor | None], avoid: Any) -> Any:
-    """Register `transform` on every tensor of `tree` that requires grad; a tensor that is also
-    in `avoid` (an input returned as-is) gets a view first, so only this path is changed."""
-    avoided = {id(t) for t in pytree.tree_leaves(avoid) if isinstance(t, Tensor)}
+    """`transform` on the gradient of every tensor of `tree` that requires grad.
+
+    * a plain tensor gets a tensor hook, which fires with the gradient of the value the
+      module returned even when an in-place op changes it afterwards;
+    * a view of something the module made (`lin(x).view(-1, 2, 3)`) is copied first: an
+      in-place op on a view changes its base and regenerates the view's history, which
+      would lose a hook on it;
+    * a tensor showing one of the module's inputs (`avoid`: an input returned as-is, or a
+      view of one) goes through an identity op whose backward is the transform: only this
+      path is changed, and an in-place op on it is PyTorch's error for views, as for the
+      module's own output.
+    """
+    inputs = tuple(t for t in pytree.tree_leaves(avoid) if isinstance(t, Tensor))
 
     def hook(t: Any) -> Any:
         if not isinstance(t, Tensor) or not t.requires_grad:
             return t
-        if id(t) in avoided:
-            t = t.view_as(t)
+        if shows_input(t, inputs):
+            from ._transform import transformed
+
+            return transformed(t, transform)
+        if t._base is not None:
+            t = t.clone()
         t.register_hook(transform)
         return t
 
@@ -188,11 +203,11 @@ def grad_hook(
     if at == "inputs":
         # prepend=True: a later transform then sits further from the module, so the first
         # registered receives the gradient first, as at the outputs.
-        handle = module.register_forward_pre_hook(
-            _AtInputs(transform), with_kwargs=True, prepend=True
-        )
+        hook = _AtInputs(transform)
+        pre = module.register_forward_pre_hook(hook, with_kwargs=True, prepend=True)
+        post = module.register_forward_hook(hook.after, always_call=True)
         _refuse_scripting(module)
-        return HookHandle(description, [handle], module)
+        return HookHandle(description, [pre, post], module)
 
     handle = module.register_forward_hook(_AtOutputs(transform), with_kwargs=True)
     _refuse_scripting(module)
@@ -258,26 +273,103 @@ class _Transforming:
 
 
 class _AtInputs(_Transforming):
-    """Forward pre-hook: each input through an identity op whose backward is the transform.
+    """The transform at a module's inputs: a forward pre-hook and a forward hook.
 
-    It changes only the gradient this module sends back, not the input's other uses, and,
-    not being a view, it may be changed in place by the module (`nn.ReLU(inplace=True)`),
-    where a tensor hook on a view would be lost."""
+    Each input that requires grad reaches the module as a view with a tensor hook, so only
+    the gradient this module sends back is changed, not the input's other uses. A module
+    that changes its input in place (`nn.ReLU(inplace=True)`) changes the caller's tensor
+    through that view, as without the hook, and regenerates the view's history, so the hook
+    would be lost: after the forward, the transform is moved to the node the in-place op
+    recorded on the caller's tensor (the gradient from the module's output and from the
+    tensor's later uses, which are uses of the module's output, flows through it).
+
+    Under torch.compile and torch.func transforms, where tensor and node hooks do not run
+    as in eager mode, each input goes through an identity op whose backward is the
+    transform (an in-place module then meets PyTorch's error for views made in a Function).
+    """
+
+    __slots__ = ("pending",)
+
+    def __init__(self, transform: Callable[[Tensor], Tensor | None]) -> None:
+        super().__init__(transform)
+        self.pending: list[list[tuple[Tensor, Tensor, int, Any]]] = []
 
     def __call__(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
         if not torch.is_grad_enabled():
             return None
+        _refuse_tracing(module)
         transform = self.transform
-        from ._transform import transformed
+        if is_dynamo_compiling() or transforms_active():
+            from ._transform import transformed
 
-        def through(t: Any) -> Any:
-            if isinstance(t, Tensor) and t.requires_grad:
-                return transformed(t, transform)
-            return t
+            def through(t: Any) -> Any:
+                if isinstance(t, Tensor) and t.requires_grad:
+                    return transformed(t, transform)
+                return t
 
-        return pytree.tree_map(through, args), pytree.tree_map(through, kwargs)
+            return pytree.tree_map(through, args), pytree.tree_map(through, kwargs)
+
+        views: list[tuple[Tensor, Tensor, int, Any]] = []
+
+        def view(t: Any) -> Any:
+            if not (isinstance(t, Tensor) and t.requires_grad):
+                return t
+            v = t.view_as(t)
+            _register_hook(v, transform)
+            views.append((t, v, v._version, t.grad_fn))
+            return v
+
+        self.pending.append(views)
+        return pytree.tree_map(view, args), pytree.tree_map(view, kwargs)
+
+    def after(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        """Forward hook: move the transform of an input the module changed in place."""
+        if not self.pending:
+            return
+        for t, v, version, old in self.pending.pop():
+            if v._version != version and old is not None:
+                _transform_at_inplace(t, old, self.transform)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        _require_picklable(self.transform)
+        return (_AtInputs, (self.transform,))
+
+
+def _transform_at_inplace(
+    t: Tensor, old: Any, transform: Callable[[Tensor], Tensor | None]
+) -> None:
+    """`t` was changed in place through a view: its history is now a chain of CopySlices
+    nodes ending at its old node `old`. The transform goes on the gradient the first of
+    them sends to `old`."""
+    node = t.grad_fn
+    for _ in range(10_000):  # a chain of in-place ops; bounded, never an endless loop
+        if node is None:
+            return
+        nexts = node.next_functions
+        if nexts and nexts[0][0] is old:
+            break
+        node = nexts[0][0] if nexts else None
+    else:  # pragma: no cover - ten thousand in-place ops on one input
+        return
+
+    def post(grad_inputs: tuple[Any, ...], grad_outputs: tuple[Any, ...]) -> tuple[Any, ...]:
+        first = grad_inputs[0]
+        if first is None:
+            return grad_inputs
+        changed = transform(first)
+        return (first if changed is None else changed, *grad_inputs[1:])
+
+    register: Any = node.register_hook
+    register(post)
+
+
+def _refuse_tracing(module: nn.Module) -> None:
+    if torch._C._get_tracing_state() is not None:
+        raise GradOverrideError(
+            jit_message(f"the go.grad_hook of `{type(module).__name__}`", "torch.jit.trace")
+        )
 
 
 class _AtOutputs(_Transforming):
@@ -289,6 +381,7 @@ class _AtOutputs(_Transforming):
     ) -> Any:
         if not torch.is_grad_enabled():
             return None
+        _refuse_tracing(module)
         return _hook_tensors(output, self.transform, (args, kwargs))
 
 

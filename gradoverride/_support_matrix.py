@@ -31,7 +31,8 @@ KINDS: tuple[tuple[str, str], ...] = (
     ("recipe: straight-through estimator", "`ste_round` (the STE family: round, sign, ...)"),
     ("recipe: learned step (lsq)", "`lsq` with a learnable step"),
     ("recipe: surrogate spike", "`spike` (every surrogate shares the op)"),
-    ("recipe: gradient flow", "`reverse_grad` (scaling, clipping, sanitizing share the op)"),
+    ("recipe: gradient flow", "`reverse_grad(...).module()` (scaling, clipping, sanitizing "
+     "share the op)"),
     ("recipe: discrete choice", "`ste_argmax` (straight-through argmax)"),
     ("recipe: black-box solver", "`blackbox_solver` around a numpy solver"),
     ("bridge", "`go.bridge`: numpy in the middle of the graph"),
@@ -130,6 +131,18 @@ NOTES: dict[tuple[str, str], str] = {
     ("custom_backward residuals", "eager"): (
         "First-order gradients; a second differentiation that reaches a residual raises "
         "(a residual is a constant to autograd)."
+    ),
+    ("recipe: gradient flow", "in-place after"): (
+        "The module form copies its input, so `Linear -> reverse_grad().module() -> "
+        "ReLU(inplace=True)` works; the function form `reverse_grad()(x)` returns a view, "
+        "and an in-place op on it is PyTorch's error for views made in a Function (clone "
+        "it, or use the module form): an in-place op through memory shared with `x` would "
+        "change `x` behind autograd's back."
+    ),
+    ("grad_hook inputs", "in-place after"): (
+        "A module that changes its input in place (`nn.ReLU(inplace=True)`) keeps the "
+        "transform too, in eager mode (under `torch.compile` it meets PyTorch's error for "
+        "views made in a Function)."
     ),
     ("go.Module", "functional_call"): "The rule reads the parameters passed in.",
     ("go.Module owns=", "functional_call"): "The rule reads the parameters passed in.",

@@ -475,3 +475,43 @@ def test_generated_source_leaves_linecache_with_its_op() -> None:
     gc.collect()
     # Each override builds a generated fast path (one source each) while it lives.
     assert len(generated() - before) == 0
+
+
+def test_an_inplace_op_on_a_function_form_recipe_is_refused_not_silent() -> None:
+    # The output shares the caller's memory: changing it in place would change `features`
+    # behind autograd's back, so it is a view, and PyTorch refuses.
+    x = torch.tensor([-1.0, 0.5, 2.0, -3.0], requires_grad=True)
+    features = x * 2
+    with pytest.raises(RuntimeError, match="view"):
+        scale_grad(scale=1.0)(features).relu_()
+
+
+def test_the_module_form_copies_so_a_shared_input_keeps_its_value_and_gradient() -> None:
+    x = torch.tensor([-1.0, 0.5, 2.0, -3.0], requires_grad=True)
+    features = x * 2
+    head = scale_grad(scale=1.0).module()(features)
+    head.relu_()
+    ((head * 3).sum() + (features * 5).sum()).backward()
+    torch.testing.assert_close(features.detach(), torch.tensor([-2.0, 1.0, 4.0, -6.0]))
+    # Independent: the head sees relu(2x) (times 3), the features 2x (times 5).
+    torch.testing.assert_close(x.grad, 3 * 2 * (x.detach() > 0).float() + 5 * 2)
+
+
+@go.custom_backward
+def with_its_first(x):
+    y = x * 2
+    return y, y[0]
+
+
+@with_its_first.backward
+def _(ga, gb, *, x):
+    g = ga * 2
+    g[0] = g[0] + gb * 2
+    return g
+
+
+def test_outputs_sharing_memory_stay_views_so_an_inplace_change_is_refused() -> None:
+    x = torch.tensor([1.0, 2.0, 3.0], requires_grad=True)
+    _, first = with_its_first(x)
+    with pytest.raises(RuntimeError, match="view"):
+        first.mul_(10)

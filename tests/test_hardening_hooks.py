@@ -140,3 +140,52 @@ def test_saving_a_module_with_a_lambda_transform_says_why() -> None:
     go.grad_hook(linear, lambda g: g * 2, at="outputs")
     with pytest.raises(go.GradOverrideError, match=r"cannot be pickled.*not a lambda"):
         torch.save(linear, io.BytesIO())
+
+
+def test_inputs_of_an_inplace_module_reused_after_it_match_plain_autograd() -> None:
+    torch.manual_seed(0)
+    linear = nn.Linear(3, 3).double()
+    relu = nn.ReLU(inplace=True)
+    x = torch.randn(4, 3, dtype=torch.float64, requires_grad=True)
+
+    def grads(transform_scale: float | None) -> torch.Tensor:
+        x.grad = None
+        h = linear(x)
+        y = relu(h)  # changes h in place
+        ((y * 3).sum() + (h * 5).sum()).backward()  # h is relu(h) now: both through relu
+        assert x.grad is not None
+        return x.grad.clone()
+
+    plain = grads(None)
+    handle = go.grad_hook(relu, lambda g: g * 10, at="inputs")
+    hooked = grads(10.0)
+    handle.remove()
+    # The module's output and the input's later uses are one tensor: both get the transform.
+    torch.testing.assert_close(hooked, plain * 10)
+
+
+def test_an_output_that_is_a_view_keeps_its_transform_through_an_inplace_op() -> None:
+    class Head(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(4, 6)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.linear(x).view(-1, 2, 3)
+
+    head = Head()
+    go.grad_hook(head, times_ten, at="outputs")
+    x = torch.randn(3, 4, requires_grad=True)
+    torch.relu_(head(x)).sum().backward()
+    got = x.grad.clone()
+    x.grad = None
+    (torch.relu(Head.forward(head, x)).sum() * 10).backward()  # plain, the factor by hand
+    torch.testing.assert_close(got, x.grad)
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.trace.*` is deprecated:DeprecationWarning")
+def test_torch_jit_trace_of_a_hooked_module_refuses() -> None:
+    linear = nn.Linear(3, 3)
+    go.grad_hook(linear, times_ten, at="outputs")
+    with pytest.raises(go.GradOverrideError, match=r"torch\.jit\.trace cannot keep"):
+        torch.jit.trace(linear, (torch.randn(4, 3),))

@@ -60,9 +60,9 @@ class Recipe:
 
 
 @custom_backward
-def _transform_gradient(x: Tensor, transform: GradientTransform) -> Tensor:
-    # Not a view: an in-place op right after (`nn.ReLU(inplace=True)`) must be allowed.
-    return passthrough(x)
+def _transform_gradient(x: Tensor, transform: GradientTransform, fresh: bool = False) -> Tensor:
+    # A view of `x`, or with `fresh` a copy (the module form): see `passthrough`.
+    return passthrough(x, fresh)
 
 
 @_transform_gradient.backward
@@ -87,14 +87,26 @@ class GradientTransform(Recipe):
 
 
 class RecipeModule(nn.Module):
-    """The `nn.Module` form of a recipe: `forward(x, ...)` is `recipe(x, ...)`."""
+    """The `nn.Module` form of a recipe: `forward(x, ...)` is `recipe(x, ...)`.
+
+    For a gradient transform (identity forward) the module returns a copy of its input where
+    the function form returns a view: modules sit in `nn.Sequential` blocks, where an in-place
+    activation may follow (`Linear -> reverse_grad().module() -> ReLU(inplace=True)`), and an
+    in-place op on a view made inside an autograd Function is refused by PyTorch. The copy
+    costs one pass over the tensor in forward.
+    """
 
     def __init__(self, recipe: Recipe) -> None:
         super().__init__()
         self.recipe = recipe
 
     def forward(self, x: Tensor, *args: Any, **kwargs: Any) -> Any:
-        return self.recipe(x, *args, **kwargs)
+        recipe = self.recipe
+        if isinstance(recipe, GradientTransform) and isinstance(x, Tensor) and not (
+            args or kwargs
+        ) and type(recipe).__call__ is GradientTransform.__call__:
+            return _transform_gradient(x, recipe, True)
+        return recipe(x, *args, **kwargs)
 
     def __repr__(self) -> str:
         return repr(self.recipe)

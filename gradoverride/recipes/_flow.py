@@ -109,17 +109,17 @@ class ganin_ramp:
 
 
 @custom_backward
-def _multiply_gradient(x: Tensor, factor: float | Tensor) -> Tensor:
-    """Identity forward; the backward multiplies the upstream gradient by `factor`."""
-    # Not a view: an in-place op right after (`nn.ReLU(inplace=True)`) must be allowed.
-    return passthrough(x)
+def _multiply_gradient(x: Tensor, factor: float | Tensor, fresh: bool = False) -> Tensor:
+    """Identity forward (a view of `x`, or a copy with `fresh`: see `passthrough`); the
+    backward multiplies the upstream gradient by `factor`."""
+    return passthrough(x, fresh)
 
 
 @_multiply_gradient.backward
-def _(grad: Tensor, *, factor: float | Tensor) -> Tensor | tuple[Tensor, None]:
+def _(grad: Tensor, *, factor: float | Tensor) -> Tensor | tuple[Tensor, None, None]:
     if isinstance(factor, Tensor):
         # A tensor factor gets no gradient: it is a setting, not a model input.
-        return keep_dtype(grad * factor, grad), None
+        return keep_dtype(grad * factor, grad), None, None
     if factor == -1.0:  # the default reversal: a negation is the cheapest kernel
         return torch.neg(grad)
     return grad * factor  # a Python number never changes grad's dtype
@@ -201,6 +201,12 @@ class _ScaledGradient(GradientTransform):
             return _multiply_gradient(x, constant)
         return _multiply_gradient(x, self.factor(step))
 
+    def _fresh(self, x: Tensor, step: Tensor | int | None = None) -> Tensor:
+        """What the module form returns: a copy (an in-place op may follow it)."""
+        constant = self._constant
+        factor = constant if constant is not None and step is None else self.factor(step)
+        return _multiply_gradient(x, factor, True)
+
     def module(self) -> ScaledGradientModule:
         """This recipe as an `nn.Module`; with a schedule, it keeps the step count in a
         `steps` buffer (saved in `state_dict`) and `module.step()` advances it."""
@@ -233,7 +239,7 @@ class reverse_grad(_ScaledGradient):
             `ganin_ramp(total_steps=...)`. A scheduled recipe needs the step:
             `recipe(x, step=step)`, or its module form, which keeps the count.
 
-    Returns (when called): the input's value (sharing its memory), whose gradient is
+    Returns (when called): the input unchanged (a view), whose gradient is
     ``-scale * grad``, in the input's dtype. ``scale=0`` blocks the gradient.
     """
 
@@ -257,7 +263,7 @@ class scale_grad(_ScaledGradient):
         scale: a number (default 1.0), a tensor (0-d or broadcastable to the input) or a
             schedule, as for `reverse_grad`.
 
-    Returns (when called): the input's value (sharing its memory), whose gradient is
+    Returns (when called): the input unchanged (a view), whose gradient is
     ``scale * grad``, in the input's dtype.
     """
 
@@ -290,10 +296,8 @@ class ScaledGradientModule(RecipeModule):
             return tensorflow_call(self, x)
         constant = self.recipe._constant
         if constant is not None:  # the common call, one frame shorter
-            return _multiply_gradient(x, constant)
-        if self.scheduled:
-            return self.recipe(x, step=self.steps)
-        return self.recipe(x)
+            return _multiply_gradient(x, constant, True)
+        return self.recipe._fresh(x, self.steps if self.scheduled else None)
 
     def transform(self, grad: Tensor) -> Tensor:
         """The recipe's gradient map at the current step (for `go.grad_hook`)."""
