@@ -492,13 +492,18 @@ def _build_owning(
         return tuple(as_output(leaf, flat, dirty, leaves) for leaf in leaves)
 
     def forward(state: CallState, *flat: Any) -> Any:
-        versions = _versions(flat) if track_inplace else None
+        # Version counters are not traceable (dynamo would guard on their values): while
+        # compiling, an input returned as-is by an op that changes its inputs in place is
+        # taken as changed.
+        versions = _versions(flat) if track_inplace and not is_dynamo_compiling() else None
         if state.layout is None:
             out = fn(*flat) if plain else call(flat)
         else:
             out = call(unflatten_inputs(flat, state.layout))
         if versions is not None:
             state.dirty = _changed(flat, versions)
+        elif track_inplace:
+            state.dirty = _returned(flat, out)
         return shape_output(out, state, flat)
 
     def setup_general(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
@@ -748,6 +753,15 @@ def _changed(flat: tuple[Any, ...], versions: tuple[int | None, ...]) -> tuple[i
         i
         for i, (v, version) in enumerate(zip(flat, versions, strict=True))
         if version is not None and v._version != version
+    )
+
+
+def _returned(flat: tuple[Any, ...], out: Any) -> tuple[int, ...]:
+    """The flat inputs that are, as-is, among the forward's results."""
+    leaves = pytree.tree_leaves(out)
+    return tuple(
+        i for i, v in enumerate(flat)
+        if isinstance(v, Tensor) and any(leaf is v for leaf in leaves)
     )
 
 

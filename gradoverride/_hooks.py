@@ -15,6 +15,7 @@ receiving the incoming gradient first.
 
 from __future__ import annotations
 
+import secrets
 import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal, Protocol
@@ -42,6 +43,7 @@ _register_hook: Callable[[Tensor, Callable[[Tensor], Tensor | None]], RemovableH
     Tensor.register_hook
 )
 _PLACES = ("inputs", "outputs", "parameters")
+_MARK = "_gradoverride_hooked"  # on a parameter: the tokens of the grad_hooks hooking it
 
 
 class _Removable(Protocol):
@@ -418,8 +420,12 @@ class _ParameterHooks:
     def __init__(self, transform: Callable[[Tensor], Tensor | None], where: str) -> None:
         self.transform = transform
         self.where = where
-        self.hooked: set[int] = set()  # ids of the parameters hooked (read under dynamo)
-        self.handles: dict[int, tuple[weakref.ref[Tensor], RemovableHandle]] = {}
+        # Each hooked parameter carries this object's token in `_gradoverride_hooked` (read
+        # under dynamo too). Not `id(p)`: a replaced parameter's id can be reused by the next.
+        # Random, not a counter: a loaded checkpoint's parameters carry tokens of another
+        # process.
+        self.token = secrets.randbits(62)
+        self.handles: list[tuple[weakref.ref[Tensor], RemovableHandle]] = []
         self.swapped: list[tuple[dict[str, Any], str, Tensor]] = []
 
     def hook_parameters_of(self, module: nn.Module) -> None:
@@ -436,12 +442,12 @@ class _ParameterHooks:
         return _ParameterHooks(self.transform, self.where)
 
     def _hook(self, p: Tensor) -> None:
-        key = id(p)
-        old = self.handles.get(key)
-        if old is not None and old[0]() is p:
+        marks: frozenset[int] = getattr(p, _MARK, frozenset())
+        if self.token in marks:
             return
-        self.handles[key] = (weakref.ref(p), _register_hook(p, self.transform))
-        self.hooked.add(key)
+        self.handles = [(ref, h) for ref, h in self.handles if ref() is not None]
+        self.handles.append((weakref.ref(p), _register_hook(p, self.transform)))
+        setattr(p, _MARK, marks | {self.token})
 
     def before_forward(self, module: nn.Module, args: tuple[Any, ...]) -> None:
         if not torch.is_grad_enabled():
@@ -452,7 +458,7 @@ class _ParameterHooks:
                 if p is None or not p.requires_grad:
                     continue
                 if isinstance(p, nn.Parameter) and not transforms_active():
-                    if id(p) not in self.hooked:
+                    if self.token not in getattr(p, _MARK, ()):
                         self._hook_later(p)
                 else:
                     from ._transform import transformed
@@ -475,10 +481,12 @@ class _ParameterHooks:
             params[name] = p
 
     def remove(self) -> None:
-        for _, handle in self.handles.values():
+        for ref, handle in self.handles:
             handle.remove()
+            p = ref()
+            if p is not None:
+                setattr(p, _MARK, getattr(p, _MARK, frozenset()) - {self.token})
         self.handles.clear()
-        self.hooked.clear()
 
 
 def _hook_eagerly_now(hooks: _ParameterHooks, p: Tensor) -> None:

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.compiler import is_dynamo_compiling
 from torch.nn.parameter import UninitializedParameter
 
 from ._decorators import CustomBackward
@@ -40,10 +41,12 @@ from ._signature import describe
 __all__ = ["Module", "OverrideHandle", "override_backward"]
 
 #: (where, inputs, owned_inputs, n_grads, user_rule, rule_is_method, parameter_names,
-#:  requested, parameter names of this layout, their op slots, owned parameter names)
+#:  requested, parameter names of this layout, their op slots, owned parameter names,
+#:  the op slots of the copied inputs of an in-place module)
 _RuleConfig = tuple[
     str, tuple[str, ...], tuple[str, ...], "int | None", Callable[..., Any], bool,
     tuple[str, ...], tuple[str, ...], tuple[str, ...], dict[str, str], tuple[str, ...],
+    tuple[str, ...],
 ]
 
 _PARAM = "_gradoverride_p"
@@ -106,6 +109,10 @@ class _ModuleRule:
         self.rule_is_method = rule_is_method
         forward_params = list(inspect.signature(forward).parameters.values())[1:]  # drop self
         self.inputs = tuple(p.name for p in forward_params)
+        self.input_position = {p.name: i for i, p in enumerate(forward_params)}
+        self.input_default = {
+            p.name: None if p.default is p.empty else p.default for p in forward_params
+        }
         self.residuals = residuals
         self.owns = None if owns is None else normalize_names(owns, "owns", where)
 
@@ -135,6 +142,8 @@ class _ModuleRule:
             raise GradOverrideTypeError(msg)
         reserved = {*RESERVED_NAMES, *(() if rule_is_method else ("module",))}
         self.requested = tuple(requested)
+        # The inputs a module built with inplace=True gets copied for the rule.
+        self.copied_inputs = tuple(n for n in requested if n in self.inputs)
         # Names that are neither inputs, residuals nor reserved must be parameters; they are
         # checked against the instance's parameters once __init__ has run (_ModuleMeta).
         known = {*self.inputs, *residuals, *reserved}
@@ -169,44 +178,32 @@ class _ModuleRule:
         forward_signature = inspect.signature(forward)
         forward_params = list(forward_signature.parameters.values())[1:]
         positional = inspect.Parameter.POSITIONAL_ONLY
+        copy_slots = tuple(f"{_ORIGINAL}{n}" for n in self.copied_inputs) if inplace else ()
         signature = inspect.Signature(
             [
                 inspect.Parameter(_MODULE, positional),
                 inspect.Parameter(_IDS, positional),
-                *(inspect.Parameter(slot, positional) for slot in slots),
+                *(inspect.Parameter(slot, positional) for slot in (*slots, *copy_slots)),
                 *forward_params,
             ]
         )
-        # For an in-place module, the inputs the rule reads reach it as residuals: copies
-        # made before the forward changes them.
-        copied = tuple(n for n in self.requested if n in self.inputs) if inplace else ()
+        # For an in-place module, the inputs the rule reads reach it as copies made before
+        # the call (inputs of the op, after the parameters): the forward changes the inputs.
+        copied = self.copied_inputs if inplace else ()
         copies = tuple(f"{_ORIGINAL}{n}" for n in copied)
-
-        def run_forward(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-            if not copies:
-                return forward(module, *args, **kwargs)
-            bound = forward_signature.bind(module, *args, **kwargs).arguments
-            originals = {
-                original: bound[name].clone() if isinstance(bound[name], Tensor) else bound[name]
-                for name, original in zip(copied, copies, strict=True)
-            }
-            result = forward(module, *args, **kwargs)
-            if self.residuals:
-                out, given = result
-                return out, {**given, **originals}
-            return result, originals
+        c = len(copies)
 
         def module_forward(
             module: nn.Module, ids: _ParameterIds, *rest: Any, **kwargs: Any
         ) -> Any:
-            params, args = rest[:k], rest[k:]
+            params, args = rest[:k], rest[k + c :]
             if all(id(p) == i for p, i in zip(params, ids.ids, strict=True)):
-                return run_forward(module, args, kwargs)  # the module's own parameters
+                return forward(module, *args, **kwargs)  # the module's own parameters
             # Owned parameters arrive detached (partial override), or others under a
             # transform: the forward must see these.
             swap = dict(zip(names, params, strict=True))
             with _parameters_as(module, swap, dict(module.named_parameters())):
-                return run_forward(module, args, kwargs)
+                return forward(module, *args, **kwargs)
 
         module_forward.__signature__ = signature  # type: ignore[attr-defined]
         module_forward.__name__ = self.where.strip("`")
@@ -242,6 +239,7 @@ class _ModuleRule:
             names,
             slot_of,
             owned_names,
+            copies,
         )
 
         def rule(*grads: Any, **named: Any) -> Any:
@@ -264,7 +262,7 @@ class _ModuleRule:
             raise GradOverrideError(msg)
         op: CustomBackward[..., Any] = CustomBackward(
             module_forward,
-            residuals=(*self.residuals, *copies),
+            residuals=self.residuals,
             rule_options={"track_inplace": inplace} if inplace else None,
         )
         op.backward(
@@ -289,8 +287,26 @@ class _ModuleRule:
         for name, p in params.items():
             if isinstance(p, UninitializedParameter):
                 raise GradOverrideError(_lazy_message(self.where, name))
-        op = self.op_for(tuple(params), module.__dict__.get("inplace") is True)
-        return op(module, _ParameterIds(values), *values, *args, **kwargs)
+        inplace = module.__dict__.get("inplace") is True
+        if not inplace:
+            op = self.op_for(tuple(params), False)
+            return op(module, _ParameterIds(values), *values, *args, **kwargs)
+        if is_dynamo_compiling():
+            raise GradOverrideError(_compiled_inplace_message(self.where))
+        first = args[0] if args else None
+        if isinstance(first, Tensor) and first._base is not None and first.requires_grad:
+            # PyTorch gives a Function that changes a view in place (through CopySlices) the
+            # right gradient only when the view is the Function's first input; here it is
+            # not, so the gradient around the view would be silently wrong.
+            raise GradOverrideError(_inplace_view_message(self.where))
+        # Copies of the inputs the rule reads, made before the forward changes them.
+        originals = []
+        for name in self.copied_inputs:
+            i = self.input_position[name]
+            value = args[i] if i < len(args) else kwargs.get(name, self.input_default[name])
+            originals.append(value.detach().clone() if isinstance(value, Tensor) else value)
+        op = self.op_for(tuple(params), True)
+        return op(module, _ParameterIds(values), *values, *originals, *args, **kwargs)
 
     def check_names(self, module: nn.Module) -> None:
         """Check the names the rule uses against `module`'s parameters (once it has them)."""
@@ -315,7 +331,7 @@ class _ModuleRule:
 def _call_module_rule(spec: _RuleConfig, grads: tuple[Any, ...], named: dict[str, Any]) -> Any:
     """Call the user's rule for a module op and translate what it returns."""
     (where, inputs, _, n_grads, user_rule, rule_is_method, parameter_names,
-     requested, names, slot_of, owned_names) = spec
+     requested, names, slot_of, owned_names, _) = spec
     module: nn.Module = named.pop(_MODULE)
     if n_grads is not None and n_grads != len(grads):
         msg = (
@@ -367,7 +383,7 @@ def _translate(
     """The user's return value in the op's terms: inputs by name, parameters by their slot,
     each parameter gradient checked under its own name."""
     where, inputs, owned_inputs = spec[0], spec[1], spec[2]
-    names, slot_of = spec[8], spec[9]
+    names, slot_of, copies = spec[8], spec[9], spec[11]
     if isinstance(result, dict):
         by_name = result
     elif isinstance(result, tuple):
@@ -426,8 +442,12 @@ def _translate(
         out.setdefault(slot_of[name], None)
     if all(name in out for name in owned_inputs):
         # A tuple aligned with the op's parameters takes the core's fast checks.
-        return (None, None, *(out.get(slot_of[n]) for n in names), *(out.get(n) for n in inputs))
+        return (
+            None, None, *(out.get(slot_of[n]) for n in names), *(None for _ in copies),
+            *(out.get(n) for n in inputs),
+        )
     # Inputs left out of a dict stay out, so the core reports an owned one by name.
+    out.update(dict.fromkeys(copies))
     return out
 
 
@@ -455,6 +475,25 @@ def _missing_parameter_message(
         f"the backward of {where} returned {form}, but it owns the parameter `{name}`, "
         f"which needs a gradient; a module rule returns parameter gradients in a dict by "
         f"name, e.g. {{{example}}}; or {fix}"
+    )
+
+
+def _compiled_inplace_message(where: str) -> str:
+    return (
+        f"{where} changes its input in place (it was built with inplace=True), and its rule "
+        "needs the input as it was called with, which gradoverride keeps by marking the "
+        "input changed: torch.compile cannot trace that. Build the module with "
+        "inplace=False under torch.compile (the compiled graph saves the memory anyway), "
+        "or call it eagerly."
+    )
+
+
+def _inplace_view_message(where: str) -> str:
+    return (
+        f"{where} changes its input in place (it was built with inplace=True), and its input "
+        "here is a view of another tensor (a slice, a reshape); gradoverride cannot give "
+        "that base tensor the right gradient through an overridden in-place call. Pass a "
+        "copy (`x[1:3].clone()`), or build the module with inplace=False."
     )
 
 

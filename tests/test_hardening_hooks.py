@@ -189,3 +189,14 @@ def test_torch_jit_trace_of_a_hooked_module_refuses() -> None:
     go.grad_hook(linear, times_ten, at="outputs")
     with pytest.raises(go.GradOverrideError, match=r"torch\.jit\.trace cannot keep"):
         torch.jit.trace(linear, (torch.randn(4, 3),))
+
+
+def test_parameters_replaced_in_a_loop_are_always_transformed() -> None:
+    # A replaced parameter's id may be reused by the next one: the hook must not mistake it.
+    linear = nn.Linear(3, 3)
+    go.grad_hook(linear, lambda g: g.clamp(-1, 1), at="parameters")
+    for _ in range(60):
+        linear.weight = nn.Parameter(torch.randn(3, 3))
+        linear(torch.randn(4, 3) * 100).sum().backward()
+        assert linear.weight.grad is not None
+        assert linear.weight.grad.abs().max() <= 1.0

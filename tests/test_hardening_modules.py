@@ -348,3 +348,63 @@ def test_a_module_rule_without_parameter_gradients_is_told_the_dict_form(cls, fo
     assert f"returned {form}" in text
     assert "owns the parameter `w`" in text
     assert "{'x': grad_x, 'w': grad_w}" in text
+
+
+# ---- compiled calls that leave the fast path ----------------------------------------------
+
+
+class KeywordLayer(go.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.tensor([1.0, 2.0, 3.0]))
+
+    def forward(self, x, scale=1.0):
+        return x * self.w * scale
+
+    def backward(self, grad, *, x, scale):
+        return {"x": grad * self.w * scale * 10, "w": grad * x * scale}
+
+
+class OnceLayer(go.Module, once_differentiable=True):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.tensor([1.0, 2.0, 3.0]))
+
+    def forward(self, x):
+        return x * self.w
+
+    def backward(self, grad, *, x):
+        return {"x": grad * self.w * 10, "w": grad * x}
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize(
+    ("layer", "call", "factor"),
+    [(KeywordLayer, lambda m, x: m(x, scale=3.0), 30.0), (OnceLayer, lambda m, x: m(x), 10.0)],
+    ids=["keyword argument", "once_differentiable"],
+)
+def test_module_calls_off_the_fast_path_compile_with_fullgraph(layer, call, factor) -> None:
+    torch._dynamo.reset()
+    module = layer()
+    compiled = torch.compile(lambda x: call(module, x), fullgraph=True, backend="aot_eager")
+    x = torch.tensor([0.5, -1.0, 2.0], requires_grad=True)
+    compiled(x).sum().backward()
+    torch.testing.assert_close(x.grad, module.w.detach() * factor)
+
+
+@pytest.mark.compile
+def test_an_inplace_module_override_under_fullgraph_compile_says_why() -> None:
+    torch._dynamo.reset()
+    relu = nn.ReLU(inplace=True)
+    go.override_backward(relu, lambda grad, *, input: grad * (input > 0))
+    compiled = torch.compile(lambda x: relu(x * 1.0), fullgraph=True, backend="aot_eager")
+    with pytest.raises(Exception, match=r"Build the module with inplace=False"):
+        compiled(torch.randn(3, requires_grad=True))
+
+
+def test_an_inplace_module_override_on_a_view_input_is_refused() -> None:
+    relu = nn.ReLU(inplace=True)
+    go.override_backward(relu, lambda grad, *, input: grad * torch.sigmoid(input))
+    h = torch.randn(4, requires_grad=True) * 1.0
+    with pytest.raises(go.GradOverrideError, match=r"a view of another tensor.*clone\(\)"):
+        relu(h[1:3])
