@@ -35,24 +35,49 @@ if TYPE_CHECKING:
 __all__ = ["arm_all", "audit_call", "audited", "register"]
 
 # Calls whose result carries no gradient of their tensor arguments, so reading a captured
-# tensor through them loses nothing: metadata (`.shape` and other property reads, `size()`)
-# and explicit detaching.
+# tensor through them loses nothing: metadata (`.shape` and other property reads, `size()`),
+# explicit detaching, factories that take only a shape and dtype from a tensor (`zeros_like`,
+# `new_ones`), and steps whose derivative is zero (`sign`, `round`, ...), as plain autograd
+# would give them.
 _NO_GRADIENT_NAMES = frozenset(
     {"__get__", "detach", "detach_", "size", "dim", "numel", "stride", "data_ptr",
      "is_floating_point", "is_complex", "is_contiguous", "element_size", "storage_offset",
-     "item", "tolist", "__len__", "__bool__", "__repr__", "__format__", "requires_grad_"}
+     "item", "tolist", "__len__", "__bool__", "__float__", "__int__", "__index__", "__repr__",
+     "__format__", "requires_grad_",
+     "zeros_like", "ones_like", "empty_like", "full_like", "rand_like", "randn_like",
+     "randint_like", "new_zeros", "new_ones", "new_empty", "new_full", "new_tensor",
+     "sign", "sgn", "round", "floor", "ceil", "trunc", "fix", "heaviside",
+     "argmax", "argmin", "argsort"}
 )
 
 
-class _ForwardAudit(TorchFunctionMode):
-    """Records the tensors a forward reads that require grad but are neither its inputs nor
-    made inside it. Inside an owning Function's forward grad mode is off, which is how a
-    read from the forward is told apart from the op's own bookkeeping."""
+def _storage(t: Tensor) -> int:
+    """The address of `t`'s memory: a result derived from a captured tensor is followed
+    through the aliases gradoverride itself makes of the forward's results."""
+    try:
+        return int(t.untyped_storage().data_ptr())
+    except RuntimeError:  # a tensor without storage (meta, a functorch wrapper)
+        return id(t)
 
-    def __init__(self, inputs: set[int]) -> None:
+
+class _ForwardAudit(TorchFunctionMode):
+    """Follows, through the calls of one forward, the tensors that require grad without being
+    its inputs or made inside it (captured), what is computed from them (tainted), and the
+    inputs it changes in place after using them.
+
+    Inside an owning Function's forward grad mode is off, which is how a read from the
+    forward is told apart from the op's own bookkeeping. Only a captured tensor that reaches
+    the forward's result through calls that carry a gradient is a lost gradient."""
+
+    def __init__(self, inputs: list[Tensor]) -> None:
         super().__init__()
-        self.known = inputs
-        self.captured: list[Tensor] = []
+        self.inputs = {id(t) for t in inputs}
+        self.known = set(self.inputs)
+        # tainted storage -> (the captured tensor, the tainted tensor itself, kept alive for
+        # the call so that its memory's address is not reused by an unrelated tensor)
+        self.source: dict[int, tuple[Tensor, Tensor]] = {}
+        self.used: set[int] = set()  # inputs read by a call that carries a gradient
+        self.changed_after_use: set[int] = set()
 
     def __torch_function__(
         self,
@@ -62,32 +87,54 @@ class _ForwardAudit(TorchFunctionMode):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        if not torch.is_grad_enabled():
+            self._before(name, args, kwargs)
         result = func(*args, **kwargs)
-        if (
-            not torch.is_grad_enabled()
-            and getattr(func, "__name__", "") not in _NO_GRADIENT_NAMES
-            and _carries_gradient(result)
-        ):
-            for leaf in pytree.tree_leaves((args, kwargs)):
-                if (
-                    isinstance(leaf, Tensor)
-                    and leaf.requires_grad
-                    and id(leaf) not in self.known
-                    and not any(leaf is c for c in self.captured)
-                ):
-                    self.captured.append(leaf)
+        if not torch.is_grad_enabled() and name not in _NO_GRADIENT_NAMES:
+            self._taint(args, kwargs, result)
         for leaf in pytree.tree_leaves(result):
             if isinstance(leaf, Tensor):
                 self.known.add(id(leaf))
         return result
 
+    def _before(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        inplace = name.endswith("_") and not name.endswith("__")
+        for k, leaf in enumerate(pytree.tree_leaves((args, kwargs))):
+            if not isinstance(leaf, Tensor) or id(leaf) not in self.inputs:
+                continue
+            if inplace and k == 0:
+                if id(leaf) in self.used:
+                    self.changed_after_use.add(id(leaf))
+            elif name not in _NO_GRADIENT_NAMES:
+                self.used.add(id(leaf))
 
-def _carries_gradient(result: Any) -> bool:
-    """Whether a call's result holds a floating or complex tensor (one a gradient flows to)."""
-    return any(
-        isinstance(leaf, Tensor) and (leaf.is_floating_point() or leaf.is_complex())
-        for leaf in pytree.tree_leaves(result)
-    )
+    def _taint(self, args: tuple[Any, ...], kwargs: dict[str, Any], result: Any) -> None:
+        source = None
+        for leaf in pytree.tree_leaves((args, kwargs)):
+            if not isinstance(leaf, Tensor):
+                continue
+            if leaf.requires_grad and id(leaf) not in self.known:
+                source = leaf  # captured
+                break
+            found = self.source.get(_storage(leaf))
+            if found is not None:
+                source = found[0]  # computed from a captured tensor
+                break
+        if source is None:
+            return
+        for leaf in pytree.tree_leaves(result):
+            if isinstance(leaf, Tensor) and (leaf.is_floating_point() or leaf.is_complex()):
+                self.source[_storage(leaf)] = (source, leaf)
+
+    def lost(self, result: Any) -> Tensor | None:
+        """The captured tensor the op's result was computed from, if any."""
+        for leaf in pytree.tree_leaves(result):
+            if isinstance(leaf, Tensor):
+                found = self.source.get(_storage(leaf))
+                if found is not None:
+                    return found[0]
+        return None
 
 
 def audit_call(op: CustomBackward[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -98,20 +145,28 @@ def audit_call(op: CustomBackward[..., Any], args: tuple[Any, ...], kwargs: dict
     assert run is not None
     rule = op._rule
     assert rule is not None
+    audit = None
     if not rule.owns_all:
         # The forward runs on the ordinary graph: a captured tensor gets its autograd
         # gradient there, so only in-place changes are checked.
         result = run(op, *args, **kwargs)
     else:
-        audit = _ForwardAudit({id(leaf) for leaf in leaves})
+        audit = _ForwardAudit(leaves)
         with audit:
             result = run(op, *args, **kwargs)
-        if audit.captured:
-            raise GradOverrideError(_captured_message(op, audit.captured[0], args, kwargs))
+        captured = audit.lost(result)
+        if captured is not None:
+            raise GradOverrideError(_captured_message(op, captured, args, kwargs))
     if not op._tracks_inplace:
         for leaf, version in zip(leaves, versions, strict=True):
-            if leaf._version != version and _matters(op, leaf, args, kwargs):
-                raise GradOverrideError(_inplace_message(op, leaf, args, kwargs))
+            if leaf._version == version or not _matters(op, leaf, args, kwargs):
+                continue
+            # A parameter changed under no_grad before the forward reads it (a constraint,
+            # `w.clamp_(min=0)`) has no history to lose, and the rule reads what the forward
+            # used: allowed. Changed after it was read, or a tensor with a history: refused.
+            if leaf.is_leaf and audit is not None and id(leaf) not in audit.changed_after_use:
+                continue
+            raise GradOverrideError(_inplace_message(op, leaf, args, kwargs))
     return result
 
 
@@ -136,7 +191,7 @@ def _slot_of(op: CustomBackward[..., Any], t: Tensor, args: tuple[Any, ...],
         return None
     for name, value in zip(sig.names, values, strict=True):
         if any(leaf is t for leaf in pytree.tree_leaves(value)):
-            return name
+            return op._labels.get(name, name) or None
     return None
 
 
@@ -192,6 +247,14 @@ def _inplace_message(op: CustomBackward[..., Any], t: Tensor, args: tuple[Any, .
     name = op._name
     slot = _slot_of(op, t, args, kwargs)
     which = f"its input `{slot}`" if slot is not None else "one of its tensor inputs"
+    if t.is_leaf:
+        return (
+            f"the forward of `{name}` changed {which} in place after reading it (its "
+            "version counter moved during the call): the rule would read the changed value, "
+            "not the one the forward used. Change it before the forward reads it (a "
+            "constraint such as `w.clamp_(min=0)` first), or outside the forward, after "
+            "the optimizer step."
+        )
     return (
         f"the forward of `{name}` changed {which} in place (its version counter moved "
         "during the call): the rule would read the changed value, and autograd would not "

@@ -33,7 +33,8 @@ from typing_extensions import ParamSpec
 from ._decorators import CustomBackward, custom_backward
 from ._errors import GradOverrideError, GradOverrideTypeError
 from ._frameworks import any_tensorflow, is_tensorflow
-from ._internals import transforms_active
+from ._internals import is_batched as _is_batched
+from ._internals import is_transformed, transforms_active
 from ._signature import describe
 
 try:
@@ -140,28 +141,6 @@ def graph_break(fn: Callable[..., Any], reason: str) -> Callable[..., Any]:
 
 
 # ---- what a bridged function cannot be given, or do --------------------------------------------
-
-
-def _is_batched(value: Any) -> bool:
-    """Whether `value` is a tensor batched by torch.func.vmap, at any level of the transforms
-    (`vmap(grad(f))` wraps it in a grad-tracking tensor first): numpy would get its
-    unbatched storage-less inside."""
-    functorch = torch._C._functorch
-    while isinstance(value, Tensor):
-        if functorch.is_batchedtensor(value):
-            return True
-        if not functorch.is_functorch_wrapped_tensor(value):
-            return False
-        value = functorch.get_unwrapped(value)
-    return False
-
-
-def is_transformed(value: Any) -> bool:
-    """Whether `value` is a tensor wrapped by a torch.func transform: batched (vmap) or
-    grad-tracking (grad, jacrev, ...); neither has storage numpy could read."""
-    return _is_batched(value) or (
-        isinstance(value, Tensor) and bool(torch._C._functorch.is_gradtrackingtensor(value))
-    )
 
 
 def _is_read_only_array(value: Any) -> bool:

@@ -51,6 +51,7 @@ class CustomBackward(Generic[P, R]):
 
     # Set when the rule is registered (class defaults until then).
     _tracks_inplace = False  # the forward's in-place changes to its inputs are marked dirty
+    _labels: dict[str, str] = {}  # noqa: RUF012 - replaced per op; names shown in messages
     _fast_class: type | None = None
     _audit_class: type | None = None
     # (factory, args, kwargs) that rebuild this op when pickled by value; set by the
@@ -201,9 +202,10 @@ class CustomBackward(Generic[P, R]):
         )
         module = getattr(self.__wrapped__, "__module__", None) or __name__
         self._tracks_inplace = bool(options.get("track_inplace", False))
+        self._labels = dict(options.get("labels", {}))
         self._run, self._function = build_call(
             self._name, module, self._signature, spec, self._residuals, self._run_tensorflow,
-            track_inplace=self._tracks_inplace,
+            track_inplace=self._tracks_inplace, labels=self._labels,
         )
         self._rule = spec
         # Calls then go straight to the generated entry point: `op(x)` looks `__call__` up on
@@ -324,9 +326,10 @@ class CustomBackward(Generic[P, R]):
             raise GradOverrideError(msg)
         forward = self.__wrapped__
         _require_importable(forward, self._name, "its forward")
-        _require_importable(self._rule.rule, self._name, f"its backward rule `{self._rule.name}`")
+        _require_importable(self._rule.rule, self._name, "its backward rule")
         options = {
-            key: value for key, value in self._rule_options.items() if key != "track_inplace"
+            key: value for key, value in self._rule_options.items()
+            if key not in ("track_inplace", "labels")
         }
         spec = self._rule
         owned = tuple(n for n, o in zip(self._signature.names, spec.owned, strict=True) if o)

@@ -172,7 +172,7 @@ def generate(
             "    try:",
             f"        {_tuple([f's{k}' for k in range(len(saved))])} = ctx.saved_tensors",
             "    except RuntimeError:",
-            f"        saved_for(ctx, op, {tuple(read)!r})",
+            f"        saved_for(ctx, op, {tuple(read)!r}, labels)",
             "        raise",
         ]
     for k, (name, _) in enumerate(requested):

@@ -24,7 +24,7 @@ hand-written classic Function on small tensors) is measured by `benchmarks/overh
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -280,8 +280,12 @@ def build_call(
     run_tensorflow: Callable[[tuple[Any, ...], dict[str, Any]], Any],
     *,
     track_inplace: bool = False,
+    labels: Mapping[str, str] | None = None,
 ) -> tuple[Callable[..., Any], type[torch.autograd.Function]]:
     """The per-call entry point and the Function class behind it.
+
+    `labels` name the op's parameters in messages where they differ from the forward's own
+    names (a module's op has slots for its parameters; an empty label hides a slot).
 
     The entry point is `run(op_object, *args, **kwargs)`: it becomes the `__call__` method of
     the op's class (`op_object` is the op itself and is not used). A call with TensorFlow
@@ -405,7 +409,7 @@ def build_call(
         kwargs: dict[str, Any] = {}
         saved_tensors: tuple[Tensor, ...] = ()
         if plan:
-            saved_tensors = saved_for(ctx, op, tuple(name for name, _, _ in plan))
+            saved_tensors = saved_for(ctx, op, tuple(name for name, _, _ in plan), labels)
             for name, spec, entries in plan:
                 leaves = [saved_tensors[e] if type(e) is int else e.value for e in entries]
                 kwargs[name] = leaves[0] if spec is None else pytree.tree_unflatten(leaves, spec)
@@ -436,7 +440,7 @@ def build_call(
     if rule.owns_all:
         return _build_owning(
             op, module, kind, sig, rule, residuals, setup, run_rule, run_tensorflow,
-            track_inplace,
+            track_inplace, labels,
         )
     return _build_attaching(
         op, module, kind, sig, residuals, owned, setup, run_rule, run_tensorflow
@@ -454,6 +458,7 @@ def _build_owning(
     run_rule: Callable[[Any, tuple[Any, ...]], list[Tensor | None]],
     run_tensorflow: Callable[[tuple[Any, ...], dict[str, Any]], Any],
     track_inplace: bool,
+    labels: Mapping[str, str] | None,
 ) -> tuple[Callable[..., Any], type[torch.autograd.Function]]:
     """The forward runs inside the Function; the rule gives every gradient.
 
@@ -574,6 +579,7 @@ def _build_owning(
                 "autocast_state": _autocast_state,
                 "call_rule": _call_rule,
                 "saved_for": saved_for,
+                "labels": labels,
                 "check_gradient": check_gradient,
                 "flat_gradients": flat_gradients,
                 "GradOverrideError": GradOverrideError,
@@ -713,7 +719,9 @@ def _build_attaching(
     return run, cls
 
 
-def saved_for(ctx: Any, op: str, names: tuple[str, ...]) -> tuple[Tensor, ...]:
+def saved_for(
+    ctx: Any, op: str, names: tuple[str, ...], labels: Mapping[str, str] | None = None
+) -> tuple[Tensor, ...]:
     """`ctx.saved_tensors`, with PyTorch's error for a saved tensor changed in place since
     the forward said in the op's terms: which values the rule reads, and the fix. (Any other
     error is raised as is.)"""
@@ -722,7 +730,8 @@ def saved_for(ctx: Any, op: str, names: tuple[str, ...]) -> tuple[Tensor, ...]:
     except RuntimeError as exc:
         if "modified by an inplace operation" not in str(exc):
             raise
-        listed = ", ".join(f"`{n}`" for n in names)
+        shown = [(labels or {}).get(n, n) for n in names]
+        listed = ", ".join(f"`{n}`" for n in shown if n)
         msg = (
             f"the backward rule of `{op}` reads {listed}, and one of them was changed in "
             "place after the forward (an in-place op such as `relu_()` on the result or on "

@@ -35,10 +35,13 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch import Tensor
 
 __all__ = [
     "FAST_APPLY",
     "any_autocast_enabled",
+    "is_batched",
+    "is_transformed",
     "raw_apply",
     "transforms_active",
 ]
@@ -73,3 +76,25 @@ except AttributeError:  # pragma: no cover - depends on torch version
             for device in ("cpu", "cuda", "xpu", "mps", "hpu")
             if torch.amp.is_autocast_available(device)
         )
+
+
+def is_batched(value: Any) -> bool:
+    """Whether `value` is a tensor batched by torch.func.vmap, at any level of the transforms
+    (`vmap(grad(f))` wraps it in a grad-tracking tensor first): numpy would get its
+    unbatched storage-less inside."""
+    functorch = torch._C._functorch
+    while isinstance(value, Tensor):
+        if functorch.is_batchedtensor(value):
+            return True
+        if not functorch.is_functorch_wrapped_tensor(value):
+            return False
+        value = functorch.get_unwrapped(value)
+    return False
+
+
+def is_transformed(value: Any) -> bool:
+    """Whether `value` is a tensor wrapped by a torch.func transform: batched (vmap) or
+    grad-tracking (grad, jacrev, ...); neither has storage numpy could read."""
+    return is_batched(value) or (
+        isinstance(value, Tensor) and bool(torch._C._functorch.is_gradtrackingtensor(value))
+    )

@@ -34,6 +34,7 @@ from torch.nn.parameter import UninitializedParameter
 from ._decorators import CustomBackward
 from ._errors import GradOverrideError, GradOverrideTypeError
 from ._gradients import check_gradient
+from ._internals import is_transformed, transforms_active
 from ._jit import RefuseScripting, jit_message, refuse_scripting
 from ._rule import RESERVED_NAMES, normalize_names
 from ._signature import describe
@@ -80,13 +81,19 @@ def _parameters_as(
 
 
 class _ParameterIds:
-    """The identities of the parameters a call passed in (not a tuple, so the op does not
-    treat it as a container to flatten)."""
+    """The identities of the parameters a call passed in, and the buffers the forward saw
+    (not a tuple, so the op does not treat it as a container to flatten). The buffers are
+    kept by reference, not saved for backward: they get no gradient, and a buffer the
+    forward itself updates in place (running statistics) must not trip autograd's version
+    check of saved tensors when the module runs again before backward."""
 
-    __slots__ = ("ids",)
+    __slots__ = ("buffers", "ids")
 
-    def __init__(self, params: tuple[Tensor, ...]) -> None:
+    def __init__(
+        self, params: tuple[Tensor, ...], buffers: dict[str, Tensor] | None = None
+    ) -> None:
         self.ids = tuple(id(p) for p in params)
+        self.buffers = buffers
 
 
 class _ModuleRule:
@@ -217,7 +224,7 @@ class _ModuleRule:
         # the ones passed to `torch.func.functional_call` included, owned or not. It asks for
         # `needs_grad` only when a lone returned tensor could belong to more than one input.
         wants_needs = len(owned_inputs) > 1 or "needs_grad" in self.requested
-        rule_names = [_MODULE, *slots]
+        rule_names = [_MODULE, _IDS, *slots]
         rule_names += [
             n for n in self.requested
             if (n in self.inputs and n not in copied) or n in self.residuals
@@ -260,10 +267,13 @@ class _ModuleRule:
                 "inplace=False."
             )
             raise GradOverrideError(msg)
+        # Messages name the parameters, not the op's slots for them.
+        labels = {_MODULE: "", _IDS: "", **{slot_of[n]: n for n in names}}
+        labels.update({slot: slot[len(_ORIGINAL):] for slot in copies})
         op: CustomBackward[..., Any] = CustomBackward(
             module_forward,
             residuals=self.residuals,
-            rule_options={"track_inplace": inplace} if inplace else None,
+            rule_options={"track_inplace": inplace, "labels": labels},
         )
         op.backward(
             rule,
@@ -288,9 +298,10 @@ class _ModuleRule:
             if isinstance(p, UninitializedParameter):
                 raise GradOverrideError(_lazy_message(self.where, name))
         inplace = module.__dict__.get("inplace") is True
+        ids = _ParameterIds(values, self._buffers(module))
         if not inplace:
             op = self.op_for(tuple(params), False)
-            return op(module, _ParameterIds(values), *values, *args, **kwargs)
+            return op(module, ids, *values, *args, **kwargs)
         if is_dynamo_compiling():
             raise GradOverrideError(_compiled_inplace_message(self.where))
         first = args[0] if args else None
@@ -306,7 +317,23 @@ class _ModuleRule:
             value = args[i] if i < len(args) else kwargs.get(name, self.input_default[name])
             originals.append(value.detach().clone() if isinstance(value, Tensor) else value)
         op = self.op_for(tuple(params), True)
-        return op(module, _ParameterIds(values), *values, *originals, *args, **kwargs)
+        return op(module, ids, *values, *originals, *args, **kwargs)
+
+    def _buffers(self, module: nn.Module) -> dict[str, Tensor] | None:
+        """The module's floating buffers at this call, for the rule; refused when a
+        torch.func transform wraps them (they would reach the forward as captured)."""
+        if is_dynamo_compiling():
+            return None  # traced code keeps no per-call objects holding tensors
+        buffers = {
+            n: b for n, b in module.named_buffers() if b.is_floating_point() or b.is_complex()
+        }
+        if not buffers:
+            return None
+        if transforms_active():
+            wrapped = [n for n, b in buffers.items() if is_transformed(b)]
+            if wrapped:
+                raise GradOverrideError(_wrapped_buffers_message(self.where, wrapped[0]))
+        return buffers
 
     def check_names(self, module: nn.Module) -> None:
         """Check the names the rule uses against `module`'s parameters (once it has them)."""
@@ -333,6 +360,7 @@ def _call_module_rule(spec: _RuleConfig, grads: tuple[Any, ...], named: dict[str
     (where, inputs, _, n_grads, user_rule, rule_is_method, parameter_names,
      requested, names, slot_of, owned_names, _) = spec
     module: nn.Module = named.pop(_MODULE)
+    ids: _ParameterIds = named.pop(_IDS)
     if n_grads is not None and n_grads != len(grads):
         msg = (
             f"the backward of {where} takes {n_grads} upstream gradient(s), but "
@@ -355,7 +383,12 @@ def _call_module_rule(spec: _RuleConfig, grads: tuple[Any, ...], named: dict[str
         }
     current = {n: _current_parameter(module, n) for n in names}
     before = [current[n].grad for n in owned_names]
-    with _parameters_as(module, seen, current):
+    swap: dict[str, Tensor] = dict(seen)
+    if ids.buffers:
+        # The buffers the forward saw (those passed to functional_call), for the rule too.
+        current.update(module.named_buffers())
+        swap.update(ids.buffers)
+    with _parameters_as(module, swap, current):
         if rule_is_method:
             result = user_rule(module, *grads, **named)
         else:
@@ -494,6 +527,17 @@ def _inplace_view_message(where: str) -> str:
         "here is a view of another tensor (a slice, a reshape); gradoverride cannot give "
         "that base tensor the right gradient through an overridden in-place call. Pass a "
         "copy (`x[1:3].clone()`), or build the module with inplace=False."
+    )
+
+
+def _wrapped_buffers_message(where: str, name: str) -> str:
+    return (
+        f"{where} holds the buffer `{name}`, which a torch.func transform wraps here (a "
+        "buffer passed to functional_call under vmap, as `torch.func.stack_module_state` "
+        "gives them); the module's forward runs inside an autograd Function, which receives "
+        "only its inputs and parameters unwrapped, so the buffer cannot reach it. Pass only "
+        "the parameters to functional_call (the module then uses its own buffers), or make "
+        "the buffer's value an argument of the forward."
     )
 
 

@@ -515,3 +515,86 @@ def test_outputs_sharing_memory_stay_views_so_an_inplace_change_is_refused() -> 
     _, first = with_its_first(x)
     with pytest.raises(RuntimeError, match="view"):
         first.mul_(10)
+
+
+WEIGHT = torch.randn(3, requires_grad=True)
+
+
+@pytest.mark.parametrize(
+    "read",
+    [
+        lambda x: x + torch.zeros_like(WEIGHT),
+        lambda x: x * WEIGHT.sign(),
+        lambda x: x * WEIGHT.max().item(),
+        lambda x: x * float(WEIGHT[0]),
+        lambda x: x * bool(WEIGHT.norm() > 0),
+        lambda x: x + WEIGHT.new_ones(3),
+        lambda x: x + WEIGHT.detach(),
+    ],
+    ids=["zeros_like", "sign", "item", "float", "bool", "new_ones", "detach"],
+)
+def test_reads_of_a_captured_tensor_that_carry_no_gradient_are_allowed(read) -> None:
+    @go.custom_backward
+    def f(x):
+        return read(x)
+
+    @f.backward
+    def _(grad):
+        return grad
+
+    x = torch.randn(3, requires_grad=True)
+    f(x).sum().backward()  # plain autograd gives WEIGHT no gradient here either
+    torch.testing.assert_close(x.grad, torch.ones(3))
+
+
+def test_a_captured_tensor_reaching_the_result_through_a_chain_is_refused() -> None:
+    @go.custom_backward
+    def f(x):
+        scale = WEIGHT.abs().mean()  # a gradient flows through abs and mean
+        return (x * scale).view(-1)
+
+    @f.backward
+    def _(grad):
+        return grad
+
+    with pytest.raises(go.GradOverrideError, match="which requires grad"):
+        f(torch.randn(3, requires_grad=True))
+
+
+def test_a_parameter_constraint_applied_before_use_is_allowed() -> None:
+    class Constrained(go.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.tensor([-1.0, 2.0, 3.0]))
+
+        def forward(self, x):
+            with torch.no_grad():
+                self.w.clamp_(min=0)
+            return x * self.w
+
+        def backward(self, grad, *, x):
+            return {"x": grad * self.w, "w": grad * x}
+
+    layer = Constrained()
+    x = torch.tensor([1.0, 1.0, 1.0], requires_grad=True)
+    layer(x).sum().backward()
+    torch.testing.assert_close(x.grad, torch.tensor([0.0, 2.0, 3.0]))
+
+
+def test_a_parameter_changed_after_the_forward_read_it_is_refused() -> None:
+    class Drifting(go.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.tensor([1.0, 2.0, 3.0]))
+
+        def forward(self, x):
+            out = x * self.w
+            with torch.no_grad():
+                self.w.mul_(0.5)  # the rule would read the halved weight
+            return out
+
+        def backward(self, grad, *, x):
+            return {"x": grad * self.w, "w": grad * x}
+
+    with pytest.raises(go.GradOverrideError, match=r"changed .*`w` in place"):
+        Drifting()(torch.ones(3, requires_grad=True))

@@ -408,3 +408,38 @@ def test_an_inplace_module_override_on_a_view_input_is_refused() -> None:
     h = torch.randn(4, requires_grad=True) * 1.0
     with pytest.raises(go.GradOverrideError, match=r"a view of another tensor.*clone\(\)"):
         relu(h[1:3])
+
+
+# ---- buffers ------------------------------------------------------------------------------
+
+
+class WithBuffer(go.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(3))
+        self.register_buffer("s", torch.ones(3))
+
+    def forward(self, x):
+        return x * self.w * self.s
+
+    def backward(self, grad, *, x):
+        return {"x": grad * self.w * self.s, "w": (grad * x * self.s)}
+
+
+def test_buffers_passed_to_functional_call_reach_the_rule() -> None:
+    layer = WithBuffer()
+    x = torch.randn(3, requires_grad=True)
+    functional_call(layer, {"s": torch.full((3,), 3.0)}, (x,)).sum().backward()
+    torch.testing.assert_close(x.grad, torch.full((3,), 3.0))
+
+
+def test_buffers_wrapped_by_vmap_are_refused_by_name() -> None:
+    layers = [WithBuffer() for _ in range(2)]
+    params, buffers = torch.func.stack_module_state(layers)
+    base = WithBuffer()
+
+    def loss(p, b, x):
+        return functional_call(base, {**p, **b}, (x,)).sum()
+
+    with pytest.raises(go.GradOverrideError, match=r"the buffer `s`.*only the parameters"):
+        vmap(grad(loss, argnums=2), in_dims=(0, 0, None))(params, buffers, torch.randn(3))

@@ -32,10 +32,11 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from .._bridge import as_array, graph_break, is_transformed, to_numpy
+from .._bridge import as_array, graph_break, to_numpy
 from .._decorators import custom_backward
 from .._errors import GradOverrideError, GradOverrideTypeError
 from .._frameworks import is_tensorflow
+from .._internals import is_transformed
 from .._signature import describe
 from ._base import Recipe, tensorflow_call
 
