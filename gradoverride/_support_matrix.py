@@ -47,8 +47,9 @@ CONTEXTS: tuple[tuple[str, str], ...] = (
     ("torch.func.grad", "`torch.func.grad` of the loss with respect to the input"),
     ("vmap", "`torch.func.vmap(torch.func.grad(...))`: per-sample gradients"),
     ("functional_call", "`torch.func.functional_call` with other parameters"),
-    ("checkpoint", "`torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`"),
-    ("in-place after", "an in-place op (`relu_`) on the result right after"),
+    ("checkpoint", "`torch.utils.checkpoint.checkpoint`, `use_reentrant=False` and `True`"),
+    ("in-place after", "an in-place op (`relu_`) on the result right after, the input used "
+     "again after it"),
     ("save/load", "`torch.save` then `torch.load` of the module"),
     ("deepcopy", "`copy.deepcopy` of the module"),
     ("torch.jit.script", "`torch.jit.script` of the module"),

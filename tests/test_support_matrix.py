@@ -127,14 +127,37 @@ def run_functional_call(kind: str) -> None:
 
 def run_checkpoint(kind: str) -> None:
     module = CASES[kind].build()
+    expected = eager(kind)
     got = gradients(module, X, UP, call=lambda x: checkpoint(module, x, use_reentrant=False))
-    assert_same(got, eager(kind))
+    assert_same(got, expected)
+    # The reentrant form supports `.backward()` only (not torch.autograd.grad).
+    x = X.clone().requires_grad_()
+    module.zero_grad()
+    (checkpoint(module, x, use_reentrant=True) * UP).sum().backward()
+    got = {"x": x.grad, **{
+        n: torch.zeros_like(p) if p.grad is None else p.grad for n, p in module.named_parameters()
+    }}
+    assert_same(got, expected)
 
 
 def run_inplace_after(kind: str) -> None:
+    # The input is used again after the in-place op: an output sharing its memory behind
+    # autograd's back would give that use a wrong gradient.
     module = CASES[kind].build()
-    got = gradients(module, X, UP, after=lambda out: out.relu_())
-    assert_same(got, eager(kind, after=torch.relu))
+
+    def program(inplace: bool) -> Grads:
+        x = X.clone().requires_grad_()
+        h = x * 1.0
+        out = module(h)
+        out = out.relu_() if inplace else torch.relu(out)
+        loss = (out * UP).sum() + (h * 5).sum()
+        params = [p for _, p in module.named_parameters()]
+        grads = torch.autograd.grad(loss, [x, *params], allow_unused=True)
+        names = ["x", *(n for n, _ in module.named_parameters())]
+        return {n: torch.zeros_like(t) if g is None else g
+                for n, t, g in zip(names, [x, *params], grads, strict=True)}
+
+    assert_same(program(inplace=True), program(inplace=False))
 
 
 def run_save_load(kind: str) -> None:
