@@ -59,15 +59,18 @@ class Recipe:
         return f"{type(self).__name__}({fields})"
 
 
-@custom_backward
-def _transform_gradient(x: Tensor, transform: GradientTransform, fresh: bool = False) -> Tensor:
-    # A view of `x`, or with `fresh` a copy (the module form): see `passthrough`.
-    return passthrough(x, fresh)
-
-
-@_transform_gradient.backward
-def _(grad: Tensor, *, transform: GradientTransform) -> Tensor:
+def _transformed(grad: Tensor, *, transform: GradientTransform) -> Tensor:
     return transform.transform(grad)
+
+
+@custom_backward(backward=_transformed)
+def _transform_gradient(x: Tensor, transform: GradientTransform) -> Tensor:
+    return passthrough(x)  # a view of `x`: see `passthrough`
+
+
+@custom_backward(backward=_transformed)
+def _transform_gradient_copy(x: Tensor, transform: GradientTransform) -> Tensor:
+    return passthrough(x, fresh=True)  # the module form: an in-place op may follow
 
 
 class GradientTransform(Recipe):
@@ -105,7 +108,7 @@ class RecipeModule(nn.Module):
         if isinstance(recipe, GradientTransform) and isinstance(x, Tensor) and not (
             args or kwargs
         ) and type(recipe).__call__ is GradientTransform.__call__:
-            return _transform_gradient(x, recipe, True)
+            return _transform_gradient_copy(x, recipe)
         return recipe(x, *args, **kwargs)
 
     def __repr__(self) -> str:

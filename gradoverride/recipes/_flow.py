@@ -108,21 +108,26 @@ class ganin_ramp:
 # ---- reversal and scaling -------------------------------------------------------------------
 
 
-@custom_backward
-def _multiply_gradient(x: Tensor, factor: float | Tensor, fresh: bool = False) -> Tensor:
-    """Identity forward (a view of `x`, or a copy with `fresh`: see `passthrough`); the
-    backward multiplies the upstream gradient by `factor`."""
-    return passthrough(x, fresh)
-
-
-@_multiply_gradient.backward
-def _(grad: Tensor, *, factor: float | Tensor) -> Tensor | tuple[Tensor, None, None]:
+def _multiplied(grad: Tensor, *, factor: float | Tensor) -> Tensor | tuple[Tensor, None]:
     if isinstance(factor, Tensor):
         # A tensor factor gets no gradient: it is a setting, not a model input.
-        return keep_dtype(grad * factor, grad), None, None
+        return keep_dtype(grad * factor, grad), None
     if factor == -1.0:  # the default reversal: a negation is the cheapest kernel
         return torch.neg(grad)
     return grad * factor  # a Python number never changes grad's dtype
+
+
+@custom_backward(backward=_multiplied)
+def _multiply_gradient(x: Tensor, factor: float | Tensor) -> Tensor:
+    """Identity forward (a view of `x`: see `passthrough`); the backward multiplies the
+    upstream gradient by `factor`."""
+    return passthrough(x)
+
+
+@custom_backward(backward=_multiplied)
+def _multiply_gradient_copy(x: Tensor, factor: float | Tensor) -> Tensor:
+    """`_multiply_gradient` returning a copy (the module form: an in-place op may follow)."""
+    return passthrough(x, fresh=True)
 
 
 def _is_schedule(scale: object) -> bool:
@@ -205,7 +210,7 @@ class _ScaledGradient(GradientTransform):
         """What the module form returns: a copy (an in-place op may follow it)."""
         constant = self._constant
         factor = constant if constant is not None and step is None else self.factor(step)
-        return _multiply_gradient(x, factor, True)
+        return _multiply_gradient_copy(x, factor)
 
     def module(self) -> ScaledGradientModule:
         """This recipe as an `nn.Module`; with a schedule, it keeps the step count in a
@@ -296,7 +301,7 @@ class ScaledGradientModule(RecipeModule):
             return tensorflow_call(self, x)
         constant = self.recipe._constant
         if constant is not None:  # the common call, one frame shorter
-            return _multiply_gradient(x, constant, True)
+            return _multiply_gradient_copy(x, constant)
         return self.recipe._fresh(x, self.steps if self.scheduled else None)
 
     def transform(self, grad: Tensor) -> Tensor:
