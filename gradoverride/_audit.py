@@ -32,7 +32,7 @@ from ._errors import GradOverrideError
 if TYPE_CHECKING:
     from ._decorators import CustomBackward
 
-__all__ = ["arm_all", "audit_call", "audited", "register"]
+__all__ = ["ACTIVE", "arm_all", "audit_call", "audited", "register"]
 
 # Calls whose result carries no gradient of their tensor arguments, so reading a captured
 # tensor through them loses nothing: metadata (`.shape` and other property reads, `size()`),
@@ -40,7 +40,7 @@ __all__ = ["arm_all", "audit_call", "audited", "register"]
 # `new_ones`), and steps whose derivative is zero (`sign`, `round`, ...), as plain autograd
 # would give them.
 _NO_GRADIENT_NAMES = frozenset(
-    {"__get__", "detach", "detach_", "size", "dim", "numel", "stride", "data_ptr",
+    {"detach", "detach_", "size", "dim", "numel", "stride", "data_ptr",
      "is_floating_point", "is_complex", "is_contiguous", "element_size", "storage_offset",
      "item", "tolist", "__len__", "__bool__", "__float__", "__int__", "__index__", "__repr__",
      "__format__", "requires_grad_",
@@ -51,19 +51,32 @@ _NO_GRADIENT_NAMES = frozenset(
 )
 
 
-def _storage(t: Tensor) -> int:
-    """The address of `t`'s memory: a result derived from a captured tensor is followed
-    through the aliases gradoverride itself makes of the forward's results."""
-    try:
-        return int(t.untyped_storage().data_ptr())
-    except RuntimeError:  # a tensor without storage (meta, a functorch wrapper)
-        return id(t)
+# Calls whose other tensor arguments give only a shape, dtype or device (`x.to(w)`).
+_METADATA_ARGUMENTS = frozenset({"view_as", "type_as", "expand_as", "reshape_as", "to"})
+# Properties read as `__get__` whose result carries no gradient even when it is a tensor.
+_NO_GRADIENT_PROPERTIES = frozenset({"data", "grad", "shape", "dtype", "device", "layout"})
+
+def _carries_gradient(result: Any) -> bool:
+    """Whether a call's result holds a floating or complex tensor (one a gradient flows to)."""
+    return any(
+        isinstance(leaf, Tensor) and (leaf.is_floating_point() or leaf.is_complex())
+        for leaf in pytree.tree_leaves(result)
+    )
+
+
+#: The audits in progress (innermost last): `as_output` reports the aliases it makes.
+ACTIVE: list[_ForwardAudit] = []
+
+
+def _root(t: Tensor) -> Tensor:
+    base = t._base
+    return t if base is None else base
 
 
 class _ForwardAudit(TorchFunctionMode):
     """Follows, through the calls of one forward, the tensors that require grad without being
     its inputs or made inside it (captured), what is computed from them (tainted), and the
-    inputs it changes in place after using them.
+    inputs it changes in place after reading them.
 
     Inside an owning Function's forward grad mode is off, which is how a read from the
     forward is told apart from the op's own bookkeeping. Only a captured tensor that reaches
@@ -71,13 +84,24 @@ class _ForwardAudit(TorchFunctionMode):
 
     def __init__(self, inputs: list[Tensor]) -> None:
         super().__init__()
-        self.inputs = {id(t) for t in inputs}
+        self.inputs = {id(t): t for t in inputs}
         self.known = set(self.inputs)
-        # tainted storage -> (the captured tensor, the tainted tensor itself, kept alive for
-        # the call so that its memory's address is not reused by an unrelated tensor)
-        self.source: dict[int, tuple[Tensor, Tensor]] = {}
-        self.used: set[int] = set()  # inputs read by a call that carries a gradient
-        self.changed_after_use: set[int] = set()
+        # tainted tensor's id -> (the captured tensor, the tainted tensor, kept alive for the
+        # call so that its id is not reused)
+        self.tainted: dict[int, tuple[Tensor, Tensor]] = {}
+        self.read: set[int] = set()  # inputs read by a call that carries a gradient
+        self.changed_after_read: set[int] = set()
+
+    def __enter__(self) -> _ForwardAudit:
+        ACTIVE.append(self)
+        enter: Any = super().__enter__
+        enter()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        leave: Any = super().__exit__
+        leave(*exc)
+        ACTIVE.remove(self)
 
     def __torch_function__(
         self,
@@ -88,52 +112,79 @@ class _ForwardAudit(TorchFunctionMode):
     ) -> Any:
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
-        if not torch.is_grad_enabled():
-            self._before(name, args, kwargs)
+        if name == "__get__":
+            name = "." + getattr(getattr(func, "__self__", None), "__name__", "")
         result = func(*args, **kwargs)
-        if not torch.is_grad_enabled() and name not in _NO_GRADIENT_NAMES:
-            self._taint(args, kwargs, result)
+        if not torch.is_grad_enabled():
+            self._follow(name, args, kwargs, result)
         for leaf in pytree.tree_leaves(result):
             if isinstance(leaf, Tensor):
                 self.known.add(id(leaf))
         return result
 
-    def _before(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        inplace = name.endswith("_") and not name.endswith("__")
-        for k, leaf in enumerate(pytree.tree_leaves((args, kwargs))):
-            if not isinstance(leaf, Tensor) or id(leaf) not in self.inputs:
-                continue
-            if inplace and k == 0:
-                if id(leaf) in self.used:
-                    self.changed_after_use.add(id(leaf))
-            elif name not in _NO_GRADIENT_NAMES:
-                self.used.add(id(leaf))
+    def _input_of(self, t: Tensor) -> int | None:
+        """The input `t` is, or is a view of."""
+        for candidate in (t, _root(t)):
+            if id(candidate) in self.inputs:
+                return id(candidate)
+        return None
 
-    def _taint(self, args: tuple[Any, ...], kwargs: dict[str, Any], result: Any) -> None:
-        source = None
-        for leaf in pytree.tree_leaves((args, kwargs)):
-            if not isinstance(leaf, Tensor):
+    def _source(self, t: Tensor) -> Tensor | None:
+        if t.requires_grad and id(t) not in self.known:
+            return t  # captured
+        found = self.tainted.get(id(t))
+        return None if found is None else found[0]
+
+    def _follow(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any],
+                result: Any) -> None:
+        carries = name not in _NO_GRADIENT_NAMES and not (
+            name.startswith(".") and (name[1:] in _NO_GRADIENT_PROPERTIES or
+                                      not _carries_gradient(result))
+        )
+        leaves = [leaf for leaf in pytree.tree_leaves((args, kwargs)) if isinstance(leaf, Tensor)]
+        written = None  # the tensor an in-place call writes
+        if name == "__setitem__" or (name.endswith("_") and not name.endswith("__")):
+            written = args[0] if args and isinstance(args[0], Tensor) else None
+        elif isinstance(kwargs.get("out"), Tensor):
+            written = kwargs["out"]
+        # Inputs read, and inputs changed after they were read.
+        for k, leaf in enumerate(leaves):
+            index = self._input_of(leaf)
+            if index is None:
                 continue
-            if leaf.requires_grad and id(leaf) not in self.known:
-                source = leaf  # captured
-                break
-            found = self.source.get(_storage(leaf))
-            if found is not None:
-                source = found[0]  # computed from a captured tensor
-                break
+            if written is not None and k == 0 and leaf is written:
+                if index in self.read:
+                    self.changed_after_read.add(index)
+            elif carries:
+                self.read.add(index)
+        if not carries:
+            return
+        # What is computed from a captured tensor.
+        sources = leaves[:1] if name in _METADATA_ARGUMENTS else leaves
+        if written is not None:
+            sources = [leaf for leaf in sources if leaf is not written]
+        source = next((s for s in map(self._source, sources) if s is not None), None)
         if source is None:
             return
-        for leaf in pytree.tree_leaves(result):
-            if isinstance(leaf, Tensor) and (leaf.is_floating_point() or leaf.is_complex()):
-                self.source[_storage(leaf)] = (source, leaf)
+        targets = [written] if written is not None else []
+        targets += [leaf for leaf in pytree.tree_leaves(result) if isinstance(leaf, Tensor)]
+        for leaf in targets:
+            if leaf.is_floating_point() or leaf.is_complex():
+                self.tainted[id(leaf)] = (source, leaf)
+
+    def alias(self, original: Tensor, alias: Tensor) -> None:
+        """`alias` shares `original`'s memory (gradoverride made it): the same taint."""
+        found = self.tainted.get(id(original))
+        if found is not None:
+            self.tainted[id(alias)] = (found[0], alias)
 
     def lost(self, result: Any) -> Tensor | None:
-        """The captured tensor the op's result was computed from, if any."""
+        """The captured tensor the op's result was computed from (or is), if any."""
         for leaf in pytree.tree_leaves(result):
             if isinstance(leaf, Tensor):
-                found = self.source.get(_storage(leaf))
-                if found is not None:
-                    return found[0]
+                source = self._source(leaf)
+                if source is not None:
+                    return source
         return None
 
 
@@ -164,7 +215,7 @@ def audit_call(op: CustomBackward[..., Any], args: tuple[Any, ...], kwargs: dict
             # A parameter changed under no_grad before the forward reads it (a constraint,
             # `w.clamp_(min=0)`) has no history to lose, and the rule reads what the forward
             # used: allowed. Changed after it was read, or a tensor with a history: refused.
-            if leaf.is_leaf and audit is not None and id(leaf) not in audit.changed_after_use:
+            if leaf.is_leaf and audit is not None and id(leaf) not in audit.changed_after_read:
                 continue
             raise GradOverrideError(_inplace_message(op, leaf, args, kwargs))
     return result

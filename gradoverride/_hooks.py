@@ -16,6 +16,7 @@ receiving the incoming gradient first.
 from __future__ import annotations
 
 import secrets
+import threading
 import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal, Protocol
@@ -29,7 +30,7 @@ from torch.utils.hooks import RemovableHandle
 from ._errors import GradOverrideError, GradOverrideTypeError
 from ._internals import transforms_active
 from ._jit import RefuseScripting, jit_message
-from ._passthrough import shows_input
+from ._passthrough import related, shows_input
 from ._signature import describe
 
 if TYPE_CHECKING:
@@ -123,33 +124,49 @@ def _as_transform(fn: Any) -> Callable[[Tensor], Tensor | None]:
 
 
 def _hook_tensors(tree: Any, transform: Callable[[Tensor], Tensor | None], avoid: Any) -> Any:
-    """`transform` on the gradient of every tensor of `tree` that requires grad.
+    """`transform` on the gradient of each tensor of `tree` (a module's output) that requires
+    grad, once each.
 
-    * a plain tensor gets a tensor hook, which fires with the gradient of the value the
-      module returned even when an in-place op changes it afterwards;
-    * a view of something the module made (`lin(x).view(-1, 2, 3)`) is copied first: an
-      in-place op on a view changes its base and regenerates the view's history, which
-      would lose a hook on it;
-    * a tensor showing one of the module's inputs (`avoid`: an input returned as-is, or a
-      view of one) goes through an identity op whose backward is the transform: only this
-      path is changed, and an in-place op on it is PyTorch's error for views, as for the
-      module's own output.
+    One plain output (made by the module, not a view, not a leaf) gets a tensor hook, which
+    fires with the gradient of the value the module returned even when an in-place op
+    changes it afterwards: the common case, and the cheapest. Anything else goes through one
+    identity Function for all the outputs, which transforms each output's gradient once
+    (outputs that alias or derive from one another, where tensor hooks would transform a
+    gradient twice, and a parameter returned as-is, which a tensor hook would change for
+    good). Its outputs are views where they show one of the module's inputs (`avoid`), a
+    leaf or another output, so an in-place op on them is PyTorch's error for views, and
+    otherwise tensors an in-place op may change.
     """
-    inputs = tuple(t for t in pytree.tree_leaves(avoid) if isinstance(t, Tensor))
+    leaves, spec = pytree.tree_flatten(tree)
+    places = [
+        k for k, t in enumerate(leaves) if isinstance(t, Tensor) and t.requires_grad
+    ]
+    if not places:
+        return tree
+    if len(places) == 1:
+        t = leaves[places[0]]
+        if t._base is None and not t.is_leaf and not shows_input(t, _tensors(avoid)):
+            _register_hook(t, transform)
+            return tree
+    from ._transform import transformed_all
 
-    def hook(t: Any) -> Any:
-        if not isinstance(t, Tensor) or not t.requires_grad:
-            return t
-        if shows_input(t, inputs):
-            from ._transform import transformed
+    tensors = [leaves[k] for k in places]
+    inputs = _tensors(avoid)
+    keep_view = tuple(
+        t.is_leaf
+        or (t._base is not None and t._base.is_leaf)
+        or shows_input(t, inputs)
+        or any(related(t, o) for j, o in enumerate(tensors) if j != i)
+        for i, t in enumerate(tensors)
+    )
+    outs = transformed_all(transform, keep_view, *tensors)
+    for k, out in zip(places, outs, strict=True):
+        leaves[k] = out
+    return pytree.tree_unflatten(leaves, spec)
 
-            return transformed(t, transform)
-        if t._base is not None:
-            t = t.clone()
-        t.register_hook(transform)
-        return t
 
-    return pytree.tree_map(hook, tree)
+def _tensors(tree: Any) -> tuple[Tensor, ...]:
+    return tuple(t for t in pytree.tree_leaves(tree) if isinstance(t, Tensor))
 
 
 def grad_hook(
@@ -277,34 +294,52 @@ class _Transforming:
 class _AtInputs(_Transforming):
     """The transform at a module's inputs: a forward pre-hook and a forward hook.
 
-    Each input that requires grad reaches the module as a view with a tensor hook, so only
-    the gradient this module sends back is changed, not the input's other uses. A module
-    that changes its input in place (`nn.ReLU(inplace=True)`) changes the caller's tensor
-    through that view, as without the hook, and regenerates the view's history, so the hook
-    would be lost: after the forward, the transform is moved to the node the in-place op
-    recorded on the caller's tensor (the gradient from the module's output and from the
-    tensor's later uses, which are uses of the module's output, flows through it).
+    Only the gradient this module sends back is changed, not the input's other uses:
 
-    Under torch.compile and torch.func transforms, where tensor and node hooks do not run
-    as in eager mode, each input goes through an identity op whose backward is the
-    transform (an in-place module then meets PyTorch's error for views made in a Function).
+    * an input reaches the module as a view with a tensor hook (no copy). A module that
+      changes that view in place without saying so (no `inplace=True`) would lose the hook:
+      the forward hook then refuses, naming the module;
+    * a module built with `inplace=True` (`nn.ReLU(inplace=True)`) gets a copy of the input,
+      through an identity op whose backward is the transform, and its in-place change is
+      copied back into the caller's tensor afterwards (one copy each way), as PyTorch's own
+      in-place op would have changed it: the caller's tensor then has the module's output's
+      history, so its later uses, which are uses of the module's output, get the transform
+      too, as plain autograd gives them the module's gradient;
+    * a module returning its input as-is (`nn.Identity`) returns it through an identity op
+      whose output is a view: an in-place op right after it is PyTorch's error for views,
+      where a hook on the view would be lost silently.
+
+    Under torch.compile and torch.func transforms, where tensor hooks do not run as in eager
+    mode, each input goes through an identity op whose output is a view (a module that
+    changes its input in place then meets PyTorch's error for views made in a Function).
     """
 
-    __slots__ = ("pending",)
+    __slots__ = ("local",)
 
     def __init__(self, transform: Callable[[Tensor], Tensor | None]) -> None:
         super().__init__(transform)
-        self.pending: list[list[tuple[Tensor, Tensor, int, Any]]] = []
+        # Per thread, a stack with one entry per call in progress (a module may call itself),
+        # pushed by the pre-hook and popped by the forward hook: what `after` finishes.
+        self.local = threading.local()
+
+    def _stack(self) -> list[list[tuple[str, Tensor, Tensor, int]]]:
+        stack = getattr(self.local, "stack", None)
+        if stack is None:
+            stack = self.local.stack = []
+        return stack
 
     def __call__(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+        entries: list[tuple[str, Tensor, Tensor, int]] = []
+        self._stack().append(entries)  # first: `after` pops once per call, whatever happens
         if not torch.is_grad_enabled():
             return None
         _refuse_tracing(module)
         transform = self.transform
+        from ._transform import transformed, transformed_private
+
         if is_dynamo_compiling() or transforms_active():
-            from ._transform import transformed
 
             def through(t: Any) -> Any:
                 if isinstance(t, Tensor) and t.requires_grad:
@@ -313,58 +348,69 @@ class _AtInputs(_Transforming):
 
             return pytree.tree_map(through, args), pytree.tree_map(through, kwargs)
 
-        views: list[tuple[Tensor, Tensor, int, Any]] = []
+        inplace = getattr(module, "inplace", False) is True
+        copies: dict[int, Tensor] = {}  # one copy per tensor, passed twice or not
 
-        def view(t: Any) -> Any:
+        def prepare(t: Any) -> Any:
             if not (isinstance(t, Tensor) and t.requires_grad):
                 return t
-            v = t.view_as(t)
-            _register_hook(v, transform)
-            views.append((t, v, v._version, t.grad_fn))
-            return v
+            if inplace and not t.is_leaf:
+                given = copies.get(id(t))
+                if given is None:
+                    given = copies[id(t)] = transformed_private(t.clone(), transform)
+                    entries.append(("copy", t, given, given._version))
+            else:
+                given = t.view_as(t)
+                _register_hook(given, transform)
+                entries.append(("view", t, given, given._version))
+            return given
 
-        self.pending.append(views)
-        return pytree.tree_map(view, args), pytree.tree_map(view, kwargs)
+        return pytree.tree_map(prepare, args), pytree.tree_map(prepare, kwargs)
 
-    def after(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-        """Forward hook: move the transform of an input the module changed in place."""
-        if not self.pending:
-            return
-        for t, v, version, old in self.pending.pop():
-            if v._version != version and old is not None:
-                _transform_at_inplace(t, old, self.transform)
+    def after(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+        """Forward hook: copy an in-place module's change back; refuse a lost transform."""
+        stack = self._stack()
+        entries = stack.pop() if stack else None
+        if not entries or output is None:
+            return None
+        replace: dict[int, Tensor] = {}
+        for kind, t, given, version in entries:
+            if kind == "copy":
+                if given._version != version:
+                    t.copy_(given)  # the caller's tensor changes, as the module changed it
+                replace[id(given)] = t
+            elif given._version != version:
+                raise GradOverrideError(_inplace_input_message(module))
+            else:
+                from ._transform import transformed
+
+                replace[id(given)] = transformed(given, _keep)
+        if not any(id(leaf) in replace for leaf in pytree.tree_leaves(output)):
+            return None
+        return pytree.tree_map(
+            lambda leaf: replace.get(id(leaf), leaf) if isinstance(leaf, Tensor) else leaf,
+            output,
+        )
 
     def __reduce__(self) -> tuple[Any, ...]:
         _require_picklable(self.transform)
         return (_AtInputs, (self.transform,))
 
 
-def _transform_at_inplace(
-    t: Tensor, old: Any, transform: Callable[[Tensor], Tensor | None]
-) -> None:
-    """`t` was changed in place through a view: its history is now a chain of CopySlices
-    nodes ending at its old node `old`. The transform goes on the gradient the first of
-    them sends to `old`."""
-    node = t.grad_fn
-    for _ in range(10_000):  # a chain of in-place ops; bounded, never an endless loop
-        if node is None:
-            return
-        nexts = node.next_functions
-        if nexts and nexts[0][0] is old:
-            break
-        node = nexts[0][0] if nexts else None
-    else:  # pragma: no cover - ten thousand in-place ops on one input
-        return
+def _keep(grad: Tensor) -> None:
+    """The identity transform (a returned input's own transform is on the view it shows)."""
+    return None
 
-    def post(grad_inputs: tuple[Any, ...], grad_outputs: tuple[Any, ...]) -> tuple[Any, ...]:
-        first = grad_inputs[0]
-        if first is None:
-            return grad_inputs
-        changed = transform(first)
-        return (first if changed is None else changed, *grad_inputs[1:])
 
-    register: Any = node.register_hook
-    register(post)
+def _inplace_input_message(module: nn.Module) -> str:
+    name = type(module).__name__
+    return (
+        f"`{name}` changed its input in place, but it was not built with inplace=True, so "
+        f"go.grad_hook(at='inputs') could not keep its transform on that input (an in-place "
+        f"op regenerates the input's history). Give the module an `inplace = True` "
+        f"attribute (as torch's in-place activations have), so the hook copies the input "
+        f"first, or make its forward out of place."
+    )
 
 
 def _refuse_tracing(module: nn.Module) -> None:
@@ -425,10 +471,15 @@ class _ParameterHooks:
         # Random, not a counter: a loaded checkpoint's parameters carry tokens of another
         # process.
         self.token = secrets.randbits(62)
-        self.handles: list[tuple[weakref.ref[Tensor], RemovableHandle]] = []
+        # No references to the parameters themselves (a weak reference would stop
+        # `torch.utils.swap_tensors`, which `module.to()` may use): the module, weakly.
+        self.handles: list[RemovableHandle] = []
+        self.handle_ids: set[int] = set()
+        self.module: weakref.ref[nn.Module] | None = None
         self.swapped: list[tuple[dict[str, Any], str, Tensor]] = []
 
     def hook_parameters_of(self, module: nn.Module) -> None:
+        self.module = weakref.ref(module)
         for sub in module.modules():
             for p in sub._parameters.values():
                 if isinstance(p, nn.Parameter) and p.requires_grad:
@@ -441,24 +492,47 @@ class _ParameterHooks:
     def __deepcopy__(self, memo: dict[int, Any]) -> _ParameterHooks:
         return _ParameterHooks(self.transform, self.where)
 
+    def _hooked(self, p: Tensor) -> bool:
+        """Whether `p` carries this object's hook: its token, and (outside dynamo) one of
+        its hooks in `p`'s own hook table (`torch.utils.swap_tensors`, which `module.to()`
+        may use, moves a parameter's hooks to the tensor swapped out, not its attributes)."""
+        if self.token not in getattr(p, _MARK, ()):
+            return False
+        if is_dynamo_compiling():
+            return True
+        table = getattr(p, "_backward_hooks", None)
+        return table is not None and any(key in self.handle_ids for key in table)
+
     def _hook(self, p: Tensor) -> None:
-        marks: frozenset[int] = getattr(p, _MARK, frozenset())
-        if self.token in marks:
+        if self._hooked(p):
             return
-        self.handles = [(ref, h) for ref, h in self.handles if ref() is not None]
-        self.handles.append((weakref.ref(p), _register_hook(p, self.transform)))
-        setattr(p, _MARK, marks | {self.token})
+        table = getattr(p, "_backward_hooks", None)
+        if table is not None and any(key in self.handle_ids for key in table):
+            # Our hook is in the table but our mark is gone: `torch.utils.swap_tensors`
+            # swapped the parameter (its attributes went with the old tensor, its table
+            # stayed, and the hooks in it no longer fire). Start a fresh table.
+            p._backward_hooks = None
+        handle = _register_hook(p, self.transform)
+        self.handles.append(handle)
+        self.handle_ids.add(handle.id)
+        # A tuple of ints: it is saved with the parameter, and `torch.load(weights_only=True)`
+        # loads nothing else.
+        marks: tuple[int, ...] = getattr(p, _MARK, ())
+        if self.token not in marks:
+            setattr(p, _MARK, (*marks, self.token))
 
     def before_forward(self, module: nn.Module, args: tuple[Any, ...]) -> None:
         if not torch.is_grad_enabled():
             return
+        if self.module is None:  # a loaded or copied module: it hooks its parameters now
+            self.module = weakref.ref(module)
         for sub in module.modules():
             params = sub._parameters
             for name, p in params.items():
                 if p is None or not p.requires_grad:
                     continue
                 if isinstance(p, nn.Parameter) and not transforms_active():
-                    if self.token not in getattr(p, _MARK, ()):
+                    if not self._hooked(p):
                         self._hook_later(p)
                 else:
                     from ._transform import transformed
@@ -481,12 +555,16 @@ class _ParameterHooks:
             params[name] = p
 
     def remove(self) -> None:
-        for ref, handle in self.handles:
+        for handle in self.handles:
             handle.remove()
-            p = ref()
-            if p is not None:
-                setattr(p, _MARK, getattr(p, _MARK, frozenset()) - {self.token})
         self.handles.clear()
+        self.handle_ids.clear()
+        module = None if self.module is None else self.module()
+        if module is not None:
+            for p in module.parameters():
+                marks = getattr(p, _MARK, ())
+                if self.token in marks:
+                    setattr(p, _MARK, tuple(m for m in marks if m != self.token))
 
 
 def _hook_eagerly_now(hooks: _ParameterHooks, p: Tensor) -> None:

@@ -297,19 +297,19 @@ class _ModuleRule:
         for name, p in params.items():
             if isinstance(p, UninitializedParameter):
                 raise GradOverrideError(_lazy_message(self.where, name))
-        inplace = module.__dict__.get("inplace") is True
+        inplace = getattr(module, "inplace", False) is True
         ids = _ParameterIds(values, self._buffers(module))
         if not inplace:
             op = self.op_for(tuple(params), False)
             return op(module, ids, *values, *args, **kwargs)
         if is_dynamo_compiling():
             raise GradOverrideError(_compiled_inplace_message(self.where))
-        first = args[0] if args else None
-        if isinstance(first, Tensor) and first._base is not None and first.requires_grad:
-            # PyTorch gives a Function that changes a view in place (through CopySlices) the
-            # right gradient only when the view is the Function's first input; here it is
-            # not, so the gradient around the view would be silently wrong.
-            raise GradOverrideError(_inplace_view_message(self.where))
+        for value in (*args, *kwargs.values()):
+            if isinstance(value, Tensor) and value._base is not None and value.requires_grad:
+                # PyTorch gives a Function that changes a view in place (through CopySlices)
+                # the right gradient only when the view is the Function's first input; here
+                # it is not, so the gradient around the view would be silently wrong.
+                raise GradOverrideError(_inplace_view_message(self.where))
         # Copies of the inputs the rule reads, made before the forward changes them.
         originals = []
         for name in self.copied_inputs:
@@ -564,7 +564,7 @@ class _ModuleMeta(type):
         rule = getattr(cls, "_gradoverride_rule", None)
         if rule is not None:
             rule.check_names(instance)
-            rule.op_for(_parameter_names(instance), instance.__dict__.get("inplace") is True)
+            rule.op_for(_parameter_names(instance), getattr(instance, "inplace", False) is True)
         return instance
 
 
@@ -879,7 +879,7 @@ def override_backward(
     module_rule = _module_rule_for(type(module), rule, options)
     module_rule.check_names(module)
     # Built now, so that a first call under torch.compile(fullgraph=True) finds it.
-    module_rule.op_for(_parameter_names(module), module.__dict__.get("inplace") is True)
+    module_rule.op_for(_parameter_names(module), getattr(module, "inplace", False) is True)
     forward = _OverriddenForward(module, rule, options, module_rule)
     module.__dict__["forward"] = forward
     module.__dict__["__prepare_scriptable__"] = RefuseScripting(f"`{type(module).__name__}`")

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from torch import Tensor
 
+from . import _audit
+
 __all__ = ["as_output", "passthrough", "related", "shows_input"]
 
 
@@ -61,7 +63,10 @@ def as_output(
         if item is t:
             return t if i in dirty else t.view_as(t)
     if t._base is not None and not shows_input(t, inputs) and not _shares_base(t, outputs):
-        return t.detach()
+        alias = t.detach()
+        if _audit.ACTIVE:  # the first-call check follows what the result is computed from
+            _audit.ACTIVE[-1].alias(t, alias)
+        return alias
     return t
 
 

@@ -598,3 +598,90 @@ def test_a_parameter_changed_after_the_forward_read_it_is_refused() -> None:
 
     with pytest.raises(go.GradOverrideError, match=r"changed .*`w` in place"):
         Drifting()(torch.ones(3, requires_grad=True))
+
+
+SQUARE = torch.randn(2, 2, requires_grad=True)
+
+
+def _set_row(x):
+    y = torch.zeros(2, 2)
+    y[0] = SQUARE[0]
+    return x * y
+
+
+@pytest.mark.parametrize(
+    "read",
+    [
+        lambda x: x @ SQUARE.T,
+        lambda x: x @ SQUARE.mT,
+        _set_row,
+        lambda x: (x * 2, SQUARE)[1] + 0 * x,
+    ],
+    ids=[".T", ".mT", "setitem", "returned as-is"],
+)
+def test_captured_tensors_reached_through_properties_and_writes_are_refused(read) -> None:
+    @go.custom_backward
+    def f(x):
+        return read(x)
+
+    @f.backward
+    def _(grad, *, x):
+        return torch.zeros_like(x)
+
+    with pytest.raises(go.GradOverrideError, match="which requires grad"):
+        f(torch.randn(2, 2, requires_grad=True))
+
+
+@pytest.mark.parametrize(
+    "read",
+    [
+        lambda x: x.view_as(SQUARE),
+        lambda x: x.type_as(SQUARE),
+        lambda x: x.to(SQUARE),
+        lambda x: x.expand_as(SQUARE) * 1,
+        lambda x: x * SQUARE[0].detach(),
+        lambda x: x @ SQUARE.t().detach(),
+        lambda x: x * SQUARE.data,
+    ],
+    ids=["view_as", "type_as", "to", "expand_as", "index.detach", "t.detach", ".data"],
+)
+def test_metadata_and_detached_reads_of_a_captured_tensor_are_allowed(read) -> None:
+    @go.custom_backward
+    def f(x):
+        return read(x)
+
+    @f.backward
+    def _(grad, *, x):
+        return grad if grad.shape == x.shape else torch.zeros_like(x)
+
+    x = torch.randn(2, 2, requires_grad=True)
+    f(x).sum().backward()  # plain autograd gives SQUARE no gradient here either
+    assert x.grad is not None
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda w: w.__setitem__(1, 0.0),
+        lambda w: w[:].clamp_(min=0),
+        lambda w: torch.clamp(w, min=0, out=w),
+    ],
+    ids=["setitem", "view clamp_", "out="],
+)
+def test_any_write_to_a_parameter_after_the_forward_read_it_is_refused(change) -> None:
+    class Layer(go.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.tensor([3.0, -4.0]))
+
+        def forward(self, x):
+            y = x @ self.w.T if x.dim() > 1 else x * self.w
+            with torch.no_grad():
+                change(self.w)
+            return y
+
+        def backward(self, grad, *, x):
+            return {"x": grad * self.w, "w": grad * x}
+
+    with pytest.raises(go.GradOverrideError, match=r"`w` in place after reading it"):
+        Layer()(torch.ones(2, requires_grad=True))

@@ -200,3 +200,163 @@ def test_parameters_replaced_in_a_loop_are_always_transformed() -> None:
         linear(torch.randn(4, 3) * 100).sum().backward()
         assert linear.weight.grad is not None
         assert linear.weight.grad.abs().max() <= 1.0
+
+
+# ---- the second review ----------------------------------------------------------------------
+
+
+def test_two_input_hooks_on_an_inplace_module_both_apply() -> None:
+    relu = nn.ReLU(inplace=True)
+    go.grad_hook(relu, times_ten, at="inputs")
+    go.grad_hook(relu, lambda g: g * 2, at="inputs")
+    x = torch.tensor([-1.0, 2.0], requires_grad=True)
+    relu(x * 1.0).sum().backward()
+    torch.testing.assert_close(x.grad, torch.tensor([0.0, 20.0]))
+
+
+def test_an_inplace_module_input_that_is_a_view_keeps_the_transform() -> None:
+    relu = nn.ReLU(inplace=True)
+    go.grad_hook(relu, times_ten, at="inputs")
+    x = torch.tensor([[-1.0, 2.0], [3.0, -4.0]], requires_grad=True)
+    weights = torch.tensor([[5.0, 7.0]])
+    h = x * 1.0
+    relu(h.t())  # changes h through the view
+    (h * weights).sum().backward()
+    # Independent: h is relu(h) now; every use of it goes through the module (x10).
+    torch.testing.assert_close(x.grad, (x.detach() > 0).float() * weights * 10)
+
+
+def test_one_tensor_passed_twice_to_an_inplace_module_stays_one_tensor() -> None:
+    class Twice(nn.Module):
+        inplace = True
+
+        def forward(self, a, b):
+            a.relu_()
+            return a + b  # a and b are one tensor: both are relu(h)
+
+    module = Twice()
+    go.grad_hook(module, times_ten, at="inputs")
+    x = torch.tensor([-1.0, 2.0], requires_grad=True)
+    h = x * 1.0
+    module(h, h).sum().backward()
+    torch.testing.assert_close(x.grad, torch.tensor([0.0, 20.0]))
+
+
+def test_a_module_returning_its_input_then_an_inplace_op_is_refused_not_silent() -> None:
+    model = nn.Sequential(nn.Linear(2, 2), nn.Identity(), nn.ReLU(inplace=True))
+    go.grad_hook(model[1], times_ten, at="inputs")
+    with pytest.raises(RuntimeError, match="view"):
+        model(torch.randn(3, 2, requires_grad=True))
+
+
+def test_an_undeclared_inplace_module_with_an_input_hook_is_refused() -> None:
+    class Doubler(nn.Module):
+        def forward(self, x):
+            return x.mul_(2)
+
+    module = Doubler()
+    go.grad_hook(module, times_ten, at="inputs")
+    with pytest.raises(go.GradOverrideError, match=r"`Doubler` changed its input in place"):
+        module(torch.randn(3, requires_grad=True) * 1.0)
+
+
+def test_input_hooks_of_an_inplace_module_from_two_threads() -> None:
+    import threading
+    import time
+
+    class Slow(nn.Module):
+        inplace = True
+
+        def forward(self, x):
+            time.sleep(0.02)
+            return x.relu_()
+
+    module = Slow()
+    go.grad_hook(module, times_ten, at="inputs")
+    results: list[torch.Tensor] = []
+
+    def work() -> None:
+        x = torch.tensor([1.0, 2.0], requires_grad=True)
+        module(x * 1.0).sum().backward()
+        assert x.grad is not None
+        results.append(x.grad)
+
+    threads = [threading.Thread(target=work) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(results) == 2
+    for grad in results:
+        torch.testing.assert_close(grad, torch.full((2,), 10.0))
+
+
+def test_an_override_and_an_input_hook_on_one_inplace_module() -> None:
+    relu = nn.ReLU(inplace=True)
+    go.override_backward(relu, lambda grad, *, input: grad * (input > 0) * 3)
+    go.grad_hook(relu, lambda g: g * 2, at="inputs")
+    x = torch.tensor([-1.0, 2.0, -3.0, 4.0], requires_grad=True)
+    relu(x * 1.0).mul(10).sum().backward()
+    torch.testing.assert_close(x.grad, torch.tensor([0.0, 60.0, 0.0, 60.0]))
+
+
+class _Dup(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(2, 2)
+
+    def forward(self, x):
+        h = self.linear(x)
+        return h, h * 2  # the second output is computed from the first
+
+
+def test_outputs_that_derive_from_one_another_are_transformed_once_each() -> None:
+    module = _Dup()
+    go.grad_hook(module, times_ten, at="outputs")
+    x = torch.randn(3, 2, requires_grad=True)
+    a, b = module(x)
+    (a.sum() + b.sum()).backward()
+    got = x.grad.clone()
+    x.grad = None
+    a, b = _Dup.forward(module, x)
+    ((a.sum() + b.sum()) * 10).backward()
+    torch.testing.assert_close(got, x.grad)
+
+
+def test_a_parameter_returned_as_output_is_transformed_once_per_call_and_removable() -> None:
+    class Embedding(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.table = nn.Parameter(torch.ones(3))
+
+        def forward(self):
+            return self.table
+
+    module = Embedding()
+    handle = go.grad_hook(module, times_ten, at="outputs")
+    for _ in range(3):
+        module.table.grad = None
+        module().sum().backward()
+        torch.testing.assert_close(module.table.grad, torch.full((3,), 10.0))
+    handle.remove()
+    module.table.grad = None
+    module().sum().backward()
+    torch.testing.assert_close(module.table.grad, torch.ones(3))
+
+
+def test_hooked_parameters_load_with_weights_only_and_swap() -> None:
+    import io
+
+    linear = nn.Linear(2, 2)
+    go.grad_hook(linear, times_ten, at="parameters")
+    buffer = io.BytesIO()
+    torch.save(linear.state_dict(keep_vars=True), buffer)
+    buffer.seek(0)
+    torch.load(buffer)  # weights_only=True, the default
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        linear.double()
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(False)
+    linear(torch.ones(1, 2, dtype=torch.float64)).sum().backward()
+    torch.testing.assert_close(linear.weight.grad, torch.full((2, 2), 10.0, dtype=torch.float64))

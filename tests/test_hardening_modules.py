@@ -443,3 +443,11 @@ def test_buffers_wrapped_by_vmap_are_refused_by_name() -> None:
 
     with pytest.raises(go.GradOverrideError, match=r"the buffer `s`.*only the parameters"):
         vmap(grad(loss, argnums=2), in_dims=(0, 0, None))(params, buffers, torch.randn(3))
+
+
+def test_an_inplace_module_override_on_a_keyword_view_input_is_refused() -> None:
+    relu = nn.ReLU(inplace=True)
+    go.override_backward(relu, lambda grad, *, input: grad * (input > 0))
+    h = torch.randn(2, 2, requires_grad=True) * 1.0
+    with pytest.raises(go.GradOverrideError, match=r"a view of another tensor"):
+        relu(input=h[:, 1:])
