@@ -141,9 +141,11 @@ NOTES: dict[tuple[str, str], str] = {
         "change `x` behind autograd's back."
     ),
     ("grad_hook inputs", "in-place after"): (
-        "A module that changes its input in place (`nn.ReLU(inplace=True)`) keeps the "
-        "transform too, in eager mode (under `torch.compile` it meets PyTorch's error for "
-        "views made in a Function)."
+        "A module built with `inplace=True` (`nn.ReLU(inplace=True)`) keeps the transform "
+        "too, in eager mode: it gets a copy, and its change is copied back (under "
+        "`torch.compile` it meets PyTorch's error for views made in a Function). A module "
+        "returning its input as-is returns a view: an in-place op right after it is "
+        "PyTorch's error."
     ),
     ("go.Module", "functional_call"): "The rule reads the parameters passed in.",
     ("go.Module owns=", "functional_call"): "The rule reads the parameters passed in.",
