@@ -16,26 +16,29 @@ from typing import TYPE_CHECKING, Any
 
 from ._decorators import CustomBackward, CustomBackwardModule, custom_backward
 from ._errors import GradOverrideError, GradOverrideTypeError
-from ._hooks import HookHandle, grad_hook
 from ._module import Module, OverrideHandle, override_backward
 from ._rule import RESERVED_NAMES
 from ._straight_through import straight_through
 
 if TYPE_CHECKING:
     from ._bridge import Bridge, bridge, finite_differences, spsa
+    from ._hooks import HookHandle, grad_hook
 
 __version__ = "0.1.0"
 
-# `go.bridge` and its estimators are loaded on first use: their module is the package's
-# largest, and `import gradoverride` has a budget of 50 ms on top of `import torch`.
-_LAZY = {"Bridge", "bridge", "finite_differences", "spsa"}
+# Loaded on first use (`import gradoverride` has a budget of 50 ms on top of `import torch`):
+# `go.bridge` and its estimators, and `go.grad_hook`.
+_LAZY = {
+    "Bridge": "_bridge", "bridge": "_bridge", "finite_differences": "_bridge", "spsa": "_bridge",
+    "HookHandle": "_hooks", "grad_hook": "_hooks",
+}
 
 
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
-        from . import _bridge
+        import importlib
 
-        value = getattr(_bridge, name)
+        value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
         globals()[name] = value
         return value
     msg = f"module 'gradoverride' has no attribute {name!r}"

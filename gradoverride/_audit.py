@@ -17,7 +17,6 @@ every call it makes (`check_backward`, `assert_consistent`). A finding is a
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
@@ -28,11 +27,12 @@ from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
 from ._errors import GradOverrideError
+from ._passthrough import AUDITS
 
 if TYPE_CHECKING:
     from ._decorators import CustomBackward
 
-__all__ = ["ACTIVE", "arm_all", "audit_call", "audited", "register"]
+__all__ = ["arm_all", "audit_call", "audited"]
 
 # Calls whose result carries no gradient of their tensor arguments, so reading a captured
 # tensor through them loses nothing: metadata (`.shape` and other property reads, `size()`),
@@ -64,8 +64,6 @@ def _carries_gradient(result: Any) -> bool:
     )
 
 
-#: The audits in progress (innermost last): `as_output` reports the aliases it makes.
-ACTIVE: list[_ForwardAudit] = []
 
 
 def _root(t: Tensor) -> Tensor:
@@ -93,7 +91,7 @@ class _ForwardAudit(TorchFunctionMode):
         self.changed_after_read: set[int] = set()
 
     def __enter__(self) -> _ForwardAudit:
-        ACTIVE.append(self)
+        AUDITS.append(self)
         enter: Any = super().__enter__
         enter()
         return self
@@ -101,7 +99,7 @@ class _ForwardAudit(TorchFunctionMode):
     def __exit__(self, *exc: Any) -> None:
         leave: Any = super().__exit__
         leave(*exc)
-        ACTIVE.remove(self)
+        AUDITS.remove(self)
 
     def __torch_function__(
         self,
@@ -317,16 +315,11 @@ def _inplace_message(op: CustomBackward[..., Any], t: Tensor, args: tuple[Any, .
 
 # ---- which ops check their next call --------------------------------------------------------
 
-_OPS: weakref.WeakSet[CustomBackward[..., Any]] = weakref.WeakSet()
-
-
-def register(op: CustomBackward[..., Any]) -> None:
-    """Remember `op`, so `arm_all` can make it check its next call."""
-    _OPS.add(op)
-
 
 def arm_all() -> None:
     """Make every op check its next eager call (what the testing tools do before each run)."""
+    from ._decorators import _OPS
+
     for op in list(_OPS):
         op._arm_audit()
 

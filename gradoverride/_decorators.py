@@ -6,6 +6,7 @@ import functools
 import pickle
 import sys
 import types
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Generic, TypeVar, overload
 
@@ -13,7 +14,6 @@ import torch
 from torch.compiler import is_dynamo_compiling
 from typing_extensions import ParamSpec
 
-from . import _audit
 from ._errors import GradOverrideError, GradOverrideTypeError
 from ._frameworks import any_tensorflow
 from ._function import build_call
@@ -29,6 +29,9 @@ R = TypeVar("R")
 Rule = TypeVar("Rule", bound=Callable[..., Any])
 
 _UNSET: Any = object()
+
+#: Every op with a rule, so that `gradoverride.testing` can make each check its next call.
+_OPS: weakref.WeakSet[CustomBackward[..., Any]] = weakref.WeakSet()
 
 
 class CustomBackward(Generic[P, R]):
@@ -221,7 +224,7 @@ class CustomBackward(Generic[P, R]):
             base.__name__, (self._fast_class,), {**namespace, "__call__": _first_call}
         )
         self.__class__ = self._audit_class
-        _audit.register(self)
+        _OPS.add(self)
         return rule
 
     def _arm_audit(self) -> None:
@@ -506,7 +509,9 @@ def _first_call(op: CustomBackward[..., Any], *args: Any, **kwargs: Any) -> Any:
         or any_tensorflow(args, kwargs)
     ):
         return run(op, *args, **kwargs)
-    result = _audit.audit_call(op, args, kwargs)
+    from ._audit import audit_call  # imported at the first checked call, not with the package
+
+    result = audit_call(op, args, kwargs)
     op.__class__ = op._fast_class  # type: ignore[assignment]
     return result
 

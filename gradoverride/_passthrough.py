@@ -17,11 +17,15 @@ its later uses get the gradient of the value it had before. So:
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch import Tensor
 
-from . import _audit
+__all__ = ["AUDITS", "as_output", "passthrough", "related", "shows_input"]
 
-__all__ = ["as_output", "passthrough", "related", "shows_input"]
+#: The first-call checks in progress (innermost last; see `_audit`): `as_output` reports the
+#: aliases it makes, so the check follows what a result is computed from through them.
+AUDITS: list[Any] = []
 
 
 def passthrough(x: Tensor, fresh: bool = False) -> Tensor:
@@ -64,8 +68,8 @@ def as_output(
             return t if i in dirty else t.view_as(t)
     if t._base is not None and not shows_input(t, inputs) and not _shares_base(t, outputs):
         alias = t.detach()
-        if _audit.ACTIVE:  # the first-call check follows what the result is computed from
-            _audit.ACTIVE[-1].alias(t, alias)
+        if AUDITS:
+            AUDITS[-1].alias(t, alias)
         return alias
     return t
 
