@@ -154,3 +154,8 @@ def test_import_cost_benchmark_quick() -> None:
     assert re.search(r"^import gradoverride \(after torch\): [0-9.]+ ms", out, re.M), out
     assert re.search(r"imported by `import gradoverride` or `import gradoverride\.recipes`: "
                      r"yes$", out, re.M), out
+
+
+def test_override_cycles_benchmark_quick() -> None:
+    out = _run("benchmarks/override_cycles.py", "--quick").stdout
+    assert re.search(r"generated source held in linecache: 0\.00 MB$", out, re.M), out
