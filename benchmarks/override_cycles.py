@@ -21,7 +21,7 @@ from torch import nn
 import gradoverride as go
 
 
-def rule(grad, *, input, module):  # noqa: A002 - nn.Linear.forward's parameter name
+def rule(grad, *, input, module):  # `input`: nn.Linear.forward's parameter name
     return {"input": grad @ module.weight, "weight": grad.T @ input, "bias": grad.sum(0)}
 
 
