@@ -290,6 +290,11 @@ class _Transforming:
         _require_picklable(self.transform)
         return (type(self), (self.transform,))
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> _Transforming:
+        # A copy shares the transform, as PyTorch's copy of a module shares its hooks'
+        # functions (a lambda included: nothing is pickled).
+        return type(self)(self.transform)
+
 
 class _AtInputs(_Transforming):
     """The transform at a module's inputs: a forward pre-hook and a forward hook.
@@ -322,7 +327,7 @@ class _AtInputs(_Transforming):
         # pushed by the pre-hook and popped by the forward hook: what `after` finishes.
         self.local = threading.local()
 
-    def _stack(self) -> list[list[tuple[str, Tensor, Tensor, int]]]:
+    def _stack(self) -> list[list[tuple[str, Tensor, Tensor, Any]]]:
         stack = getattr(self.local, "stack", None)
         if stack is None:
             stack = self.local.stack = []
@@ -331,7 +336,7 @@ class _AtInputs(_Transforming):
     def __call__(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
-        entries: list[tuple[str, Tensor, Tensor, int]] = []
+        entries: list[tuple[str, Tensor, Tensor, Any]] = []
         self._stack().append(entries)  # first: `after` pops once per call, whatever happens
         if not torch.is_grad_enabled():
             return None
@@ -348,8 +353,12 @@ class _AtInputs(_Transforming):
 
             return pytree.tree_map(through, args), pytree.tree_map(through, kwargs)
 
-        inplace = getattr(module, "inplace", False) is True
+        # A module built with inplace=True, or holding one (a block ending in ReLU(inplace)).
+        inplace = any(getattr(m, "inplace", False) is True for m in module.modules())
         copies: dict[int, Tensor] = {}  # one copy per tensor, passed twice or not
+        tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, Tensor)]
+        if inplace and _share_memory(tensors):
+            raise GradOverrideError(_shared_inputs_message(module))
 
         def prepare(t: Any) -> Any:
             if not (isinstance(t, Tensor) and t.requires_grad):
@@ -358,11 +367,11 @@ class _AtInputs(_Transforming):
                 given = copies.get(id(t))
                 if given is None:
                     given = copies[id(t)] = transformed_private(t.clone(), transform)
-                    entries.append(("copy", t, given, given._version))
+                    entries.append(("copy", t, given, (given._version, given.grad_fn)))
             else:
                 given = t.view_as(t)
                 _register_hook(given, transform)
-                entries.append(("view", t, given, given._version))
+                entries.append(("view", t, given, (given._version, given.grad_fn)))
             return given
 
         return pytree.tree_map(prepare, args), pytree.tree_map(prepare, kwargs)
@@ -371,26 +380,40 @@ class _AtInputs(_Transforming):
         """Forward hook: copy an in-place module's change back; refuse a lost transform."""
         stack = self._stack()
         entries = stack.pop() if stack else None
-        if not entries or output is None:
+        if not entries:
             return None
-        replace: dict[int, Tensor] = {}
-        for kind, t, given, version in entries:
-            if kind == "copy":
-                if given._version != version:
-                    t.copy_(given)  # the caller's tensor changes, as the module changed it
-                replace[id(given)] = t
-            elif given._version != version:
-                raise GradOverrideError(_inplace_input_message(module))
-            else:
-                from ._transform import transformed
+        from ._transform import transformed
 
-                replace[id(given)] = transformed(given, _keep)
-        if not any(id(leaf) in replace for leaf in pytree.tree_leaves(output)):
+        leaves = [leaf for leaf in pytree.tree_leaves(output) if isinstance(leaf, Tensor)]
+        replace: dict[int, Tensor] = {}
+        for kind, t, given, (version, grad_fn) in entries:
+            returned = any(leaf is given for leaf in leaves)
+            if kind == "copy":
+                if returned or given._version != version:
+                    # The caller's tensor is what the module changed (or returned as-is), as
+                    # the in-place op would have left it: it takes the copy's history, which
+                    # carries the transform. (A plain copy when the values are equal.)
+                    t.copy_(given)
+                replace[id(given)] = t
+            elif given.grad_fn is not grad_fn:
+                # The view was changed in place with grad enabled: its history, and the
+                # hook on it, were replaced.
+                raise GradOverrideError(_inplace_input_message(module))
+            elif returned or any(related(leaf, given) for leaf in leaves):
+                # Returned as-is or as a view (`nn.Identity`, `nn.Flatten`): through a view op,
+                # so an in-place op right after is PyTorch's error, not a lost transform.
+                for leaf in leaves:
+                    if related(leaf, given):
+                        replace[id(leaf)] = transformed(leaf, _keep)
+        if not replace or output is None:
             return None
         return pytree.tree_map(
             lambda leaf: replace.get(id(leaf), leaf) if isinstance(leaf, Tensor) else leaf,
             output,
         )
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _AtInputs:
+        return _AtInputs(self.transform)
 
     def __reduce__(self) -> tuple[Any, ...]:
         _require_picklable(self.transform)
@@ -402,14 +425,32 @@ def _keep(grad: Tensor) -> None:
     return None
 
 
+def _share_memory(tensors: list[Tensor]) -> bool:
+    """Whether two different tensors among `tensors` share memory (one a view of another)."""
+    return any(
+        a is not b and related(a, b)
+        for i, a in enumerate(tensors) for b in tensors[i + 1 :]
+    )
+
+
+def _shared_inputs_message(module: nn.Module) -> str:
+    name = type(module).__name__
+    return (
+        f"`{name}` changes its inputs in place, and two of its inputs share memory (one is a "
+        f"view of the other, as `h` and `h[0]`); go.grad_hook(at='inputs') copies each input "
+        f"of such a module, which would separate them and change what the forward computes. "
+        f"Pass copies (`h[0].clone()`), or build the module with inplace=False."
+    )
+
+
 def _inplace_input_message(module: nn.Module) -> str:
     name = type(module).__name__
     return (
-        f"`{name}` changed its input in place, but it was not built with inplace=True, so "
-        f"go.grad_hook(at='inputs') could not keep its transform on that input (an in-place "
-        f"op regenerates the input's history). Give the module an `inplace = True` "
-        f"attribute (as torch's in-place activations have), so the hook copies the input "
-        f"first, or make its forward out of place."
+        f"`{name}` (or a module inside it) changed its input in place, but none of them was "
+        f"built with inplace=True, so go.grad_hook(at='inputs') could not keep its transform "
+        f"on that input (an in-place op regenerates the input's history). Give the module "
+        f"that does it an `inplace = True` attribute (as torch's in-place activations have), "
+        f"so the hook copies the input first, or make its forward out of place."
     )
 
 

@@ -256,7 +256,7 @@ def test_an_undeclared_inplace_module_with_an_input_hook_is_refused() -> None:
 
     module = Doubler()
     go.grad_hook(module, times_ten, at="inputs")
-    with pytest.raises(go.GradOverrideError, match=r"`Doubler` changed its input in place"):
+    with pytest.raises(go.GradOverrideError, match=r"`Doubler` \(or a module inside it\) changed"):
         module(torch.randn(3, requires_grad=True) * 1.0)
 
 
@@ -360,3 +360,74 @@ def test_hooked_parameters_load_with_weights_only_and_swap() -> None:
         torch.__future__.set_swap_module_params_on_conversion(False)
     linear(torch.ones(1, 2, dtype=torch.float64)).sum().backward()
     torch.testing.assert_close(linear.weight.grad, torch.full((2, 2), 10.0, dtype=torch.float64))
+
+
+@pytest.mark.parametrize(
+    "module",
+    [nn.Dropout(0.0, inplace=True), nn.Dropout(0.5, inplace=True).eval()],
+    ids=["p=0", "eval"],
+)
+def test_an_inplace_module_that_leaves_its_input_unchanged_keeps_the_transform(module) -> None:
+    go.grad_hook(module, times_ten, at="inputs")
+    x = torch.tensor([-1.0, 2.0, 3.0], requires_grad=True)
+    (module(x * 1.0) * torch.tensor([1.0, 2.0, 3.0])).sum().backward()
+    torch.testing.assert_close(x.grad, torch.tensor([10.0, 20.0, 30.0]))
+
+
+def test_an_inplace_module_returning_none_changes_the_callers_tensor_with_the_transform() -> None:
+    class Doubling(nn.Module):
+        inplace = True
+
+        def forward(self, x):
+            x.mul_(2)
+
+    module = Doubling()
+    go.grad_hook(module, times_ten, at="inputs")
+    x = torch.tensor([-1.0, 2.0, 3.0], requires_grad=True)
+    h = x * 1.0
+    module(h)
+    torch.testing.assert_close(h.detach(), torch.tensor([-2.0, 4.0, 6.0]))  # as without hook
+    h.sum().backward()
+    torch.testing.assert_close(x.grad, torch.full((3,), 20.0))
+
+
+def test_a_block_holding_an_inplace_module_keeps_the_input_transform() -> None:
+    block = nn.Sequential(nn.ReLU(inplace=True), nn.Linear(3, 1))
+    go.grad_hook(block, times_ten, at="inputs")
+    x = torch.tensor([-1.0, 2.0, 3.0], requires_grad=True)
+    block(x * 1.0).sum().backward()
+    expected = (x.detach() > 0).float() * block[1].weight.detach()[0] * 10
+    torch.testing.assert_close(x.grad, expected)
+
+
+def test_a_view_returning_module_then_an_inplace_op_is_refused_not_silent() -> None:
+    flatten = nn.Flatten(0)
+    go.grad_hook(flatten, times_ten, at="inputs")
+    with pytest.raises(RuntimeError, match="view"):
+        nn.ReLU(inplace=True)(flatten(torch.randn(3, 2, requires_grad=True) * 1.0))
+
+
+def test_inputs_sharing_memory_to_an_inplace_module_are_refused() -> None:
+    class Two(nn.Module):
+        inplace = True
+
+        def forward(self, x, y):
+            x.mul_(2)
+            return x + y
+
+    module = Two()
+    go.grad_hook(module, times_ten, at="inputs")
+    h = torch.tensor([1.0, 2.0], requires_grad=True) * 1.0
+    with pytest.raises(go.GradOverrideError, match="share memory"):
+        module(h, h[0])
+
+
+def test_deepcopy_of_a_module_with_lambda_hooks_works() -> None:
+    import copy
+
+    linear = nn.Linear(2, 2)
+    go.grad_hook(linear, lambda g: g * 10, at="inputs")
+    copied = copy.deepcopy(linear)
+    x = torch.ones(1, 2, requires_grad=True)
+    copied(x).sum().backward()
+    torch.testing.assert_close(x.grad, torch.ones(1, 2) @ copied.weight.detach() * 10)
