@@ -736,11 +736,11 @@ class Bridge(Generic[P]):
     def __reduce__(self) -> tuple[Any, ...]:
         # Pickled as the call that makes it (the function and the rule by reference), so a
         # saved model holding a bridge loads back with it.
-        from ._decorators import _require_importable
+        from ._pickling import require_importable
 
-        _require_importable(self._fn, f"bridge({self._name})", "the bridged function")
+        require_importable(self._fn, f"`bridge({self._name})`", "the bridged function")
         if not isinstance(self.backward, Estimator):
-            _require_importable(self.backward, f"bridge({self._name})", "its backward rule")
+            require_importable(self.backward, f"`bridge({self._name})`", "its backward rule")
         return (_rebuild_bridge, (self._fn, self.backward, self.check_finite))
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Bridge[P]:

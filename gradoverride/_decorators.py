@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import functools
-import pickle
-import sys
 import types
 import weakref
 from collections.abc import Callable, Iterable, Sequence
@@ -19,6 +17,7 @@ from ._frameworks import any_tensorflow
 from ._function import build_call
 from ._internals import transforms_active
 from ._jit import refuse_scripting
+from ._pickling import found_at_its_name, require_importable
 from ._rule import RuleSpec, normalize_names
 from ._signature import ForwardSignature, describe
 
@@ -313,13 +312,13 @@ class CustomBackward(Generic[P, R]):
         # qualified name (a decorated module-level function); otherwise (an op made from a
         # builtin such as `torch.sign`, or inside a function) by what rebuilds it: the
         # forward and the rule, each pickled by reference.
-        if _found_at_its_name(self):
+        if found_at_its_name(self):
             return str(self.__qualname__)
         if self._rebuild is not None:
             factory, args, kwargs = self._rebuild
             for value in (*args, *kwargs.values()):
                 if callable(value):
-                    _require_importable(value, self._name, "a function it was built from")
+                    require_importable(value, f"`{self._name}`", "a function it was built from")
             return (_rebuild_with, (factory, args, kwargs))
         if self._rule is None:
             msg = (
@@ -328,8 +327,8 @@ class CustomBackward(Generic[P, R]):
             )
             raise GradOverrideError(msg)
         forward = self.__wrapped__
-        _require_importable(forward, self._name, "its forward")
-        _require_importable(self._rule.rule, self._name, "its backward rule")
+        require_importable(forward, f"`{self._name}`", "its forward")
+        require_importable(self._rule.rule, f"`{self._name}`", "its backward rule")
         options = {
             key: value for key, value in self._rule_options.items()
             if key not in ("track_inplace", "labels")
@@ -514,36 +513,6 @@ def _first_call(op: CustomBackward[..., Any], *args: Any, **kwargs: Any) -> Any:
     result = audit_call(op, args, kwargs)
     op.__class__ = op._fast_class  # type: ignore[assignment]
     return result
-
-
-def _found_at_its_name(obj: Any) -> bool:
-    """Whether pickle, looking `obj` up by its module and qualified name, finds `obj`."""
-    module = sys.modules.get(getattr(obj, "__module__", None) or "")
-    qualname = getattr(obj, "__qualname__", None)
-    if module is None or not qualname or "<locals>" in qualname:
-        return False
-    found: Any = module
-    for part in qualname.split("."):
-        found = getattr(found, part, None)
-        if found is None:
-            return False
-    return found is obj
-
-
-def _require_importable(fn: Any, op: str, what: str) -> None:
-    """Pickle stores functions by name; refuse, naming the function, one it cannot find."""
-    if _found_at_its_name(fn) or isinstance(fn, CustomBackward):
-        return
-    try:
-        pickle.dumps(fn)
-    except Exception as exc:  # pickle raises several types here
-        msg = (
-            f"`{op}` cannot be pickled: {what}, `{describe(fn)}`, is not importable by name "
-            f"({type(exc).__name__}: {exc}); pickle stores functions by their module and "
-            "name, so define it at the top level of a module (not a lambda or a function "
-            "inside a function)."
-        )
-        raise GradOverrideError(msg) from None
 
 
 def _rebuild_with(factory: Callable[..., Any], args: tuple[Any, ...],

@@ -475,18 +475,12 @@ class _AtOutputs(_Transforming):
 
 
 def _require_picklable(transform: Any) -> None:
-    import pickle
+    from ._pickling import require_importable
 
-    try:
-        pickle.dumps(transform)
-    except Exception as exc:  # pickle raises several types here
-        msg = (
-            f"a module with `go.grad_hook({describe(transform)})` cannot be pickled: the "
-            f"transform is not importable by name ({type(exc).__name__}: {exc}). pickle "
-            "stores functions by module and name, so define the transform at the top level "
-            "of a module (not a lambda or a nested function), or use a gradient recipe."
-        )
-        raise GradOverrideError(msg) from None
+    require_importable(
+        transform, f"a module with `go.grad_hook({describe(transform)})`", "its transform",
+        ", or use a gradient recipe",
+    )
 
 
 class _ParameterHooks:

@@ -725,10 +725,11 @@ class _OverriddenForward:
         return "forward"
 
     def __reduce__(self) -> tuple[Any, ...]:
-        from ._decorators import _require_importable
+        from ._pickling import require_importable
 
-        _require_importable(self.rule, f"{type(self.module).__name__} (overridden)",
-                            "its backward rule")
+        require_importable(
+            self.rule, f"`{type(self.module).__name__}` (overridden)", "its backward rule"
+        )
         return (_reinstall, (self.module, self.rule, self.options))
 
     def __deepcopy__(self, memo: dict[int, Any]) -> _OverriddenForward:
