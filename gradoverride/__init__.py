@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 from ._decorators import CustomBackward, CustomBackwardModule, custom_backward
 from ._errors import GradOverrideError, GradOverrideTypeError
-from ._module import Module, OverrideHandle, override_backward
+from ._module import Module
+from ._override import OverrideHandle, override_backward
 from ._rule import RESERVED_NAMES
 from ._straight_through import straight_through
 

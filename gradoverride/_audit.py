@@ -17,8 +17,7 @@ every call it makes (`check_backward`, `assert_consistent`). A finding is a
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -32,7 +31,7 @@ from ._passthrough import AUDITS
 if TYPE_CHECKING:
     from ._decorators import CustomBackward
 
-__all__ = ["arm_all", "audit_call", "audited"]
+__all__ = ["audit_call"]
 
 # Calls whose result carries no gradient of their tensor arguments, so reading a captured
 # tensor through them loses nothing: metadata (`.shape` and other property reads, `size()`),
@@ -311,21 +310,3 @@ def _inplace_message(op: CustomBackward[..., Any], t: Tensor, args: tuple[Any, .
         "`x.relu_()`, or `x = x.clone()` first); for a module built with `inplace=True`, "
         "build it with `inplace=False`."
     )
-
-
-# ---- which ops check their next call --------------------------------------------------------
-
-
-def arm_all() -> None:
-    """Make every op check its next eager call (what the testing tools do before each run)."""
-    from ._decorators import _OPS
-
-    for op in list(_OPS):
-        op._arm_audit()
-
-
-@contextmanager
-def audited() -> Iterator[None]:
-    """Within the block, every op's next eager call is checked."""
-    arm_all()
-    yield

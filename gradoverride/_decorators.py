@@ -33,6 +33,13 @@ _UNSET: Any = object()
 _OPS: weakref.WeakSet[CustomBackward[..., Any]] = weakref.WeakSet()
 
 
+def arm_all() -> None:
+    """Make every op check its next eager call (see `_audit`): what the testing tools do
+    before each run."""
+    for op in list(_OPS):
+        op._arm_audit()
+
+
 class CustomBackward(Generic[P, R]):
     """A forward function whose backward is a rule you wrote. Made by `custom_backward`.
 

@@ -13,7 +13,7 @@ from typing import Any, Literal, TypeAlias
 import torch
 from torch import Tensor
 
-from .._audit import arm_all
+from .._decorators import arm_all
 from .._errors import GradOverrideError
 from ._inputs import Call, floating_leaves
 
