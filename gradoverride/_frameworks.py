@@ -1,6 +1,6 @@
 """Which framework a value belongs to, without importing any framework.
 
-`import gradoverride` never imports TensorFlow (DESIGN §2.8): a TensorFlow value can only
+`import gradoverride` never imports TensorFlow: a TensorFlow value can only
 exist once the user has imported TensorFlow, so `sys.modules` is asked first and nothing is
 imported here. The TensorFlow backend (`gradoverride._tensorflow`) is imported the first
 time one of its tensors reaches a gradoverride function.

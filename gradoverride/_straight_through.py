@@ -1,4 +1,4 @@
-"""`straight_through`: a non-differentiable forward with a chosen backward (DESIGN §2.2).
+"""`straight_through`: a non-differentiable forward with a chosen backward.
 
 Built on `custom_backward`: each form is a generated rule registered on the user's forward,
 so it has the same composition (`torch.compile(fullgraph=True)`, `torch.func`, autocast,

@@ -1,5 +1,5 @@
 """The shared recipes on TensorFlow tensors: the same formulas as the torch recipes, written
-with TensorFlow ops and `tf.custom_gradient` (issue 7, DESIGN §2.8).
+with TensorFlow ops and `tf.custom_gradient`.
 
 A recipe object (`go.recipes.ste_round()`, `go.recipes.spike("erf")`, ...) is the same for
 both frameworks. Its `__call__` (and a gradient transform's `transform`) starts with one cheap

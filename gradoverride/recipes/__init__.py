@@ -1,4 +1,4 @@
-"""The well-known gradient overrides, each one documented formula (DESIGN §2.6).
+"""The well-known gradient overrides, each one documented formula.
 
 Every recipe is a small frozen object with a readable repr, callable on tensors, with an
 `nn.Module` form (`recipe.module()`), keeping the input's dtype. Gradient transforms

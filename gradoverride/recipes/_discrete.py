@@ -1,5 +1,5 @@
 """Discrete choices with straight-through gradients: argmax as a one-hot, and the
-straight-through Gumbel-softmax (DESIGN §2.6).
+straight-through Gumbel-softmax.
 
 The forward is a hard one-hot (in the input's dtype); the backward is the gradient of a
 softmax at a temperature, which is what the `y_hard - y_soft.detach() + y_soft` idiom gives,

@@ -1,5 +1,5 @@
 """Straight-through estimators: round, floor, ceil, sign, clamp, binarize, ternarize, n-bit
-quantize, and the learned-step quantizer of LSQ (DESIGN §2.6).
+quantize, and the learned-step quantizer of LSQ.
 
 Every recipe's forward is the non-differentiable op, computed in the input's dtype; its
 backward is the formula in its docstring. "Straight-through" means the upstream gradient

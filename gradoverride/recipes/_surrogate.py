@@ -1,5 +1,5 @@
 """Surrogate gradients for spiking networks: a Heaviside step whose backward is a smooth
-surrogate's derivative (DESIGN §2.6).
+surrogate's derivative.
 
 One convention for the whole catalogue, so that names mean one formula:
 
