@@ -28,7 +28,7 @@ from torch.utils import _pytree as pytree
 from torch.utils.hooks import RemovableHandle
 
 from ._errors import GradOverrideError, GradOverrideTypeError
-from ._internals import transforms_active
+from ._internals import is_tracing, transforms_active
 from ._jit import RefuseScripting, jit_message
 from ._passthrough import related, shows_input
 from ._signature import describe
@@ -143,15 +143,15 @@ def _hook_tensors(tree: Any, transform: Callable[[Tensor], Tensor | None], avoid
     ]
     if not places:
         return tree
+    inputs = _tensors(avoid)
     if len(places) == 1:
         t = leaves[places[0]]
-        if t._base is None and not t.is_leaf and not shows_input(t, _tensors(avoid)):
+        if t._base is None and not t.is_leaf and not shows_input(t, inputs):
             _register_hook(t, transform)
             return tree
     from ._transform import transformed_all
 
     tensors = [leaves[k] for k in places]
-    inputs = _tensors(avoid)
     keep_view = tuple(
         t.is_leaf
         or (t._base is not None and t._base.is_leaf)
@@ -319,10 +319,14 @@ class _AtInputs(_Transforming):
     changes its input in place then meets PyTorch's error for views made in a Function).
     """
 
-    __slots__ = ("local",)
+    __slots__ = ("inplace", "local")
 
     def __init__(self, transform: Callable[[Tensor], Tensor | None]) -> None:
         super().__init__(transform)
+        # Whether the module is, or holds, one built with inplace=True: read at its first
+        # call, not on every call (a module that turns in-place later is refused by
+        # `after`, never silently wrong).
+        self.inplace: bool | None = None
         # Per thread, a stack with one entry per call in progress (a module may call itself),
         # pushed by the pre-hook and popped by the forward hook: what `after` finishes.
         self.local = threading.local()
@@ -354,7 +358,11 @@ class _AtInputs(_Transforming):
             return pytree.tree_map(through, args), pytree.tree_map(through, kwargs)
 
         # A module built with inplace=True, or holding one (a block ending in ReLU(inplace)).
-        inplace = any(getattr(m, "inplace", False) is True for m in module.modules())
+        inplace = self.inplace
+        if inplace is None:
+            inplace = self.inplace = any(
+                getattr(m, "inplace", False) is True for m in module.modules()
+            )
         copies: dict[int, Tensor] = {}  # one copy per tensor, passed twice or not
         tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, Tensor)]
         if inplace and _share_memory(tensors):
@@ -455,7 +463,7 @@ def _inplace_input_message(module: nn.Module) -> str:
 
 
 def _refuse_tracing(module: nn.Module) -> None:
-    if torch._C._get_tracing_state() is not None:
+    if is_tracing():
         raise GradOverrideError(
             jit_message(f"the go.grad_hook of `{type(module).__name__}`", "torch.jit.trace")
         )

@@ -26,7 +26,8 @@ Private torch pieces used elsewhere, each with a test that fails if it goes miss
 * `torch.utils._pytree`: flattening container inputs and outputs (also used by torch.func).
 * `torch._C._functorch` (`_bridge.py`): telling a transform's wrapped tensors (which numpy
   cannot read) from real ones, to refuse a bridge under `torch.func` by name.
-* `torch._C._get_tracing_state` (`_module.py`): whether `torch.jit.trace` is recording.
+* `torch._C._get_tracing_state` (`is_tracing`): whether `torch.jit.trace` is recording (the
+  C call under `torch.jit.is_tracing`, which mypy sees untyped).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ __all__ = [
     "FAST_APPLY",
     "any_autocast_enabled",
     "is_batched",
+    "is_tracing",
     "is_transformed",
     "raw_apply",
     "transforms_active",
@@ -98,3 +100,8 @@ def is_transformed(value: Any) -> bool:
     return is_batched(value) or (
         isinstance(value, Tensor) and bool(torch._C._functorch.is_gradtrackingtensor(value))
     )
+
+
+def is_tracing() -> bool:
+    """Whether torch.jit.trace is recording."""
+    return torch._C._get_tracing_state() is not None

@@ -34,7 +34,7 @@ from torch.nn.parameter import UninitializedParameter
 from ._decorators import CustomBackward
 from ._errors import GradOverrideError, GradOverrideTypeError
 from ._gradients import check_gradient
-from ._internals import is_transformed, transforms_active
+from ._internals import is_tracing, is_transformed, transforms_active
 from ._jit import jit_message, refuse_scripting
 from ._rule import RESERVED_NAMES, normalize_names
 
@@ -181,23 +181,21 @@ class _ModuleRule:
         k = len(names)
         slots = tuple(f"{_PARAM}{i}" for i in range(k))
         slot_of = dict(zip(names, slots, strict=True))
-        forward_signature = inspect.signature(forward)
-        forward_params = list(forward_signature.parameters.values())[1:]
-        positional = inspect.Parameter.POSITIONAL_ONLY
-        copy_slots = tuple(f"{_ORIGINAL}{n}" for n in self.copied_inputs) if inplace else ()
-        signature = inspect.Signature(
-            [
-                inspect.Parameter(_MODULE, positional),
-                inspect.Parameter(_IDS, positional),
-                *(inspect.Parameter(slot, positional) for slot in (*slots, *copy_slots)),
-                *forward_params,
-            ]
-        )
+        forward_params = list(inspect.signature(forward).parameters.values())[1:]
         # For an in-place module, the inputs the rule reads reach it as copies made before
         # the call (inputs of the op, after the parameters): the forward changes the inputs.
         copied = self.copied_inputs if inplace else ()
         copies = tuple(f"{_ORIGINAL}{n}" for n in copied)
         c = len(copies)
+        positional = inspect.Parameter.POSITIONAL_ONLY
+        signature = inspect.Signature(
+            [
+                inspect.Parameter(_MODULE, positional),
+                inspect.Parameter(_IDS, positional),
+                *(inspect.Parameter(slot, positional) for slot in (*slots, *copies)),
+                *forward_params,
+            ]
+        )
 
         def module_forward(
             module: nn.Module, ids: _ParameterIds, *rest: Any, **kwargs: Any
@@ -289,7 +287,7 @@ class _ModuleRule:
             # No gradient is computed, so the rule cannot matter: the module's own forward,
             # without a Function around it (also the dry run that lazy modules need).
             return self.forward(module, *args, **kwargs)
-        if _is_tracing():
+        if is_tracing():
             raise GradOverrideError(jit_message(self.where, "torch.jit.trace"))
         params = dict(module.named_parameters())
         values = tuple(params.values())
@@ -565,11 +563,6 @@ class _ModuleMeta(type):
             rule.check_names(instance)
             rule.op_for(_parameter_names(instance), getattr(instance, "inplace", False) is True)
         return instance
-
-
-def _is_tracing() -> bool:
-    """Whether torch.jit.trace is recording (the C call under `torch.jit.is_tracing`)."""
-    return torch._C._get_tracing_state() is not None
 
 
 def _parameter_names(module: nn.Module) -> tuple[str, ...]:
