@@ -323,6 +323,10 @@ def build_call(
         needs = ctx.needs_input_grad  # [0] is the CallState
         ranges = _leaf_ranges(state.layout, n_params)
         meta: list[Any] = []
+        # Inputs that need a gradient the rule does not give (not owned): their metadata, for
+        # the zeros a compiled backward returns instead of None (see `_fill_none`). Owned
+        # ones have theirs in `meta`.
+        unowned: list[tuple[int, Any, Any, Any]] = []
         for slot, (start, stop) in enumerate(ranges):
             for i in range(start, stop):
                 value = flat[i]
@@ -330,8 +334,12 @@ def build_call(
                     # Not a tensor, or an integer/bool tensor (an index): never owned, so a
                     # lone returned tensor belongs to the one floating input.
                     meta.append(None)
-                elif owned[slot] and needs[i + 1]:
-                    meta.append((value.shape, value.dtype, value.device))
+                elif needs[i + 1]:
+                    if owned[slot]:
+                        meta.append((value.shape, value.dtype, value.device))
+                    else:
+                        meta.append(SKIP)
+                        unowned.append((i, value.shape, value.dtype, value.device))
                 else:
                     meta.append(SKIP)
 
@@ -392,7 +400,7 @@ def build_call(
                     for o in outputs
                 )
         autocast = _autocast_state(flat) if any_autocast_enabled() else None
-        ctx.gradoverride = (state, meta, plan, out_meta, autocast, _fill_meta(flat, needs))
+        ctx.gradoverride = (state, meta, plan, out_meta, autocast, tuple(unowned))
 
     # ---- backward -------------------------------------------------------------------------
 
@@ -523,7 +531,8 @@ def _build_owning(
         state = ctx.gradoverride[0]
         if residuals and not torch.compiler.is_compiling():
             _refuse_residual_gradients(op, residuals, state, grads[state.n_out :])
-        return (None, *_fill_none(run_rule(ctx, grads), ctx.gradoverride[5]))
+        record = ctx.gradoverride
+        return (None, *_fill_none(run_rule(ctx, grads), record[1], record[5]))
 
     def finish(out: Any, state: CallState) -> Any:
         return pytree.tree_unflatten(list(out[: state.n_out]), state.out_spec)
@@ -658,7 +667,8 @@ def _build_attaching(
         n_res = sum(1 for r in state.residuals if type(r) is int)
         # The outputs' upstream gradients continue, unchanged, into the ordinary graph of
         # the inputs the rule does not own.
-        rule_grads = _fill_none(run_rule(ctx, grads), ctx.gradoverride[5])
+        record = ctx.gradoverride
+        rule_grads = _fill_none(run_rule(ctx, grads), record[1], record[5])
         return (None, *rule_grads, *grads[: state.n_out], *([None] * n_res))
 
     cls = _function_class(op, module, kind, forward, setup_context, backward)
@@ -774,26 +784,21 @@ def _returned(flat: tuple[Any, ...], out: Any) -> tuple[int, ...]:
     )
 
 
-def _fill_meta(flat: tuple[Any, ...], needs: tuple[bool, ...]) -> tuple[Any, ...]:
-    """(index, shape, dtype, device) of each flat input whose gradient is needed."""
-    return tuple(
-        (i, v.shape, v.dtype, v.device)
-        for i, v in enumerate(flat)
-        if needs[i + 1] and isinstance(v, Tensor)
-    )
-
-
-def _fill_none(grads: list[Tensor | None], fill: tuple[Any, ...]) -> list[Tensor | None]:
+def _fill_none(
+    grads: list[Tensor | None], meta: list[Any], unowned: tuple[Any, ...]
+) -> list[Tensor | None]:
     """Zeros instead of None for inputs that need a gradient, in a compiled backward only.
 
     Compiled autograd adds the gradients an input receives from several nodes without
     skipping a None (eager autograd skips it), and fails with "add(): argument 'input' must
     be Tensor, not NoneType"; an explicit zero is the same gradient. Eager backward keeps
-    None, which costs nothing."""
-    if not fill or not torch.compiler.is_compiling():
+    None, which costs nothing. `meta` holds the owned inputs' metadata (a tuple where the
+    gradient is needed), `unowned` the others'."""
+    if not torch.compiler.is_compiling():
         return grads
     out = list(grads)
-    for i, shape, dtype, device in fill:
+    needed = [(i, *m) for i, m in enumerate(meta) if type(m) is tuple]
+    for i, shape, dtype, device in (*needed, *unowned):
         if out[i] is None:
             out[i] = torch.zeros(shape, dtype=dtype, device=device)
     return out
