@@ -17,11 +17,15 @@ import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # before TensorFlow's first import
 
+import sys
 from typing import Any
 
-import keras
+try:
+    import keras
+    import tensorflow as tf
+except ImportError:
+    sys.exit('tensorflow_ste needs TensorFlow and Keras 3: pip install -e ".[tensorflow]"')
 import numpy as np
-import tensorflow as tf
 
 import gradoverride as go
 

@@ -22,28 +22,41 @@ from ._rule import RESERVED_NAMES
 from ._straight_through import straight_through
 
 if TYPE_CHECKING:
+    from . import keras as keras
+    from . import recipes as recipes
+    from . import testing as testing
     from ._bridge import Bridge, bridge, finite_differences, spsa
     from ._hooks import HookHandle, grad_hook
 
 __version__ = "0.1.0"
 
-# Loaded on first use (`import gradoverride` has a budget of 50 ms on top of `import torch`):
-# `go.bridge` and its estimators, and `go.grad_hook`.
+# Loaded on first use (`import gradoverride` has a budget of 50 ms on top of `import torch`,
+# and must import neither TensorFlow nor torch._dynamo): `go.bridge` and its estimators,
+# `go.grad_hook`, and the subpackages `go.recipes`, `go.testing` and `go.keras` (which imports
+# TensorFlow and Keras).
 _LAZY = {
     "Bridge": "_bridge", "bridge": "_bridge", "finite_differences": "_bridge", "spsa": "_bridge",
     "HookHandle": "_hooks", "grad_hook": "_hooks",
 }
+_SUBPACKAGES = ("recipes", "testing", "keras")
 
 
 def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        import importlib
+    import importlib
 
+    if name in _LAZY:
         value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
-        globals()[name] = value
-        return value
-    msg = f"module 'gradoverride' has no attribute {name!r}"
-    raise AttributeError(msg)
+    elif name in _SUBPACKAGES:
+        value = importlib.import_module(f".{name}", __name__)
+    else:
+        msg = f"module 'gradoverride' has no attribute {name!r}"
+        raise AttributeError(msg)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY, *_SUBPACKAGES})
 
 __all__ = [
     "RESERVED_NAMES",

@@ -27,7 +27,19 @@ P = ParamSpec("P")
 R = TypeVar("R")
 Rule = TypeVar("Rule", bound=Callable[..., Any])
 
-_UNSET: Any = object()
+
+
+class _OpDefault:
+    """An option of `op.backward(...)` left out: the op takes its own default for it."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        # What help() and the docs show in the signature.
+        return "OP_DEFAULT"
+
+
+OP_DEFAULT: Any = _OpDefault()
 
 #: Every op with a rule, so that `gradoverride.testing` can make each check its next call.
 _OPS: weakref.WeakSet[CustomBackward[..., Any]] = weakref.WeakSet()
@@ -153,9 +165,9 @@ class CustomBackward(Generic[P, R]):
         rule: Callable[..., Any] | None = None,
         /,
         *,
-        owns: str | Iterable[str] | None = _UNSET,
-        once_differentiable: bool = _UNSET,
-        materialize_grads: bool = _UNSET,
+        owns: str | Iterable[str] | None = OP_DEFAULT,
+        once_differentiable: bool = OP_DEFAULT,
+        materialize_grads: bool = OP_DEFAULT,
     ) -> Any:
         """Register the backward rule; use bare (`@op.backward`) or with options.
 
@@ -174,8 +186,25 @@ class CustomBackward(Generic[P, R]):
                 gradient for it (True, PyTorch's default) or `None` (False). A compiled
                 backward may pass zeros even with False (AOTAutograd materializes them).
 
+        An option left at `OP_DEFAULT` takes the op's default: the one given to
+        `go.custom_backward(...)`, else `owns=None` (all), `once_differentiable=False`,
+        `materialize_grads=True`.
+
         Returns:
             The rule itself, unchanged, so it can still be called and tested on its own.
+
+        What the rule may return:
+            - a tensor (or None) when exactly one owned parameter holds a tensor in this call;
+            - a tuple with one entry per forward parameter, in order, None for no gradient
+              (`return grad_x, None`, as in an `autograd.Function`);
+            - a dict by parameter name, naming every owned parameter that holds a tensor
+              (None for no gradient).
+
+            A container argument (tuple, list, dict of tensors) gets a gradient of the same
+            structure. Each gradient must have its input's shape, or one the input broadcasts
+            to (summed down to it); another floating-point precision is cast to the input's.
+            Any other shape, an integer/bool/complex gradient for a real input, another device,
+            or a gradient for a non-tensor or unowned argument raises `GradOverrideError`.
         """
         options = dict(self._rule_options)
         for key, value in (
@@ -183,7 +212,7 @@ class CustomBackward(Generic[P, R]):
             ("once_differentiable", once_differentiable),
             ("materialize_grads", materialize_grads),
         ):
-            if value is not _UNSET:
+            if value is not OP_DEFAULT:
                 options[key] = value
         if rule is None:
 
@@ -425,9 +454,9 @@ def custom_backward(
     residuals: str | Iterable[str] | None = None,
     backward: Callable[..., Any] | None = None,
     signature: str | Sequence[str] | None = None,
-    owns: str | Iterable[str] | None = _UNSET,
-    once_differentiable: bool = _UNSET,
-    materialize_grads: bool = _UNSET,
+    owns: str | Iterable[str] | None = None,
+    once_differentiable: bool = False,
+    materialize_grads: bool = True,
 ) -> Any:
     """Give a forward function a backward rule you write.
 
@@ -457,6 +486,19 @@ def custom_backward(
     (`torch.max(x, 1)`: `dim` or `other`?) is an error asking for a keyword argument
     (`dim=1`) or for `signature=`.
 
+    What the rule may return:
+        - a tensor (or None) when exactly one owned parameter holds a tensor in this call;
+        - a tuple with one entry per forward parameter, in order, None for no gradient
+          (`return grad_x, None`, as in an `autograd.Function`);
+        - a dict by parameter name, naming every owned parameter that holds a tensor
+          (None for no gradient).
+
+        A container argument (tuple, list, dict of tensors) gets a gradient of the same
+        structure. Each gradient must have its input's shape, or one the input broadcasts
+        to (summed down to it); another floating-point precision is cast to the input's.
+        Any other shape, an integer/bool/complex gradient for a real input, another device,
+        or a gradient for a non-tensor or unowned argument raises `GradOverrideError`.
+
     Args:
         fn: the forward. Any Python function of tensors, non-tensor values and
             tuples/lists/dicts of tensors, returning a tensor, a tuple of outputs or a
@@ -474,7 +516,12 @@ def custom_backward(
             `"max(input, other) -> Tensor"` as torch docs write it), or a tuple of such
             strings for several forms. The defaults must be the function's own: a value
             equal to its default is left out when the forward is called.
-        owns, once_differentiable, materialize_grads: see `CustomBackward.backward`.
+        owns: the parameters whose gradient the rule supplies (default: all); see
+            `CustomBackward.backward`.
+        once_differentiable: run the rule without recording a graph; see
+            `CustomBackward.backward`.
+        materialize_grads: send the rule zeros (True) or None (False) for unused
+            outputs; see `CustomBackward.backward`.
 
     Returns:
         A `CustomBackward` that keeps the forward's name, docstring, signature and
@@ -482,13 +529,9 @@ def custom_backward(
     """
     residual_names = normalize_names(residuals, "residuals", "custom_backward")
     options = {
-        key: value
-        for key, value in (
-            ("owns", owns),
-            ("once_differentiable", once_differentiable),
-            ("materialize_grads", materialize_grads),
-        )
-        if value is not _UNSET
+        "owns": owns,
+        "once_differentiable": once_differentiable,
+        "materialize_grads": materialize_grads,
     }
 
     def decorate(forward: Callable[P, R]) -> CustomBackward[P, R]:

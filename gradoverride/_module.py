@@ -613,6 +613,18 @@ class Module(nn.Module, metaclass=_ModuleMeta):
     gets a copy of each input its rule names, taken before the forward. TorchScript
     (`torch.jit.script`, `torch.jit.trace`) cannot keep the rule and raises
     `GradOverrideError`; `torch.compile` keeps it.
+
+    What `backward` may return:
+        - a dict by name: forward parameters (`"x"`) and the module's parameters as
+          `named_parameters()` names them (`"weights"`, `"inner.weight"`), every owned one
+          that holds a tensor present (None for no gradient);
+        - a tensor (or None) when exactly one owned input or parameter holds a tensor.
+
+        Each gradient must have its tensor's shape, or one the tensor broadcasts to (summed
+        down to it); another floating-point precision is cast. Any other shape, dtype kind
+        or device, a gradient for something the rule does not own, or writing `.grad`
+        yourself raises `GradOverrideError`. Parameter gradients flow through autograd:
+        they accumulate, fire hooks and reach DDP.
     """
 
     _gradoverride_rule: _ModuleRule | None = None

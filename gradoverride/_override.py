@@ -181,13 +181,20 @@ def override_backward(
     Args:
         module: the `nn.Module` instance.
         rule: `rule(*upstream_grads, *, names...)`.
-        owns, once_differentiable, materialize_grads: as for `custom_backward`; `owns` may
-            name inputs and parameters.
+        owns: as for `custom_backward`, naming inputs and parameters (default: all).
+        once_differentiable: as for `custom_backward`.
+        materialize_grads: as for `custom_backward`.
 
     Returns:
         An `OverrideHandle`; `.remove()` restores the original behaviour (bitwise: the
         module's own forward and backward run again). Overriding a module that already has
         an override raises `GradOverrideError`; remove the first one before adding another.
+
+    What the rule may return: as for `go.Module`'s `backward`, a dict by name (the forward's
+    parameter names, `input` for `nn.Linear`, and `named_parameters()` names such as
+    `"weight"`; every owned one that holds a tensor present, None for no gradient), or a
+    tensor when exactly one owned input or parameter holds a tensor. Shapes, dtypes and
+    devices are checked as for `custom_backward`.
     """
     if not isinstance(module, nn.Module):
         msg = (

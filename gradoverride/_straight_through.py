@@ -229,8 +229,6 @@ def _open_bounds(low: float, high: float, dtype: torch.dtype) -> tuple[float, fl
 # ---- the decorator ---------------------------------------------------------------------------
 
 
-_UNSET: Any = object()
-
 
 def _first_parameter(op: CustomBackward[..., Any], where: str) -> str:
     sig = op._signature
@@ -316,9 +314,7 @@ def _build(
             )
             raise GradOverrideTypeError(msg)
     window = None if clip is None else parse_clip(clip, where)
-    if keep is _UNSET:
-        keep = DEFAULT_KEEP
-    elif window is None:
+    if window is None and keep != DEFAULT_KEEP:
         msg = (
             f"straight_through got keep={keep!r} without `clip=`; `keep` chooses what a "
             "clipped straight-through saves for backward. Add `clip=` or drop `keep`."
@@ -484,7 +480,7 @@ def straight_through(
     /,
     *,
     clip: float | tuple[float, float] | None = None,
-    keep: Keep = _UNSET,
+    keep: Keep = DEFAULT_KEEP,
     surrogate: Callable[[Tensor], Tensor] | None = None,
     derivative: Callable[[Tensor], Tensor] | None = None,
 ) -> Any:
@@ -534,9 +530,9 @@ def straight_through(
         )
         # Pickled by value (when not found under its own name, as an op made from a builtin
         # is not), it is made again by this call: its rule is generated, not importable.
-        options: dict[str, Any] = {"clip": clip, "surrogate": surrogate, "derivative": derivative}
-        if keep is not _UNSET:
-            options["keep"] = keep
+        options: dict[str, Any] = {
+            "clip": clip, "keep": keep, "surrogate": surrogate, "derivative": derivative
+        }
         op._rebuild = (straight_through, (forward,), options)
         return op
 

@@ -32,6 +32,21 @@ def _run(*args: str) -> subprocess.CompletedProcess[str]:
     return result
 
 
+def _check_quickstart(stdout: str) -> None:
+    # The plain round gives the first layer no gradient at all; the override gives it one,
+    # and the network then fits better than with the last layer alone learning.
+    rows = {}
+    for name in ("plain torch.round", "go.custom_backward"):
+        match = re.search(rf"^{re.escape(name)}\s+([-0-9.]+)\s+([-0-9.]+)\s+([-0-9.]+)$",
+                          stdout, re.M)
+        assert match, f"no row for {name!r} in:\n{stdout}"
+        rows[name] = [float(v) for v in match.groups()]
+    plain, override = rows["plain torch.round"], rows["go.custom_backward"]
+    assert plain[0] == 0.0, stdout
+    assert override[0] > 0.1, stdout
+    assert override[2] < override[1] and override[2] < plain[2], stdout
+
+
 def test_there_are_examples() -> None:
     assert any(p.name == "quickstart.py" for p in EXAMPLES)
 
@@ -48,7 +63,9 @@ def test_example_runs(script: Path, tmp_path: Path) -> None:
             pytest.fail("TensorFlow is required here (GRADOVERRIDE_REQUIRE_TENSORFLOW=1)")
         pytest.skip("TensorFlow is not installed (pip install 'gradoverride[tensorflow]')")
     result = _run(str(script.relative_to(ROOT)), *args)
-    if script.name in ("quickstart.py", "tensorflow_ste.py"):
+    if script.name == "quickstart.py":
+        _check_quickstart(result.stdout)
+    elif script.name == "tensorflow_ste.py":
         match = re.search(r"loss fell from ([-+0-9.eE]+) to ([-+0-9.eE]+)", result.stdout)
         assert match, f"no 'loss fell from A to B' line in:\n{result.stdout}"
         first, last = float(match.group(1)), float(match.group(2))
@@ -159,3 +176,17 @@ def test_import_cost_benchmark_quick() -> None:
 def test_override_cycles_benchmark_quick() -> None:
     out = _run("benchmarks/override_cycles.py", "--quick").stdout
     assert re.search(r"generated source held in linecache: 0\.00 MB$", out, re.M), out
+
+
+def test_tensorflow_example_without_tensorflow_says_what_to_install(tmp_path: Path) -> None:
+    # A `tensorflow` package that fails to import stands in for a machine without TensorFlow.
+    (tmp_path / "tensorflow").mkdir()
+    (tmp_path / "tensorflow" / "__init__.py").write_text("raise ImportError('no tensorflow')")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])}
+    result = subprocess.run(
+        [sys.executable, "examples/tensorflow_ste.py"], cwd=ROOT, env=env, capture_output=True,
+        text=True, timeout=TIMEOUT_S, check=False,
+    )
+    assert result.returncode == 1, result.stderr[-2000:]
+    assert 'pip install -e ".[tensorflow]"' in result.stderr, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr

@@ -126,3 +126,45 @@ def test_gradoverride_keras_imports_tensorflow_and_keras(loaded: dict[str, list[
         pytest.skip("TensorFlow is not installed (pip install 'gradoverride[tensorflow]')")
     assert "tensorflow" in loaded["gradoverride.keras"]
     assert "keras" in loaded["gradoverride.keras"]
+
+
+_SUBPACKAGES_AS_ATTRIBUTES = """
+import json, sys
+import gradoverride as go
+seen = {"after import": sorted(m for m in ("torch._dynamo", "tensorflow", "keras",
+                                            "gradoverride.recipes", "gradoverride.testing")
+                               if m in sys.modules)}
+seen["in dir"] = [name for name in ("recipes", "testing", "keras") if name in dir(go)]
+seen["recipes"] = repr(go.recipes.spike())
+seen["testing"] = go.testing.check_backward.__module__
+seen["after recipes and testing"] = sorted(m for m in ("tensorflow", "keras") if m in sys.modules)
+if HAS_TENSORFLOW:
+    seen["keras"] = go.keras.Spike.__module__
+try:
+    go.recipe
+except AttributeError as error:
+    seen["misspelled"] = str(error)
+print("SEEN " + json.dumps(seen))
+"""
+
+
+def test_subpackages_are_attributes_loaded_on_first_use() -> None:
+    # `go.recipes.X`, `go.testing.X` and `go.keras.X` work after a bare `import gradoverride`,
+    # which itself loads none of them, nor torch._dynamo, TensorFlow or Keras.
+    code = f"HAS_TENSORFLOW = {HAS_TENSORFLOW!r}\n" + _SUBPACKAGES_AS_ATTRIBUTES
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "KERAS_BACKEND": "tensorflow"}
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+        timeout=TIMEOUT_S, check=False,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    line = next(line for line in result.stdout.splitlines() if line.startswith("SEEN "))
+    seen = json.loads(line.removeprefix("SEEN "))
+    assert seen["after import"] == []
+    assert seen["in dir"] == ["recipes", "testing", "keras"]
+    assert seen["recipes"].startswith("spike(surrogate='arctan'")
+    assert seen["testing"].startswith("gradoverride.testing")
+    assert seen["after recipes and testing"] == []
+    if HAS_TENSORFLOW:
+        assert seen["keras"] == "gradoverride.keras"
+    assert seen["misspelled"] == "module 'gradoverride' has no attribute 'recipe'"

@@ -64,8 +64,10 @@ def check_backward(
             `"ones"` (the gradient of `output.sum()`), or tensors. Default: `"ones"` when the
             reference is given tensors (the gradients of `output.sum()` you wrote down),
             else `"random"`, which catches a rule that forgets to multiply by `grad`.
-        rtol, atol: the tolerances; default `torch.testing.assert_close`'s for the input's
-            dtype, and with finite differences at least gradcheck's (1e-3, 1e-5).
+        rtol: the relative tolerance; default `torch.testing.assert_close`'s for the
+            input's dtype, and with finite differences at least gradcheck's 1e-3.
+        atol: the absolute tolerance; default as for `rtol` (gradcheck's 1e-5 at least
+            with finite differences).
         min_cosine: also require this cosine similarity with the reference (set `rtol` and
             `atol` to `float("inf")` to check only the direction).
         allow_nonfinite: accept NaN or infinite gradients.

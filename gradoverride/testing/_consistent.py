@@ -107,7 +107,8 @@ def assert_consistent(
             fraction of a second instead of seconds. Pass `"inductor"` to check the
             generated kernels too.
         samples: the per-sample inputs batched for vmap, each a sequence like `inputs`.
-        rtol, atol: the tolerances; default `torch.testing.assert_close`'s for the dtype.
+        rtol: the relative tolerance; default `torch.testing.assert_close`'s for the dtype.
+        atol: the absolute tolerance; default `torch.testing.assert_close`'s for the dtype.
         seed: the seed of the random upstream gradients.
 
     Returns:

@@ -1,0 +1,49 @@
+"""Every Python block on the docs site and in the README runs as written, on its own, and
+prints what the page shows: each `print(...)` is followed by its output as `#> ` lines (or a
+string block for long output), which pytest-examples compares with what the block printed.
+
+`pytest tests/test_docs.py --update-examples` writes the printed output into the pages
+(check the diff: that is the page changing, not the test passing).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+import pytest
+from pytest_examples import CodeExample, EvalExample, find_examples
+
+ROOT = Path(__file__).resolve().parent.parent
+PAGES = [ROOT / "README.md", ROOT / "docs"]
+EXAMPLES = list(find_examples(*PAGES))
+
+_NO_TENSORFLOW = (
+    importlib.util.find_spec("tensorflow") is None
+    and os.environ.get("GRADOVERRIDE_REQUIRE_TENSORFLOW") != "1"
+)
+_TENSORFLOW_MARKERS = ("import tensorflow", "gradoverride.keras", "import keras")
+
+
+def _id(example: CodeExample) -> str:
+    return f"{example.path.relative_to(ROOT)}:{example.start_line}"
+
+
+def test_the_pages_have_examples() -> None:
+    pages = {example.path.relative_to(ROOT).as_posix() for example in EXAMPLES}
+    assert "README.md" in pages
+    assert len(pages) >= 8, sorted(pages)
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=_id)
+def test_example_runs_and_prints_what_the_page_shows(
+    example: CodeExample, eval_example: EvalExample
+) -> None:
+    if _NO_TENSORFLOW and any(marker in example.source for marker in _TENSORFLOW_MARKERS):
+        pytest.skip("TensorFlow is not installed (pip install 'gradoverride[tensorflow]')")
+    eval_example.set_config(line_length=100)
+    if eval_example.update_examples:
+        eval_example.run_print_update(example)
+    else:
+        eval_example.run_print_check(example)
