@@ -316,10 +316,13 @@ class spsa(Estimator):
         grad_x_i = mean over samples of  s / (2 h_i d_i)
 
     with ``h_i = step * max(1, |x_i|)``. It is unbiased up to O(h^2) and its variance falls
-    as 1/samples; the relative error is about ``sqrt(n / samples)`` for n input elements, so
-    cosine similarity with the true gradient is about 0.89 at ``samples = 5 n`` and passes 0.9
-    with a few more samples. Use it for
-    large inputs where finite differences cost too many calls.
+    as 1/samples. When every ``|x_i| <= 1`` (all steps equal), the relative error is about
+    ``sqrt(n / samples)`` for n input elements: cosine similarity with the true gradient is
+    about 0.9 at ``samples = 4 n``. Larger inputs get larger steps, and the cross terms
+    ``(h_j / h_i) d_j d_i`` then add variance: measured on 1000 elements at 4096 samples, a
+    cosine of 0.90 for inputs in [-1, 1], 0.79 for standard normal inputs, and 0.57 for
+    inputs in [-10, 10] (at 5000 samples). Rescale such inputs to about unit size, or use
+    more samples. Use it for large inputs where finite differences cost too many calls.
 
     Memory: the directions are drawn a chunk at a time (one sample, or `batch_size` samples
     when vectorized) and dropped once that chunk is evaluated, so the estimator needs a few

@@ -36,6 +36,9 @@ def test_the_pages_have_examples() -> None:
     assert len(pages) >= 8, sorted(pages)
 
 
+# torch.compile itself instantiates autograd Functions (a DeprecationWarning inside torch),
+# as the compile tests also allow.
+@pytest.mark.filterwarnings("ignore:.*should not be instantiated:DeprecationWarning")
 @pytest.mark.parametrize("example", EXAMPLES, ids=_id)
 def test_example_runs_and_prints_what_the_page_shows(
     example: CodeExample, eval_example: EvalExample
@@ -43,7 +46,23 @@ def test_example_runs_and_prints_what_the_page_shows(
     if _NO_TENSORFLOW and any(marker in example.source for marker in _TENSORFLOW_MARKERS):
         pytest.skip("TensorFlow is not installed (pip install 'gradoverride[tensorflow]')")
     eval_example.set_config(line_length=100)
-    if eval_example.update_examples:
-        eval_example.run_print_update(example)
-    else:
-        eval_example.run_print_check(example)
+    try:
+        if eval_example.update_examples:
+            eval_example.run_print_update(example)
+        else:
+            eval_example.run_print_check(example)
+    except Exception as error:
+        # pytest-examples re-raises with frames rewritten to the page's lines, which pytest
+        # cannot render on Python 3.11 (an INTERNALERROR that ends the session): say where it
+        # failed from the frames' line numbers alone.
+        raise AssertionError(_where_it_failed(error)) from None
+
+
+def _where_it_failed(error: BaseException) -> str:
+    lines = []
+    tb = error.__traceback__
+    while tb is not None:
+        lines.append(f"  {tb.tb_frame.f_code.co_filename}:{tb.tb_lineno}")
+        tb = tb.tb_next
+    frames = "\n".join(lines)
+    return f"the example raised {type(error).__name__}: {error}\n{frames}"

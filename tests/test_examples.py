@@ -45,6 +45,11 @@ def _check_quickstart(stdout: str) -> None:
     assert plain[0] == 0.0, stdout
     assert override[0] > 0.1, stdout
     assert override[2] < override[1] and override[2] < plain[2], stdout
+    # The getting-started page shows this output: it must be what the script prints.
+    page = (ROOT / "docs" / "getting-started.md").read_text(encoding="utf-8")
+    assert f"```text\n{stdout.strip()}\n```" in page, (
+        f"docs/getting-started.md does not show what examples/quickstart.py prints:\n{stdout}"
+    )
 
 
 def test_there_are_examples() -> None:
