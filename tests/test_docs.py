@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -66,3 +67,53 @@ def _where_it_failed(error: BaseException) -> str:
         tb = tb.tb_next
     frames = "\n".join(lines)
     return f"the example raised {type(error).__name__}: {error}\n{frames}"
+
+
+def _slug(heading: str) -> str:
+    """The anchor MkDocs' toc extension gives a heading (its default slugify)."""
+    text = re.sub(r"[`*]", "", heading).strip().lower()
+    text = re.sub(r"[^\w\s-]", "", text)
+    return re.sub(r"[-\s]+", "-", text)
+
+
+def _anchors(page: Path) -> set[str]:
+    text = re.sub(r"^```.*?^```", "", page.read_text(encoding="utf-8"), flags=re.M | re.S)
+    return {_slug(m.group(1)) for m in re.finditer(r"^#+ (.+)$", text, re.M)}
+
+
+def test_readme_links_reach_files_and_headings() -> None:
+    # The README is read on a forge, outside the docs site: its relative links must work.
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    links = re.findall(r"\]\(([^)#:]+)(?:#([^)]+))?\)", readme)
+    assert len(links) >= 10, links
+    for target, anchor in links:
+        path = ROOT / target
+        assert path.exists(), f"README.md links to {target}, which does not exist"
+        if anchor:
+            assert anchor in _anchors(path), f"README.md links to {target}#{anchor}: no heading"
+
+
+@pytest.mark.parametrize(
+    ("question", "answer"),
+    [
+        ("a module with its own backward", "go.Module"),
+        ("connect two broken graphs", "go.bridge"),
+        ("numpy or a solver in the middle", "go.bridge"),
+        ("a module or model you did not write", "go.override_backward"),
+        ("a module or model you did not write", "go.grad_hook"),
+        ("the gradient of a tensor already computed", "register_hook"),
+        ("the gradient of a tensor already computed", "recipes.reverse_grad()(y)"),
+        ("the same in TensorFlow", "gradoverride.keras"),
+    ],
+)
+def test_readme_table_answers_what_people_ask(question: str, answer: str) -> None:
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    rows = [line for line in readme.splitlines() if line.startswith("|") and question in line]
+    assert rows, f"the README's table has no row for {question!r}"
+    assert any(answer in row for row in rows), f"{question!r} does not point to {answer}"
+
+
+def test_readme_is_a_short_front_door() -> None:
+    lines = (ROOT / "README.md").read_text(encoding="utf-8").splitlines()
+    assert len(lines) < 200, len(lines)
+    assert lines[0] == "# gradoverride"
