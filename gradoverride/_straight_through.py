@@ -514,7 +514,7 @@ def straight_through(
         keep: what a clipped backward keeps: `"input"` (the default, `DEFAULT_KEEP`; no
             extra memory when the input stays alive anyway, as a weight does) or `"mask"`
             (one byte per element, computed in forward; for inputs that would otherwise be
-            freed). Only with `clip`.
+            freed). `"mask"` needs `clip` (without a window there is nothing to mask).
         surrogate: a differentiable function whose derivative shapes the backward: the
             gradient is the vector-Jacobian product of `surrogate` at the input (by
             `torch.func.vjp`, so it composes with `torch.compile` and `torch.func`).

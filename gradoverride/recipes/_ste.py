@@ -230,7 +230,7 @@ class ste_sign(Recipe):
     """Straight-through sign: y = sign(x) with sign(0) = 0 (`torch.sign`); dL/dx = dL/dy.
 
     Three-valued, as brevitas `ternary_sign_ste`. For the two-valued sign of binary networks
-    (0 -> +1) with the hardtanh window, use `binarize`.
+    (0 -> +1) with a clipped window, use `binarize`.
     """
 
     def __call__(self, x: Tensor) -> Tensor:
@@ -293,12 +293,14 @@ def _binary_sign(x: Tensor) -> Tensor:
 
 @dataclass(frozen=True, repr=False)
 class binarize(Recipe):
-    """Binarize to ±1 with the hardtanh-window straight-through gradient.
+    """Binarize to ±1 with a windowed straight-through gradient.
 
     Formula: y = -1 if x < 0 else +1 (0 and NaN -> +1; BinaryConnect's deterministic
     binarization);
-    dL/dx = dL/dy where |x| <= clip, else 0: the gradient of hardtanh, as in Courbariaux et
-    al. (2016) and XNOR-Net (Rastegari et al., 2016; the scaling factor is not applied).
+    dL/dx = dL/dy where |x| <= clip, else 0, both ends included, as in Courbariaux et al.
+    (2016) and XNOR-Net (Rastegari et al., 2016; the scaling factor is not applied). This is
+    hardtanh's gradient inside the window; at exactly ±clip torch's `hardtanh` gives 0 and
+    this recipe passes the gradient.
     `clip=None` passes the gradient everywhere (brevitas `binary_sign_ste`). Example::
 
         w_b = go.recipes.binarize()(weight)
