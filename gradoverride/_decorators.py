@@ -123,6 +123,9 @@ class CustomBackward(Generic[P, R]):
         # in torch ops by gradoverride itself (straight_through's) has a TensorFlow twin here.
         self._tensorflow_call: Callable[[tuple[Any, ...], dict[str, Any]], Any] | None = None
         self._tensorflow_rule: Callable[..., Any] | None = None
+        # How the TensorFlow side names the variables a forward reads, from the values the
+        # rule names (gradoverride.keras.Layer names them relative to the layer).
+        self._tensorflow_variable_names: Callable[[dict[str, Any], Any], str | None] | None = None
 
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
         run = self._run
@@ -280,6 +283,7 @@ class CustomBackward(Generic[P, R]):
                 self._rule,
                 self._residuals,
                 rule=self._tensorflow_rule or self._rule.rule,
+                variable_names=self._tensorflow_variable_names,
             )
         return call(args, kwargs)
 

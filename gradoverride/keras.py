@@ -1,4 +1,15 @@
-"""Keras 3 layers for the main gradient overrides: reversal, spike, quantize.
+"""Keras 3 layers: `Layer`, a base class whose subclass defines `backward` next to `call`
+(its variables included), and ready-made layers for reversal, spike and quantize.
+
+    class LayerWithCustomGrad(gradoverride.keras.Layer):
+        def build(self, input_shape):
+            self.w = self.add_weight(shape=(input_shape[-1],), name="weights")
+
+        def call(self, x):
+            return x * self.w
+
+        def backward(self, grad, *, x):
+            return {"x": grad * self.w, "weights": grad * x}
 
     import keras
     from gradoverride.keras import GradientReversal, Quantize, Spike
@@ -13,7 +24,7 @@
         keras.layers.Dense(1),
     ])
 
-Each layer runs its `gradoverride.recipes` object inside `call`, so forward and gradient are
+The recipe layers run their `gradoverride.recipes` object inside `call`, so forward and gradient are
 the recipe's documented formula, the same as on torch tensors:
 
 * `GradientReversal(scale)`: `reverse_grad(scale)`, identity forward, ``-scale * grad``
@@ -49,6 +60,7 @@ import keras
 import tensorflow as tf
 
 from ._straight_through import Keep
+from ._tensorflow._layer import Layer
 from .recipes import ganin_ramp, quantize, reverse_grad, spike
 
 if keras.backend.backend() != "tensorflow":
@@ -57,7 +69,7 @@ if keras.backend.backend() != "tensorflow":
         f"{keras.backend.backend()!r}. Set KERAS_BACKEND=tensorflow before Keras is imported."
     )
 
-__all__ = ["GradientReversal", "Quantize", "Spike"]
+__all__ = ["GradientReversal", "Layer", "Quantize", "Spike"]
 
 
 class _RecipeLayer(keras.layers.Layer):  # type: ignore[misc]  # Keras is untyped (Any)

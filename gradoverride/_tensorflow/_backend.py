@@ -111,8 +111,12 @@ class TensorFlowCall:
         residuals: tuple[str, ...],
         *,
         rule: Callable[..., Any],
+        variable_names: Callable[[dict[str, Any], Any], str | None] | None = None,
     ) -> None:
         self.op = op
+        # `variable_names(named_values, variable)`: the name a rule gives a variable the
+        # forward reads, or None for the default (its path or TensorFlow name).
+        self.variable_names = variable_names
         self.sig = sig
         self.spec = spec
         self.residuals = residuals
@@ -301,7 +305,7 @@ class TensorFlowCall:
         result = self._call_rule(rule_grads, record.kwargs)
         var_grads: list[Any] = []
         if variables:
-            result, var_grads = self._variable_gradients(result, variables)
+            result, var_grads = self._variable_gradients(result, variables, record.kwargs)
         flat_grads = flat_gradients(
             result,
             op=self.op,
@@ -327,9 +331,15 @@ class TensorFlowCall:
             exc.add_note(self.note)
             raise
 
-    def _variable_gradients(self, result: Any, variables: Any) -> tuple[Any, list[Any]]:
+    def _variable_gradients(
+        self, result: Any, variables: Any, named: dict[str, Any]
+    ) -> tuple[Any, list[Any]]:
         """Split the gradients of variables the forward read from the rule's dict."""
-        names = [_variable_name(v) for v in variables]
+        namer = self.variable_names
+        names = [
+            (namer(named, v) if namer is not None else None) or _variable_name(v)
+            for v in variables
+        ]
         repeated = sorted({n for n in names if names.count(n) > 1})
         if repeated:
             msg = (
@@ -364,10 +374,16 @@ class TensorFlowCall:
                     f" (`{name}` is also a parameter of `{self.op}`, so the variable is "
                     f"'{address}' here)" if address != name else ""
                 )
+                strays = [k for k in given if not any(k in ks for ks in keys)]
+                instead = (
+                    f" (it returned `{strays[0]}`, which names no variable the forward reads)"
+                    if strays else ""
+                )
                 msg = (
                     f"backward of `{self.op}` returned a dict without `{name}`, a variable "
-                    f"its forward reads{clash}; add {{'{address}': gradient}} (or None for no "
-                    "gradient), or pass `owns=` so the variable keeps its TensorFlow gradient."
+                    f"its forward reads{clash}{instead}; add {{'{address}': gradient}} (or None "
+                    "for no gradient), or pass `owns=` so the variable keeps its TensorFlow "
+                    "gradient."
                 )
                 raise GradOverrideError(msg)
             used.add(key)
