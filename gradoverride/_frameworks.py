@@ -14,7 +14,13 @@ from typing import Any
 
 from torch.compiler import is_dynamo_compiling
 
-__all__ = ["any_tensorflow", "is_tensorflow"]
+__all__ = ["any_tensorflow", "is_keras_layer", "is_tensorflow"]
+
+
+def is_keras_layer(value: object) -> bool:
+    """Whether `value` is a Keras 3 layer (a model included); imports nothing."""
+    keras: Any = sys.modules.get("keras")
+    return keras is not None and isinstance(value, keras.layers.Layer)
 
 
 def is_tensorflow(value: object) -> bool:

@@ -28,6 +28,7 @@ from torch.utils import _pytree as pytree
 from torch.utils.hooks import RemovableHandle
 
 from ._errors import GradOverrideError, GradOverrideTypeError
+from ._frameworks import is_keras_layer
 from ._internals import is_tracing, transforms_active
 from ._jit import RefuseScripting, jit_message
 from ._passthrough import related, shows_input
@@ -197,6 +198,10 @@ def grad_hook(
         A `HookHandle`; `.remove()` takes the transform away.
     """
     if not isinstance(module, nn.Module):
+        if is_keras_layer(module):
+            from ._tensorflow._keras_modules import hook_layer
+
+            return hook_layer(module, fn, at)  # the Keras layer's handle (LayerHandle)
         msg = (
             f"grad_hook needs an nn.Module instance, got {type(module).__name__} {module!r}; "
             "for a tensor, use `tensor.register_hook(fn)`."

@@ -16,6 +16,7 @@ from typing import Any
 from torch import nn
 
 from ._errors import GradOverrideError, GradOverrideTypeError
+from ._frameworks import is_keras_layer
 from ._jit import RefuseScripting
 from ._module import Module, _ModuleRule, _parameter_names
 from ._signature import describe
@@ -197,6 +198,13 @@ def override_backward(
     devices are checked as for `custom_backward`.
     """
     if not isinstance(module, nn.Module):
+        if is_keras_layer(module):
+            from ._tensorflow._keras_modules import override_layer
+
+            return override_layer(  # the Keras layer's handle (LayerHandle)
+                module, rule, owns=owns, once_differentiable=once_differentiable,
+                materialize_grads=materialize_grads,
+            )
         msg = (
             f"override_backward needs an nn.Module instance, got {type(module).__name__} "
             f"{module!r}; for a function, use `go.custom_backward(fn, backward=rule)`."
