@@ -32,7 +32,7 @@ from typing_extensions import ParamSpec
 
 from ._decorators import CustomBackward, custom_backward
 from ._errors import GradOverrideError, GradOverrideTypeError
-from ._frameworks import any_tensorflow, is_tensorflow
+from ._frameworks import any_tensorflow, autograph_artifact, is_tensorflow
 from ._internals import is_batched as _is_batched
 from ._internals import is_transformed, transforms_active
 from ._signature import describe
@@ -1006,6 +1006,7 @@ def bridge(
 ) -> Callable[[Callable[P, Any]], Bridge[P]]: ...
 
 
+@autograph_artifact
 def bridge(
     fn: Callable[..., Any] | None = None,
     /,
@@ -1083,5 +1084,5 @@ def bridge(
         return Bridge(f, backward, check_finite=check_finite)
 
     if fn is None:
-        return make
+        return autograph_artifact(make)
     return make(fn)

@@ -13,7 +13,7 @@ from torch.compiler import is_dynamo_compiling
 from typing_extensions import ParamSpec
 
 from ._errors import GradOverrideError, GradOverrideTypeError
-from ._frameworks import any_tensorflow
+from ._frameworks import any_tensorflow, autograph_artifact
 from ._function import build_call
 from ._internals import transforms_active
 from ._jit import refuse_scripting
@@ -222,7 +222,7 @@ class CustomBackward(Generic[P, R]):
             def register(fn: Rule) -> Rule:
                 return self._register(fn, options)
 
-            return register
+            return autograph_artifact(register)
         return self._register(rule, options)
 
     def _register(self, rule: Rule, options: dict[str, Any]) -> Rule:
@@ -284,6 +284,10 @@ class CustomBackward(Generic[P, R]):
                 self._residuals,
                 rule=self._tensorflow_rule or self._rule.rule,
                 variable_names=self._tensorflow_variable_names,
+                # A rule gradoverride wrote (straight_through's) gives the first argument its
+                # gradient and nothing else: variables the forward reads (or writes, as
+                # `x.assign` does) get none, as `tf.grad_pass_through` gives them.
+                variables_get_none=self._tensorflow_rule is not None,
             )
         return call(args, kwargs)
 
@@ -451,6 +455,7 @@ def custom_backward(
 ) -> Callable[[Callable[P, R]], CustomBackward[P, R]]: ...
 
 
+@autograph_artifact
 def custom_backward(
     fn: Callable[..., Any] | None = None,
     /,
@@ -547,7 +552,7 @@ def custom_backward(
         return op
 
     if fn is None:
-        return decorate
+        return autograph_artifact(decorate)
     return decorate(fn)
 
 

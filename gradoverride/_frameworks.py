@@ -9,12 +9,28 @@ time one of its tensors reaches a gradoverride function.
 from __future__ import annotations
 
 import sys
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 from torch.compiler import is_dynamo_compiling
 
-__all__ = ["any_tensorflow", "is_keras_layer", "is_tensorflow"]
+__all__ = ["any_tensorflow", "autograph_artifact", "is_keras_layer", "is_tensorflow"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def autograph_artifact(fn: F) -> F:
+    """Mark `fn` as AutoGraph's own, so that a `tf.function` calling it (to make an op inside
+    the traced function, say) runs it as plain Python instead of converting it, which fails
+    on gradoverride's code and logs a warning asking users to report it to TensorFlow. On a
+    class, every method is marked (AutoGraph looks at the bound method's function)."""
+    mark = frozenset(("autograph_artifact",))
+    if isinstance(fn, type):
+        for value in vars(fn).values():
+            if callable(value) and not isinstance(value, type):
+                value.autograph_info__ = mark
+    fn.autograph_info__ = mark  # type: ignore[attr-defined]
+    return fn
 
 
 def is_keras_layer(value: object) -> bool:

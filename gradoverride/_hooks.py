@@ -28,7 +28,7 @@ from torch.utils import _pytree as pytree
 from torch.utils.hooks import RemovableHandle
 
 from ._errors import GradOverrideError, GradOverrideTypeError
-from ._frameworks import is_keras_layer
+from ._frameworks import autograph_artifact, is_keras_layer
 from ._internals import is_tracing, transforms_active
 from ._jit import RefuseScripting, jit_message
 from ._passthrough import related, shows_input
@@ -170,6 +170,7 @@ def _tensors(tree: Any) -> tuple[Tensor, ...]:
     return tuple(t for t in pytree.tree_leaves(tree) if isinstance(t, Tensor))
 
 
+@autograph_artifact
 def grad_hook(
     module: nn.Module,
     fn: Callable[[Tensor], Tensor | None] | GradientTransform,

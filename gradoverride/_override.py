@@ -16,7 +16,7 @@ from typing import Any
 from torch import nn
 
 from ._errors import GradOverrideError, GradOverrideTypeError
-from ._frameworks import is_keras_layer
+from ._frameworks import autograph_artifact, is_keras_layer
 from ._jit import RefuseScripting
 from ._module import Module, _ModuleRule, _parameter_names
 from ._signature import describe
@@ -143,6 +143,7 @@ class OverrideHandle:
         return f"<OverrideHandle on {type(self._module).__name__} ({state})>"
 
 
+@autograph_artifact
 def override_backward(
     module: nn.Module,
     rule: Callable[..., Any],

@@ -34,6 +34,7 @@ from typing_extensions import ParamSpec
 
 from ._decorators import CustomBackward, custom_backward
 from ._errors import GradOverrideError, GradOverrideTypeError
+from ._frameworks import autograph_artifact
 
 __all__ = [
     "DEFAULT_KEEP",
@@ -475,6 +476,7 @@ def straight_through(
 ) -> Callable[[Callable[P, R]], CustomBackward[P, R]]: ...
 
 
+@autograph_artifact
 def straight_through(
     fn: Callable[..., Any] | None = None,
     /,
@@ -537,5 +539,5 @@ def straight_through(
         return op
 
     if fn is None:
-        return decorate
+        return autograph_artifact(decorate)
     return decorate(fn)

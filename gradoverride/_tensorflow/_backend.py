@@ -41,7 +41,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from .._errors import GradOverrideError, GradOverrideTypeError
-from .._frameworks import is_tensorflow
+from .._frameworks import autograph_artifact, is_tensorflow
 from .._function import (
     check_output_count,
     flatten_inputs,
@@ -100,6 +100,7 @@ class _Record(NamedTuple):
     out_meta: list[_Meta]
 
 
+@autograph_artifact
 class TensorFlowCall:
     """One op's calls with TensorFlow tensors. Built once per op, on its first such call."""
 
@@ -112,11 +113,13 @@ class TensorFlowCall:
         *,
         rule: Callable[..., Any],
         variable_names: Callable[[dict[str, Any], Any], str | None] | None = None,
+        variables_get_none: bool = False,
     ) -> None:
         self.op = op
         # `variable_names(named_values, variable)`: the name a rule gives a variable the
         # forward reads, or None for the default (its path or TensorFlow name).
         self.variable_names = variable_names
+        self.variables_get_none = variables_get_none
         self.sig = sig
         self.spec = spec
         self.residuals = residuals
@@ -161,6 +164,7 @@ class TensorFlowCall:
         """The forward runs inside `tf.custom_gradient`; the rule gives every gradient."""
         made: dict[str, Any] = {}
 
+        @autograph_artifact  # run as Python, not converted by AutoGraph
         def forward(*tensors: Any) -> Any:
             inputs = list(flat)
             for i, tensor in zip(slots, tensors, strict=True):
@@ -171,6 +175,7 @@ class TensorFlowCall:
             record = self._record(inputs, layout, slots, output, spec, leaves, picked, residuals)
             made["record"] = record
 
+            @autograph_artifact  # run as Python, not converted by AutoGraph
             def gradient(*upstream: Any, variables: Any = None) -> Any:
                 grads, var_grads = self._gradients(upstream, record, variables)
                 if variables:
@@ -209,7 +214,9 @@ class TensorFlowCall:
         record = self._record(list(flat), layout, slots, output, spec, leaves, picked, residuals)
         n_owned = len(slots)
 
+        @autograph_artifact  # run as Python, not converted by AutoGraph
         def attach(*tensors: Any) -> Any:
+            @autograph_artifact  # run as Python, not converted by AutoGraph
             def gradient(*upstream: Any, variables: Any = None) -> Any:
                 grads, _ = self._gradients(upstream, record, None)
                 passed = [_dense(g) for g in upstream]
@@ -304,7 +311,9 @@ class TensorFlowCall:
 
         result = self._call_rule(rule_grads, record.kwargs)
         var_grads: list[Any] = []
-        if variables:
+        if variables and self.variables_get_none:
+            var_grads = [None] * len(variables)
+        elif variables:
             result, var_grads = self._variable_gradients(result, variables, record.kwargs)
         flat_grads = flat_gradients(
             result,

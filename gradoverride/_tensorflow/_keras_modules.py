@@ -28,6 +28,7 @@ import tensorflow as tf
 
 from .._decorators import CustomBackward, custom_backward
 from .._errors import GradOverrideError, GradOverrideTypeError
+from .._frameworks import autograph_artifact
 from ._layer import Layer, _relative_names
 
 _KEYWORD_ONLY = inspect.Parameter.KEYWORD_ONLY
@@ -35,6 +36,7 @@ _POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_O
 _PLACES = ("inputs", "outputs", "variables")
 
 
+@autograph_artifact
 class _CallWrapper:
     """A layer instance's `call`, running `previous` (the call it replaced)."""
 
@@ -119,6 +121,7 @@ class LayerHandle:
 # ---- override_backward -------------------------------------------------------------------
 
 
+@autograph_artifact
 class _OverriddenCall(_CallWrapper):
     def __init__(self, layer: Any, op: CustomBackward[..., Any]) -> None:
         super().__init__(layer, "override_backward")
@@ -159,6 +162,7 @@ def override_layer(
     where = f"the override of {name}"
     wrapper_box: list[_OverriddenCall] = []
 
+    @autograph_artifact
     def forward(*args: Any, **kwargs: Any) -> Any:
         # The op's first argument is the layer; the call it replaced is already bound.
         return wrapper_box[0].previous(*args[1:], **kwargs)
@@ -209,6 +213,7 @@ def _layer_rule(where: str, rule: Callable[..., Any], layer_param: str) -> Calla
         raise GradOverrideTypeError(msg)
     wants_layer = any(p.name == "layer" and p.kind is _KEYWORD_ONLY for p in params)
 
+    @autograph_artifact
     def wrapped(*grads: Any, **named: Any) -> Any:
         layer = named.pop(layer_param)
         if wants_layer:
@@ -228,6 +233,7 @@ def _layer_rule(where: str, rule: Callable[..., Any], layer_param: str) -> Calla
 # ---- grad_hook ---------------------------------------------------------------------------
 
 
+@autograph_artifact
 class _HookedCall(_CallWrapper):
     def __init__(self, layer: Any, at: str, transform: Callable[[Any], Any]) -> None:
         super().__init__(layer, f"grad_hook {at}")
@@ -249,6 +255,7 @@ class _HookedCall(_CallWrapper):
         structure: list[Any] = []
 
         @tf.custom_gradient  # type: ignore[untyped-decorator]
+        @autograph_artifact
         def run(*tensors: Any) -> Any:
             it = iter(tensors)
             flat = [next(it) if _is_float_tensor(v) else v for v in tf.nest.flatten((args, kwargs))]
@@ -259,6 +266,7 @@ class _HookedCall(_CallWrapper):
             outputs = tf.nest.flatten(output)
             structure.append(output)
 
+            @autograph_artifact
             def gradient(*upstream: Any, variables: Any = None) -> Any:
                 variables = list(variables or [])
                 grads = tape.gradient(

@@ -20,6 +20,7 @@ import keras
 
 from .._decorators import CustomBackward, custom_backward
 from .._errors import GradOverrideTypeError
+from .._frameworks import autograph_artifact
 from .._module import _close_names
 
 _KEYWORD_ONLY = inspect.Parameter.KEYWORD_ONLY
@@ -113,6 +114,7 @@ class Layer(keras.layers.Layer):  # type: ignore[misc]  # Keras is untyped (Any)
         cls._gradoverride_op = op
         cls._gradoverride_call = call
 
+        @autograph_artifact
         def call_with_rule(self: Layer, *args: Any, **kwargs: Any) -> Any:
             return op(self, *args, **kwargs)
 
@@ -156,6 +158,7 @@ def _rule_calling(
         )
         raise GradOverrideTypeError(msg)
 
+    @autograph_artifact
     def rule(*grads: Any, **named: Any) -> Any:
         layer = named.pop(layer_param)
         return backward(layer, *grads, **named)
