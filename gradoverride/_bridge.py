@@ -11,8 +11,9 @@ By nature the call leaves PyTorch's graph: under `torch.compile` a bridge call i
 break (it runs eagerly between compiled pieces), and under `fullgraph=True` compiling fails
 with an error that names the bridge and says so. For the same reason a bridge cannot run on
 the wrapped tensors of a `torch.func` transform (vmap's batched tensors at the call, grad's
-and jacrev's in the backward), nor on TensorFlow tensors: each is a `GradOverrideError`
-that names the bridged function and says what works instead.
+and jacrev's in the backward): each is a `GradOverrideError` that names the bridged function
+and says what works instead. On TensorFlow tensors the same bridge runs through
+`tf.numpy_function` (`gradoverride/_tensorflow/_bridge.py`).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from typing_extensions import ParamSpec
 
 from ._decorators import CustomBackward, custom_backward
 from ._errors import GradOverrideError, GradOverrideTypeError
-from ._frameworks import any_tensorflow, autograph_artifact, is_tensorflow
+from ._frameworks import any_tensorflow, autograph_artifact
 from ._internals import is_batched as _is_batched
 from ._internals import is_transformed, transforms_active
 from ._signature import describe
@@ -633,8 +634,10 @@ class _Problem:
 # ---- the bridge -------------------------------------------------------------------------------
 
 
-def _rebuild_bridge(fn: Callable[..., Any], backward: Any, check_finite: bool) -> Bridge[...]:
-    return Bridge(fn, backward, check_finite=check_finite)
+def _rebuild_bridge(
+    fn: Callable[..., Any], backward: Any, check_finite: bool, outputs: Any = None
+) -> Bridge[...]:
+    return Bridge(fn, backward, check_finite=check_finite, outputs=outputs)
 
 
 def _read_signature(fn: Callable[..., Any]) -> inspect.Signature:
@@ -667,7 +670,7 @@ class Bridge(Generic[P]):
     __wrapped__: Callable[P, Any]
 
     # Marked as TensorFlow AutoGraph's own (as `CustomBackward` is), so that a `tf.function`
-    # calls it as plain Python: the refusal of TensorFlow tensors then reaches the caller as
+    # calls it as plain Python: its errors then reach the caller as
     # itself, not wrapped in AutoGraph's StagingError.
     autograph_info__ = frozenset(("autograph_artifact",))
 
@@ -677,6 +680,7 @@ class Bridge(Generic[P]):
         backward: Callable[..., Any] | Estimator | str,
         *,
         check_finite: bool = True,
+        outputs: Any = None,
     ) -> None:
         if np is None:  # pragma: no cover - numpy is installed wherever the tests run
             msg = "go.bridge passes numpy arrays to the function it bridges; install numpy."
@@ -693,6 +697,7 @@ class Bridge(Generic[P]):
         self._signature = _read_signature(fn)
         self._parameters = tuple(self._signature.parameters)
         self.check_finite = check_finite
+        self.outputs = outputs
         if isinstance(backward, str):
             if backward not in ESTIMATORS:
                 msg = (
@@ -727,7 +732,9 @@ class Bridge(Generic[P]):
             if transforms_active():
                 self._refuse_batched(args, kwargs)
             if any_tensorflow(args, kwargs):
-                self._refuse_tensorflow(args, kwargs)
+                from ._tensorflow._bridge import call
+
+                return call(self, args, kwargs, self.outputs)
             return op(*args, **kwargs)
 
         run.__name__ = run.__qualname__ = f"bridge({self._name})"
@@ -744,7 +751,7 @@ class Bridge(Generic[P]):
         require_importable(self._fn, f"`bridge({self._name})`", "the bridged function")
         if not isinstance(self.backward, Estimator):
             require_importable(self.backward, f"`bridge({self._name})`", "its backward rule")
-        return (_rebuild_bridge, (self._fn, self.backward, self.check_finite))
+        return (_rebuild_bridge, (self._fn, self.backward, self.check_finite, self.outputs))
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Bridge[P]:
         return self  # shared, as a function is: a bridge holds no per-copy state
@@ -960,21 +967,6 @@ class Bridge(Generic[P]):
         )
         raise GradOverrideError(msg)
 
-    def _refuse_tensorflow(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """A GradOverrideTypeError: a bridge takes torch tensors only, for now."""
-        where = _naming(
-            _holding(_bind(self._signature, args, kwargs), is_tensorflow),
-            "its argument {names} is", "its arguments {names} are", "an argument is",
-        )
-        msg = (
-            f"`{self._name}` is a go.bridge, which takes torch tensors, and {where} "
-            "TensorFlow's; go.bridge has no TensorFlow support yet (it would hand torch "
-            "tensors to TensorFlow). Pass torch tensors, or on TensorFlow call the numpy "
-            "function through tf.numpy_function inside a go.custom_backward op, whose rule "
-            "gives the gradient."
-        )
-        raise GradOverrideTypeError(msg)
-
     # -- calling ------------------------------------------------------------------------------
 
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> Any:
@@ -993,6 +985,7 @@ def bridge(
     *,
     backward: Callable[..., Any] | Estimator | str,
     check_finite: bool = ...,
+    outputs: Any = ...,
 ) -> Bridge[P]: ...
 
 
@@ -1003,6 +996,7 @@ def bridge(
     *,
     backward: Callable[..., Any] | Estimator | str,
     check_finite: bool = ...,
+    outputs: Any = ...,
 ) -> Callable[[Callable[P, Any]], Bridge[P]]: ...
 
 
@@ -1013,6 +1007,7 @@ def bridge(
     *,
     backward: Callable[..., Any] | Estimator | str,
     check_finite: bool = True,
+    outputs: Any = None,
 ) -> Any:
     """Run a function outside PyTorch (numpy, scipy, a simulator) in a differentiable graph.
 
@@ -1066,22 +1061,29 @@ def bridge(
     transform. Tensors the transform does not track (a closure's, a detached one) are
     fine. To transform the computation itself, write it in torch ops.
 
-    TensorFlow: `bridge` takes torch tensors only for now; TensorFlow tensors are a
-    `GradOverrideTypeError`. On TensorFlow, call the numpy function through
-    `tf.numpy_function` inside a `go.custom_backward` op and give its gradient in the rule.
+    TensorFlow: the same bridge takes TensorFlow tensors, eagerly and inside a
+    `tf.function` (through `tf.numpy_function`; give `outputs=` there when `fn` returns
+    something other than one array of the inputs' dtype), with the same rule or estimator.
+    The backward calls `fn` once more on the same inputs (TensorFlow keeps no Python state
+    between forward and backward). Under XLA (`jit_compile=True`) a bridge is a
+    `GradOverrideError`: XLA cannot compile a call into Python.
 
     Args:
         fn: the function, called on numpy arrays.
         backward: a rule, an estimator name, or an estimator object.
         check_finite: raise `GradOverrideError` on non-finite outputs and gradients
             (default True).
+        outputs: on TensorFlow tensors inside a `tf.function`, what `fn` returns: a
+            `tf.TensorSpec`, a dtype, or a tuple of them, one per output (the function is
+            traced before `fn` runs). Default: one output in the floating arguments'
+            promoted dtype. Not needed eagerly, nor on torch tensors.
 
     Returns:
         A `Bridge`, callable like `fn` on tensors; usable as a decorator with options.
     """
 
     def make(f: Callable[P, Any]) -> Bridge[P]:
-        return Bridge(f, backward, check_finite=check_finite)
+        return Bridge(f, backward, check_finite=check_finite, outputs=outputs)
 
     if fn is None:
         return autograph_artifact(make)
