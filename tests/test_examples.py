@@ -168,6 +168,9 @@ def test_tensorflow_benchmark_quick() -> None:
     out = _run("benchmarks/tf_overhead.py", "--quick").stdout
     ratios = re.findall(r"^\s*go\.custom_backward\s+[0-9.]+ us\s+ratio [0-9.]+$", out, re.M)
     assert len(ratios) == 4, out  # two shapes, eager and tf.function
+    out = _run("benchmarks/keras_layers.py", "--quick").stdout
+    ratios = re.findall(r"^\s*gradoverride\s+[0-9.]+ us\s+ratio [0-9.]+$", out, re.M)
+    assert len(ratios) == 6, out  # three layers, eager and tf.function
 
 
 def test_import_cost_benchmark_quick() -> None:
