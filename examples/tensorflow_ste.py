@@ -24,7 +24,10 @@ try:
     import keras
     import tensorflow as tf
 except ImportError:
-    sys.exit('tensorflow_ste needs TensorFlow and Keras 3: pip install -e ".[tensorflow]"')
+    sys.exit(
+        "tensorflow_ste needs TensorFlow and Keras 3: pip install 'gradoverride[tensorflow]' "
+        "(from a clone: pip install -e '.[tensorflow]')"
+    )
 import numpy as np
 
 import gradoverride as go

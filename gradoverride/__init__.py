@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from ._bridge import Bridge, bridge, finite_differences, spsa
     from ._hooks import HookHandle, grad_hook
 
-__version__ = "0.1.0"
+__version__ = "0.2.0.dev0"
 
 # Loaded on first use (`import gradoverride` has a budget of 50 ms on top of `import torch`,
 # and must import neither TensorFlow nor torch._dynamo): `go.bridge` and its estimators,
@@ -56,7 +56,7 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted({*globals(), *_LAZY, *_SUBPACKAGES})
+    return sorted({*__all__, *_SUBPACKAGES})
 
 __all__ = [
     "RESERVED_NAMES",

@@ -950,8 +950,8 @@ class _OnceDifferentiableGuard(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: Any) -> Any:
         msg = (
-            f"backward of `{ctx.op}` is once-differentiable (once_differentiable=True) and "
-            "cannot be differentiated again; write the rule in differentiable torch ops and "
-            "drop the option to get higher-order gradients."
+            f"backward of `{ctx.op}` runs without recording a graph (once_differentiable=True; "
+            "a go.bridge always is) and cannot be differentiated again; for higher-order "
+            "gradients, write the rule in differentiable ops without once_differentiable."
         )
         raise GradOverrideError(msg)

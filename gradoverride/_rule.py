@@ -28,8 +28,9 @@ _POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_O
 RESERVED_NAMES: Mapping[str, str] = {
     "output": "the forward's result, with the structure the forward returned",
     "needs_grad": (
-        "a dict from each owned input's name to whether its gradient is needed in this "
-        "backward; a rule may return None for an input whose entry is False"
+        "a dict from each forward parameter's name to whether this backward needs its "
+        "gradient (always False for a parameter the rule does not own); a rule may return "
+        "None for a parameter whose entry is False"
     ),
 }
 

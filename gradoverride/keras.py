@@ -56,10 +56,17 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import keras
-import tensorflow as tf
+try:
+    import keras
+    import tensorflow as tf
+except ImportError as error:
+    raise ImportError(
+        "gradoverride.keras needs TensorFlow and Keras 3: pip install 'gradoverride[tensorflow]' "
+        "(from a clone: pip install -e '.[tensorflow]')."
+    ) from error
 
 from ._straight_through import Keep
+from ._tensorflow._keras_modules import LayerHandle
 from ._tensorflow._layer import Layer
 from .recipes import ganin_ramp, quantize, reverse_grad, spike
 
@@ -69,7 +76,7 @@ if keras.backend.backend() != "tensorflow":
         f"{keras.backend.backend()!r}. Set KERAS_BACKEND=tensorflow before Keras is imported."
     )
 
-__all__ = ["GradientReversal", "Layer", "Quantize", "Spike"]
+__all__ = ["GradientReversal", "Layer", "LayerHandle", "Quantize", "Spike"]
 
 
 class _RecipeLayer(keras.layers.Layer):  # type: ignore[misc]  # Keras is untyped (Any)

@@ -117,3 +117,48 @@ def test_readme_is_a_short_front_door() -> None:
     lines = (ROOT / "README.md").read_text(encoding="utf-8").splitlines()
     assert len(lines) < 200, len(lines)
     assert lines[0] == "# gradoverride"
+
+
+def test_every_output_line_follows_a_print() -> None:
+    # pytest-examples compares only the `#>` lines right after a print: a `#>` line after
+    # any other statement would be shown on the page and never checked.
+    for example in EXAMPLES:
+        open_parens = 0
+        last_code = ""
+        for number, line in enumerate(example.source.splitlines(), start=example.start_line):
+            stripped = line.strip()
+            if stripped.startswith("#>"):
+                assert "print(" in last_code and open_parens == 0, (
+                    f"{_id(example)}: the `#>` line {number} does not follow a print"
+                )
+                continue
+            if not stripped or stripped.startswith("#"):
+                continue
+            if open_parens == 0:
+                last_code = stripped
+            else:
+                last_code += " " + stripped
+            open_parens += line.count("(") - line.count(")")
+
+
+def _api_names(page: str) -> set[str]:
+    text = (ROOT / "docs" / "api" / page).read_text(encoding="utf-8")
+    return set(re.findall(r"^::: ([\w.]+)$", text, re.M))
+
+
+@pytest.mark.parametrize(
+    ("module_name", "page"),
+    [("gradoverride", "core.md"), ("gradoverride.recipes", "recipes.md"),
+     ("gradoverride.testing", "testing.md"), ("gradoverride.keras", "keras.md")],
+)
+def test_the_api_reference_has_every_public_name(module_name: str, page: str) -> None:
+    import importlib
+
+    if module_name == "gradoverride.keras" and _NO_TENSORFLOW:
+        pytest.skip("TensorFlow is not installed (pip install 'gradoverride[tensorflow]')")
+    module = importlib.import_module(module_name)
+    public = {n for n in module.__all__ if not n.startswith("__")}
+    documented = {name.rsplit(".", 1)[-1] for name in _api_names(page)
+                  if name.startswith(module_name + ".")}
+    missing = sorted(public - documented)
+    assert not missing, f"docs/api/{page} lacks {missing}: add `::: {module_name}.<name>`"

@@ -32,7 +32,7 @@ def _run(*args: str) -> subprocess.CompletedProcess[str]:
     return result
 
 
-def _check_quickstart(stdout: str) -> None:
+def _check_quickstart(stdout: str, stderr: str = "") -> None:
     # The plain round gives the first layer no gradient at all; the override gives it one,
     # and the network then fits better than with the last layer alone learning.
     rows = {}
@@ -41,6 +41,7 @@ def _check_quickstart(stdout: str) -> None:
                           stdout, re.M)
         assert match, f"no row for {name!r} in:\n{stdout}"
         rows[name] = [float(v) for v in match.groups()]
+    assert stderr == "", f"the quickstart printed to stderr (a warning?):\n{stderr}"
     plain, override = rows["plain torch.round"], rows["go.custom_backward"]
     assert plain[0] == 0.0, stdout
     assert override[0] > 0.1, stdout
@@ -69,7 +70,7 @@ def test_example_runs(script: Path, tmp_path: Path) -> None:
         pytest.skip("TensorFlow is not installed (pip install 'gradoverride[tensorflow]')")
     result = _run(str(script.relative_to(ROOT)), *args)
     if script.name == "quickstart.py":
-        _check_quickstart(result.stdout)
+        _check_quickstart(result.stdout, result.stderr)
     elif script.name == "tensorflow_ste.py":
         match = re.search(r"loss fell from ([-+0-9.eE]+) to ([-+0-9.eE]+)", result.stdout)
         assert match, f"no 'loss fell from A to B' line in:\n{result.stdout}"
@@ -196,5 +197,5 @@ def test_tensorflow_example_without_tensorflow_says_what_to_install(tmp_path: Pa
         text=True, timeout=TIMEOUT_S, check=False,
     )
     assert result.returncode == 1, result.stderr[-2000:]
-    assert 'pip install -e ".[tensorflow]"' in result.stderr, result.stderr[-2000:]
+    assert "pip install -e '.[tensorflow]'" in result.stderr, result.stderr[-2000:]
     assert "Traceback" not in result.stderr

@@ -168,3 +168,17 @@ def test_subpackages_are_attributes_loaded_on_first_use() -> None:
     if HAS_TENSORFLOW:
         assert seen["keras"] == "gradoverride.keras"
     assert seen["misspelled"] == "module 'gradoverride' has no attribute 'recipe'"
+
+
+def test_gradoverride_keras_without_tensorflow_says_what_to_install(tmp_path: Path) -> None:
+    # A `tensorflow` package that fails to import stands in for a machine without TensorFlow.
+    (tmp_path / "tensorflow").mkdir()
+    (tmp_path / "tensorflow" / "__init__.py").write_text("raise ImportError('no tensorflow')")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])}
+    result = subprocess.run(
+        [sys.executable, "-c", "import gradoverride.keras"], cwd=ROOT, env=env,
+        capture_output=True, text=True, timeout=TIMEOUT_S, check=False,
+    )
+    assert result.returncode == 1
+    assert ("ImportError: gradoverride.keras needs TensorFlow and Keras 3: pip install "
+            "'gradoverride[tensorflow]'") in result.stderr, result.stderr[-2000:]

@@ -607,7 +607,7 @@ def test_once_differentiable_raises_on_a_second_derivative(mode: str) -> None:
             first = inner.gradient(y, x)
         return first, outer.gradient(first, x)
 
-    with pytest.raises(go.GradOverrideError, match="once-differentiable"):
+    with pytest.raises(go.GradOverrideError, match="runs without recording a graph"):
         in_mode(step, mode)(tf.constant([1.0, 2.0]))
 
     # A first derivative alone is fine.

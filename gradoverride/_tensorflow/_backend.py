@@ -511,9 +511,9 @@ def _once_differentiable(op: str, grad: Any) -> Any:
     def guard(value: Any) -> Any:
         def second(_: Any) -> Any:
             msg = (
-                f"backward of `{op}` is once-differentiable (once_differentiable=True) and "
-                "cannot be differentiated again; write the rule in differentiable "
-                "TensorFlow ops and drop the option to get higher-order gradients."
+                f"backward of `{op}` runs without recording a graph (once_differentiable=True; "
+                "a go.bridge always is) and cannot be differentiated again; for higher-order "
+                "gradients, write the rule in differentiable ops without once_differentiable."
             )
             raise GradOverrideError(msg)
 

@@ -4,8 +4,8 @@
 it builds the type of the wrapped function instead (TensorFlow's
 `trace_type_builder.from_value`). Inside the traced function the argument is then the
 wrapped, undecorated forward, so `def step(x, f=op)` would run `op`'s forward with its true
-gradient and without any error. A decorated op keeps `__wrapped__` (the design contract asks
-for it), and declares this trace type instead: the op itself, compared by identity.
+gradient and without any error. A decorated op keeps `__wrapped__` (as `functools.wraps`
+gives it), and declares this trace type instead: the op itself, compared by identity.
 """
 
 from __future__ import annotations

@@ -22,9 +22,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import hypothesis.extra.numpy as hnp
+try:
+    import hypothesis.extra.numpy as hnp
+    from hypothesis import strategies as st
+except ImportError as error:  # pragma: no cover - the test extra installs it
+    raise ImportError(
+        "gradoverride.testing.strategies needs Hypothesis: pip install hypothesis "
+        "(or the test extra, pip install 'gradoverride[test]')."
+    ) from error
 import torch
-from hypothesis import strategies as st
 
 __all__ = [
     "FLOAT_DTYPES",
