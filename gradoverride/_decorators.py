@@ -469,16 +469,24 @@ def custom_backward(
 ) -> Any:
     """Give a forward function a backward rule you write.
 
-    Example::
+    ```python
+    import torch
+    import gradoverride as go
 
-        @go.custom_backward
-        def quantize(x, bits=8):
-            s = 2 ** bits
-            return torch.round(x * s) / s
+    @go.custom_backward
+    def quantize(x, bits=8):
+        s = 2**bits
+        return torch.round(x * s) / s
 
-        @quantize.backward
-        def _(grad, *, x):                 # keyword-only names choose what is kept
-            return grad * (x.abs() <= 1)   # gradient for `x`; `bits` gets none
+    @quantize.backward
+    def _(grad, *, x):  # keyword-only names choose what is kept
+        return grad * (x.abs() <= 1)  # gradient for `x`; `bits` gets none
+
+    x = torch.tensor([0.3, 1.5], requires_grad=True)
+    quantize(x, bits=2).sum().backward()
+    print(x.grad)
+    #> tensor([1., 0.])
+    ```
 
     Works bare, with options (`@go.custom_backward(owns="x")`), over a `@staticmethod` or
     `@classmethod` (binding as those do), and as a call on an existing function

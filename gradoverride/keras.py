@@ -1,28 +1,35 @@
 """Keras 3 layers: `Layer`, a base class whose subclass defines `backward` next to `call`
 (its variables included), and ready-made layers for reversal, spike and quantize.
 
-    class LayerWithCustomGrad(gradoverride.keras.Layer):
-        def build(self, input_shape):
-            self.w = self.add_weight(shape=(input_shape[-1],), name="weights")
+```python
+import keras
+import numpy as np
+from gradoverride.keras import GradientReversal, Layer, Quantize, Spike
 
-        def call(self, x):
-            return x * self.w
+class LayerWithCustomGrad(Layer):
+    def build(self, input_shape):
+        self.w = self.add_weight(shape=(input_shape[-1],), initializer="ones", name="weights")
 
-        def backward(self, grad, *, x):
-            return {"x": grad * self.w, "weights": grad * x}
+    def call(self, x):
+        return x * self.w
 
-    import keras
-    from gradoverride.keras import GradientReversal, Quantize, Spike
+    def backward(self, grad, *, x):
+        return {"x": grad * self.w, "weights": grad * x}
 
-    model = keras.Sequential([
-        keras.Input((16,)),
-        keras.layers.Dense(32),
-        Quantize(bits=4),                        # n-bit fake quantization, straight-through
-        keras.layers.Dense(32),
-        Spike(surrogate="fast_sigmoid"),         # Heaviside forward, surrogate backward
-        GradientReversal(scale=0.5),             # identity forward, -0.5 * grad backward
-        keras.layers.Dense(1),
-    ])
+model = keras.Sequential([
+    keras.Input((16,)),
+    keras.layers.Dense(32),
+    Quantize(bits=4),  # n-bit fake quantization, straight-through
+    LayerWithCustomGrad(),  # its own backward
+    Spike(surrogate="fast_sigmoid"),  # Heaviside forward, surrogate backward
+    GradientReversal(scale=0.5),  # identity forward, -0.5 * grad backward
+    keras.layers.Dense(1),
+])
+model.compile(optimizer="sgd", loss="mse")
+model.fit(np.ones((4, 16), "float32"), np.zeros((4, 1), "float32"), epochs=1, verbose=0)
+print(len(model.layers))
+#> 6
+```
 
 The recipe layers run their `gradoverride.recipes` object inside `call`, so forward and gradient are
 the recipe's documented formula, the same as on torch tensors:

@@ -17,7 +17,8 @@ import pytest
 from pytest_examples import CodeExample, EvalExample, find_examples
 
 ROOT = Path(__file__).resolve().parent.parent
-PAGES = [ROOT / "README.md", ROOT / "docs"]
+# The docs pages, the README, and the docstrings (the API reference renders their blocks).
+PAGES = [ROOT / "README.md", ROOT / "docs", ROOT / "gradoverride"]
 EXAMPLES = list(find_examples(*PAGES))
 
 _NO_TENSORFLOW = (

@@ -30,17 +30,28 @@ _POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_O
 class Layer(keras.layers.Layer):  # type: ignore[misc]  # Keras is untyped (Any)
     """A Keras 3 layer whose subclass defines `backward` next to `call`.
 
-    Example::
+    ```python
+    import tensorflow as tf
+    import gradoverride.keras
 
-        class LayerWithCustomGrad(gradoverride.keras.Layer):
-            def build(self, input_shape):
-                self.w = self.add_weight(shape=(input_shape[-1],), name="weights")
+    class LayerWithCustomGrad(gradoverride.keras.Layer):
+        def build(self, input_shape):
+            self.w = self.add_weight(shape=(input_shape[-1],), initializer="ones", name="weights")
 
-            def call(self, x):
-                return x * self.w
+        def call(self, x):
+            return x * self.w
 
-            def backward(self, grad, *, x):          # names what it needs: here the input x
-                return {"x": grad * self.w, "weights": grad * x}   # variables by name
+        def backward(self, grad, *, x):  # names what it needs: here the input x
+            return {"x": grad * self.w, "weights": grad * x}  # variables by name
+
+    layer = LayerWithCustomGrad()
+    x = tf.constant([[1.0, 2.0]])
+    with tf.GradientTape() as tape:
+        tape.watch(x)
+        loss = tf.reduce_sum(layer(x))
+    print(tape.gradient(loss, layer.w).numpy().tolist())
+    #> [1.0, 2.0]
+    ```
 
     `backward(self, *upstream_grads, *, names...)` follows the `custom_backward` contract: one
     positional parameter per output of `call`, keyword-only parameters naming the call's

@@ -61,13 +61,18 @@ class ganin_ramp:
     cannot disturb the features early on), rises smoothly, and tends to `max_scale` (0.9999
     of it at the end with the paper's gamma = 10).
 
-    Example::
+    ```python
+    import torch
+    from gradoverride.recipes import ganin_ramp, reverse_grad
 
-        grl = reverse_grad(scale=ganin_ramp(total_steps=10_000)).module()
-        for batch in loader:
-            loss = task_loss + domain_head(grl(features)).loss
-            loss.backward(); optimizer.step()
-            grl.step()                  # advance the schedule once per training step
+    grl = reverse_grad(scale=ganin_ramp(total_steps=1000)).module()
+    features = torch.ones(2, requires_grad=True)
+    for _ in range(500):
+        grl.step()  # once per training step, after backward
+    grl(features).sum().backward()
+    print(f"{float(grl.scale()):.4f}", [round(g, 4) for g in features.grad.tolist()])
+    #> 0.9866 [-0.9866, -0.9866]
+    ```
 
     Args:
         total_steps: the number of training steps over which `p` goes from 0 to 1.
@@ -229,13 +234,16 @@ class reverse_grad(_ScaledGradient):
     libraries, with one kernel in backward instead of two (a negation for the default scale,
     else one multiply; pytorch-revgrad negates, then multiplies).
 
-    Example::
+    ```python
+    import torch
+    from gradoverride.recipes import reverse_grad
 
-        features = encoder(x)
-        domain_logits = domain_head(reverse_grad(scale=0.1)(features))
-
-        grl = reverse_grad(scale=ganin_ramp(total_steps=10_000)).module()   # scheduled
-        ...; grl.step()                                                     # per step
+    features = torch.ones(3, requires_grad=True)
+    domain_logits = 2 * reverse_grad(scale=0.1)(features)  # identity forward
+    domain_logits.sum().backward()
+    print([round(g, 4) for g in features.grad.tolist()])  # -0.1 * 2
+    #> [-0.2, -0.2, -0.2]
+    ```
 
     Args:
         scale: a number (default 1.0), a tensor (0-d, or broadcastable to the input, on the
@@ -260,9 +268,15 @@ class scale_grad(_ScaledGradient):
     smaller learning rate for a pretrained backbone, a loss-balancing weight for a shared
     trunk). ``scale_grad(-s)`` is ``reverse_grad(s)``.
 
-    Example::
+    ```python
+    import torch
+    from gradoverride.recipes import scale_grad
 
-        features = scale_grad(scale=0.1)(backbone(x))   # the backbone learns 10x slower
+    backbone_out = torch.ones(2, requires_grad=True)
+    scale_grad(scale=0.1)(backbone_out).sum().backward()  # the backbone learns 10x slower
+    print([round(g, 4) for g in backbone_out.grad.tolist()])
+    #> [0.1, 0.1]
+    ```
 
     Args:
         scale: a number (default 1.0), a tensor (0-d or broadcastable to the input) or a
@@ -335,9 +349,15 @@ class clip_grad_value(GradientTransform):
     formula), for a gradient that should be bounded where it flows rather than where it
     lands. NaN stays NaN (as in `torch.clamp`); see `sanitize_grad`.
 
-    Example::
+    ```python
+    import torch
+    from gradoverride.recipes import clip_grad_value
 
-        logits = clip_grad_value(clip_value=1.0)(logits)
+    logits = torch.zeros(3, requires_grad=True)
+    clip_grad_value(clip_value=1.0)(logits).backward(torch.tensor([-5.0, 0.5, 5.0]))
+    print(logits.grad.tolist())
+    #> [-1.0, 0.5, 1.0]
+    ```
 
     Args:
         clip_value: the bound, at least 0.
@@ -373,10 +393,12 @@ Dims = int | tuple[int, ...] | None
 class clip_grad_norm(GradientTransform):
     """Clipping by norm: identity forward; the gradient rescaled to norm at most `max_norm`.
 
-    Formula (that of `torch.nn.utils.clip_grad_norm_`, per tensor or per slice)::
+    Formula (that of `torch.nn.utils.clip_grad_norm_`, per tensor or per slice):
 
-        norm = vector_norm(grad, ord=norm_type, dim=dim, keepdim=True)
-        grad * clamp(max_norm / (norm + eps), max=1)
+    ```text
+    norm = vector_norm(grad, ord=norm_type, dim=dim, keepdim=True)
+    grad * clamp(max_norm / (norm + eps), max=1)
+    ```
 
     A gradient whose norm is at most `max_norm` passes (almost) unchanged; a larger one keeps
     its direction and gets norm `max_norm` (up to `eps`). With `dim`, each slice is clipped on
@@ -385,10 +407,17 @@ class clip_grad_norm(GradientTransform):
     sum of squares is not zeroed by overflow. A non-finite norm zeroes (inf) or poisons (NaN)
     the slice, as in torch; put `sanitize_grad` first when that can happen.
 
-    Example::
+    ```python
+    import torch
+    from gradoverride.recipes import clip_grad_norm
 
-        h = clip_grad_norm(max_norm=1.0)(h)                     # whole tensor
-        h = clip_grad_norm(max_norm=1.0, dim=(1, 2))(h)         # per sample, h: (B, T, C)
+    h = torch.zeros(2, 3, 4, requires_grad=True)  # (batch, time, channels)
+    upstream = torch.ones(2, 3, 4)
+    upstream[1] *= 10
+    clip_grad_norm(max_norm=1.0, dim=(1, 2))(h).backward(upstream)  # per sample
+    print([round(float(g.norm()), 4) for g in h.grad])
+    #> [1.0, 1.0]
+    ```
 
     Args:
         max_norm: the largest norm passed on, at least 0.
@@ -452,10 +481,22 @@ class sanitize_grad(GradientTransform):
     `torch.compile` the check is `torch._assert_async` (no graph break), which raises a
     `RuntimeError` with the same message.
 
-    Example::
+    ```python
+    import torch
+    from gradoverride.recipes import sanitize_grad
 
-        logits = sanitize_grad()(logits)                               # replace with 0
-        h = sanitize_grad(mode="raise", name="encoder output")(h)      # find where they start
+    logits = torch.zeros(3, requires_grad=True)
+    sanitize_grad()(logits).backward(torch.tensor([1.0, float("nan"), float("inf")]))
+    print(logits.grad.tolist())  # NaN -> 0, inf -> the largest float32
+    #> [1.0, 0.0, 3.4028234663852886e+38]
+    h = torch.zeros(2, requires_grad=True)
+    check = sanitize_grad(mode="raise", name="encoder output")  # where do they start?
+    try:
+        check(h).backward(torch.tensor([1.0, float("nan")]))
+    except Exception as error:
+        print(type(error).__name__)
+        #> GradOverrideError
+    ```
 
     Args:
         mode: ``"replace"`` or ``"raise"``.

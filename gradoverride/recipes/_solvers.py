@@ -173,10 +173,12 @@ class blackbox_solver(_SolverRecipe):
     """The interpolation gradient of Vlastelica et al. (ICLR 2020) through a black-box solver.
 
     The solver minimises a linear objective, ``y(w) = argmin_{y in Y} <w, y>``. Forward:
-    ``y = solver(w)``, exactly. Backward, for the upstream gradient ``g = dL/dy``::
+    ``y = solver(w)``, exactly. Backward, for the upstream gradient ``g = dL/dy``:
 
-        w' = w + lambda_ * g
-        grad_w = -(y(w) - y(w')) / lambda_
+    ```text
+    w' = w + lambda_ * g
+    grad_w = -(y(w) - y(w')) / lambda_
+    ```
 
     the gradient of a piecewise-linear interpolation of ``L(y(w))`` (the paper's
     Algorithm 1). `lambda_` trades the interpolation's faithfulness (small) against how far
@@ -184,12 +186,24 @@ class blackbox_solver(_SolverRecipe):
     ``maximize=True`` the solver maximises ``<w, y>`` and the formula is applied to ``-w``:
     ``w' = w - lambda_ * g`` and ``grad_w = (y(w) - y(w')) / lambda_``.
 
-    Example::
+    ```python
+    import numpy as np
+    import torch
+    from gradoverride.recipes import blackbox_solver
 
-        shortest_path = blackbox_solver(dijkstra, lambda_=20.0, instance_dims=2, numpy=True)
-        path = shortest_path(costs)              # costs: (batch, H, W); path: 0/1 masks
-        loss = (path - true_path).abs().sum()    # Hamming loss, as in the paper
-        loss.backward()
+    def cheapest(w):  # argmin over one-hot choices: the solver, in numpy
+        y = np.zeros_like(w)
+        y[np.argmin(w)] = 1.0
+        return y
+
+    choose = blackbox_solver(cheapest, lambda_=2.0, numpy=True)
+    costs = torch.tensor([1.0, 0.5, 2.0], requires_grad=True)
+    choice = choose(costs)
+    target = torch.tensor([1.0, 0.0, 0.0])
+    (choice - target).abs().sum().backward()  # Hamming loss, as in the paper
+    print(choice.tolist(), costs.grad.tolist())  # raise the chosen cost, lower the wanted one
+    #> [0.0, 1.0, 0.0] [0.5, -0.5, 0.0]
+    ```
 
     Args:
         solver: the solver: one instance (or, with `batched`, a stack) in, the solution in the
@@ -284,13 +298,17 @@ class perturbed_optimizer(_SolverRecipe):
     The perturbed optimizer of "Learning with Differentiable Perturbed Optimizers" (NeurIPS
     2020): the solutions are averaged over random perturbations of the input.
 
-    Forward, with ``Z_1..Z_M`` drawn from the noise (M = `samples`)::
+    Forward, with ``Z_1..Z_M`` drawn from the noise (M = `samples`):
 
-        y_sigma(theta) = mean_m  solver(theta + sigma * Z_m)
+    ```text
+    y_sigma(theta) = mean_m  solver(theta + sigma * Z_m)
+    ```
 
-    Backward, from the same samples (no further solver call), for the upstream ``g``::
+    Backward, from the same samples (no further solver call), for the upstream ``g``:
 
-        grad_theta = mean_m  <solver(theta + sigma Z_m), g> * grad_nu(Z_m) / sigma
+    ```text
+    grad_theta = mean_m  <solver(theta + sigma Z_m), g> * grad_nu(Z_m) / sigma
+    ```
 
     where ``grad_nu`` is the gradient of the noise's negative log-density: ``Z`` for
     ``noise="normal"``, ``1 - exp(-Z)`` for ``noise="gumbel"`` (paper, section 3). This is
@@ -300,10 +318,21 @@ class perturbed_optimizer(_SolverRecipe):
     ``samples=1000``, normal noise. The solver's output may have any shape per instance (a
     solution, or the optimal value).
 
-    Example::
+    ```python
+    import torch
+    import torch.nn.functional as F
+    from gradoverride.recipes import perturbed_optimizer
 
-        ranks = perturbed_optimizer(rank, sigma=0.1, samples=100, noise="gumbel")
-        soft_ranks = ranks(scores)               # scores: (batch, n)
+    def argmax(theta):  # one-hot of the largest score, in torch ops
+        return F.one_hot(theta.argmax(-1), theta.shape[-1]).to(theta.dtype)
+
+    soft_argmax = perturbed_optimizer(argmax, sigma=0.5, samples=2000, seed=0)
+    scores = torch.tensor([1.0, 1.2, 0.0], requires_grad=True)
+    y = soft_argmax(scores)  # the mean of the perturbed solutions
+    y[1].backward()
+    print([round(v, 2) for v in y.tolist()], scores.grad[1].item() > 0)
+    #> [0.39, 0.6, 0.02] True
+    ```
 
     Args:
         solver: the solver: one instance (or, with `batched`, a stack) in, a solution out.

@@ -1,9 +1,23 @@
 """Tools to check the backward rules you write: `check_backward` and `assert_consistent`.
 
-    from gradoverride.testing import assert_consistent, check_backward
+```python
+import torch
+import gradoverride as go
+from gradoverride.testing import assert_consistent, check_backward
 
-    check_backward(spike, x, reference=lambda x: x / (1 + x.abs()))  # the surrogate's proxy
-    assert_consistent(spike, x)  # the same gradients eagerly, compiled and vmapped
+@go.custom_backward
+def spike(x):
+    return (x > 0).to(x.dtype)
+
+@spike.backward
+def _(grad, *, x):
+    return grad / (1 + x.abs()) ** 2  # the fast-sigmoid surrogate
+
+x = torch.linspace(-2, 2, 9)
+print(check_backward(spike, x, reference=lambda x: x / (1 + x.abs())).ok)  # its proxy
+#> True
+assert_consistent(spike, x)  # the same gradients eagerly, compiled and vmapped
+```
 
 `gradcheck` cannot check a straight-through or surrogate rule, whose backward is on purpose
 not the derivative of its forward; `check_backward` checks each input's gradient for shape,

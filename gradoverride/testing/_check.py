@@ -36,12 +36,17 @@ def check_backward(
 ) -> BackwardReport:
     """Run `fn(*inputs)` forward and backward, and check the gradient of each input.
 
-    Example::
+    ```python
+    import torch
+    from gradoverride import recipes
+    from gradoverride.testing import check_backward
 
-        from gradoverride.testing import check_backward
-
-        report = check_backward(spike, x, reference=lambda x: x / (1 + x.abs()))
-        report["x"].difference.cosine  # 1.0
+    spike = recipes.spike(surrogate="fast_sigmoid", alpha=1.0)  # sg(x) = (1/2) / (1 + |x|)^2
+    x = torch.linspace(-2, 2, 9)
+    report = check_backward(spike, x, reference=lambda x: x / (2 * (1 + x.abs())))
+    print(report.ok, f"{report['x'].difference.cosine:.4f}")
+    #> True 1.0000
+    ```
 
     Every floating-point tensor among `inputs` (also inside tuples, lists and dicts) gets a
     gradient, named as `fn`'s signature names it (`x`, `xs[0]`). Each gradient must have the

@@ -73,11 +73,15 @@ def assert_consistent(
 ) -> None:
     """Check that `fn` gives the same outputs and gradients in eager mode, compiled and vmapped.
 
-    Example::
+    ```python
+    import torch
+    from gradoverride import recipes
+    from gradoverride.testing import assert_consistent
 
-        from gradoverride.testing import assert_consistent
-
-        assert_consistent(spike, torch.randn(16))  # eager, compile, vmap
+    assert_consistent(recipes.spike(), torch.randn(16))  # eager == compiled == vmapped
+    print("consistent")
+    #> consistent
+    ```
 
     Eager mode is the baseline: `fn(*inputs)` forward, then backward with a seeded random
     upstream gradient (every floating-point tensor among the inputs gets a gradient, named as

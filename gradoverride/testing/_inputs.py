@@ -54,9 +54,12 @@ def _parameters(fn: Callable[..., Any]) -> list[inspect.Parameter]:
 def input_names(fn: Callable[..., Any], count: int) -> tuple[str, ...]:
     """The names of `count` positional inputs of `fn`, as its signature calls them.
 
-    Example::
+    ```python
+    from gradoverride.testing._inputs import input_names
 
-        input_names(lambda x, *rest: x, 3)  # ('x', 'rest[0]', 'rest[1]')
+    print(input_names(lambda x, *rest: x, 3))
+    #> ('x', 'rest[0]', 'rest[1]')
+    ```
     """
     names: list[str] = []
     for param in _parameters(fn):

@@ -71,13 +71,19 @@ _REFERENCE_HEADER = ["max abs diff", "max rel diff", "cosine"]
 class BackwardReport:
     """What `check_backward` found, one `GradientRow` per differentiable input.
 
-    Example::
+    ```python
+    import torch
+    from gradoverride import recipes
+    from gradoverride.testing import check_backward
 
-        report = check_backward(spike, x, reference=fast_sigmoid, raise_on_mismatch=False)
-        print(report)                   # a table, one row per input
-        report.ok, report.mismatches    # (False, ('x',)) when `x`'s gradient failed
-        report["x"].difference.cosine   # the row for input `x`
-        report.grads["x"]               # its gradient
+    spike = recipes.spike(surrogate="fast_sigmoid")  # sg(x) = 1 / (1 + 2|x|)^2
+    x = torch.linspace(-1, 1, 5)
+    report = check_backward(spike, x, reference=torch.tanh, raise_on_mismatch=False)
+    print(report.ok, report.mismatches)  # its gradient is not tanh's
+    #> False ('x',)
+    print(f"{report['x'].difference.cosine:.3f}", report.grads["x"].shape)
+    #> 0.959 torch.Size([5])
+    ```
 
     Attributes:
         fn_name: the checked function's name.

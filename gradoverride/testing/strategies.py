@@ -1,13 +1,24 @@
 """Hypothesis strategies for tensors, to property-test backward rules.
 
-gradoverride's own tests use these; so can yours::
+gradoverride's own tests use these; so can yours:
 
-    from hypothesis import given
-    from gradoverride.testing import strategies as gst
+```python
+import torch
+from hypothesis import given
 
-    @given(gst.tensors(dtype=gst.float_dtypes()))
-    def test_identity_rule_passes_the_gradient(x):
-        ...
+from gradoverride import recipes
+from gradoverride.testing import strategies as gst
+
+@given(gst.tensors(dtype=gst.float_dtypes()))
+def test_the_identity_rule_passes_the_gradient(x):
+    x = x.detach().requires_grad_()
+    recipes.ste_sign()(x).sum().backward()
+    assert torch.equal(x.grad, torch.ones_like(x))
+
+test_the_identity_rule_passes_the_gradient()
+print("passed")
+#> passed
+```
 
 Needs `hypothesis` (the `test` extra); `import gradoverride` never imports it.
 
