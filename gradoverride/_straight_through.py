@@ -50,6 +50,7 @@ __all__ = [
     "masked_gradient",
     "parse_clip",
     "parse_inclusive",
+    "rounded",
     "straight_through",
     "window_bounds",
     "window_gradient",
@@ -189,8 +190,8 @@ def window_bounds(window: tuple[float, float], inclusive: Inclusive = INCLUSIVE)
         given = _symmetric(*_moved_in(low, high, inclusive, torch.float64))
     bounds: WindowBounds = {None: given}
     for dtype in _ROUNDED_DTYPES:
-        rounded = _moved_in(_rounded(low, dtype), _rounded(high, dtype), inclusive, dtype)
-        bounds[dtype] = _symmetric(*rounded)
+        moved = _moved_in(rounded(low, dtype), rounded(high, dtype), inclusive, dtype)
+        bounds[dtype] = _symmetric(*moved)
     return bounds
 
 
@@ -215,7 +216,7 @@ def _step(value: float, towards: float, dtype: torch.dtype) -> float:
     return float(step.item())
 
 
-def _rounded(value: float, dtype: torch.dtype) -> float:
+def rounded(value: float, dtype: torch.dtype) -> float:
     """`value` rounded to `dtype` (through float32 for narrower dtypes, as torch converts a
     Python number), as a Python float."""
     return float(torch.tensor(value, dtype=torch.float64).to(dtype).item())
