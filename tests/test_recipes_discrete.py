@@ -483,3 +483,21 @@ def test_rotation_trick_matches_vector_quantize_pytorchs_rotate_to(dtype: torch.
     torch.testing.assert_close(_grad(lambda t: R.rotation_trick()(t, q[:1]), zero, g[:1])[1],
                                _grad(lambda t: vq.rotate_to(t, q[:1]), zero, g[:1])[1],
                                **close)
+
+
+@pytest.mark.parametrize(
+    "dtype,big", [(torch.float16, 1e4), (torch.bfloat16, 1e30), (torch.float32, 1e30),
+                  (torch.float64, 1e300)], ids=str
+)
+def test_rotation_trick_gradient_is_finite_and_right_at_extreme_inputs(
+    dtype: torch.dtype, big: float
+) -> None:
+    # The squares of a float32 1e20 overflow; the norm, and so the gradient, do not.
+    q = torch.tensor([[1.0, 2.0, -1.0], [0.5, -0.5, 2.0]], dtype=dtype)
+    g = torch.tensor([[1.0, -2.0, 0.5], [3.0, 1.0, -1.0]], dtype=dtype)
+    x = torch.tensor([[big, -big, big / 2], [-big, big / 4, 1.0]], dtype=dtype)
+    y, gx = _grad(lambda t: R.rotation_trick()(t, q), x, g)
+    assert torch.equal(y, q) and torch.isfinite(gx).all()
+    expected = _rotation_grad(x / big, q, g) / big  # R is scale-free, lambda goes as 1 / |x|
+    torch.testing.assert_close(gx.double(), expected, rtol=2e-2 if dtype in (
+        torch.float16, torch.bfloat16) else 1e-5, atol=0)

@@ -582,6 +582,7 @@ WINDOW_ENDS = [
      (False, True)),
     (R.ste_clamp(-0.3, 0.7, outside="zero", inclusive=(True, False)), -0.3, 0.7,
      (True, False)),
+    (R.ste_clamp(-0.3, 0.3, outside="zero", inclusive=False), -0.3, 0.3, (False, False)),
 ]
 
 
@@ -888,3 +889,51 @@ def test_tensor_bounds_closed_window_is_torch_clamps_x_gradient(
     y, gx = _grad(R.ste_clamp(low, high, outside="zero", keep=keep), x, g)
     ref_y, ref_g = _grad(lambda t: torch.clamp(t, low, high), x, g)
     assert torch.equal(y, ref_y) and torch.equal(gx, ref_g)
+
+
+NEW_RECIPES = [
+    R.abs_subgradient(),
+    R.abs_subgradient(at_zero=0.25),
+    R.binarize(inclusive=False),
+    R.binarize.preset("xnor_net", keep="mask"),
+    R.ste_clamp.preset("torch.nn.functional.hardtanh", -1.0, 1.0),
+    R.ste_clamp(-1.0, 1.0, outside="zero", inclusive=(True, False), keep="mask"),
+    R.ste_clamp(torch.tensor([-1.0, -0.5, 0.0, -2.0]), 1.0, outside="zero"),
+    R.ste_clamp(torch.tensor(-1.0), torch.tensor([1.0, 0.5, 2.0, 0.25]), outside="pass"),
+]
+
+
+@pytest.mark.parametrize("recipe", NEW_RECIPES, ids=repr)
+def test_new_recipes_under_vmap_module_and_autocast(recipe: Any) -> None:
+    xs = torch.tensor([[-2.0, -1.0, 0.0, 1.0], [0.5, 1.5, -0.0, 0.25]])
+    w = torch.arange(1.0, 5.0)
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return (recipe(x) * w).sum()
+
+    looped = torch.stack([func_grad(f)(x) for x in xs])
+    torch.testing.assert_close(vmap(func_grad(f))(xs), looped)
+    model = nn.Sequential(nn.Identity(), recipe.module())
+    assert repr(recipe) in repr(model)
+    leaf = xs.clone().requires_grad_()
+    (via_module,) = torch.autograd.grad((model(leaf) * w).sum(), leaf)
+    assert torch.equal(via_module, looped)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        leaf = xs.clone().requires_grad_()
+        y = recipe(leaf)
+    (under_autocast,) = torch.autograd.grad((y * w).sum(), leaf)
+    assert y.dtype == torch.float32 and torch.equal(under_autocast, looped)
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_open_clamp_bounds_rounded_to_the_dtype_alike_eager_and_inductor(
+    dtype: torch.dtype
+) -> None:
+    # 0.3 rounds up in float16 and bfloat16; Inductor computes half in float32: the rounded
+    # bound itself must stay outside the open window when compiled too.
+    recipe = R.ste_clamp(-0.3, 0.3, outside="zero", inclusive=False)
+    x = torch.tensor([0.3, -0.3, 0.2998, -0.2998, 0.5, 0.0], dtype=dtype)
+    assert_consistent(recipe, x, modes=("compile",), backend="inductor")
+    g = torch.ones(6, dtype=dtype)
+    assert _grad(recipe, x, g)[1].tolist() == [0, 0, 1, 1, 0, 1]

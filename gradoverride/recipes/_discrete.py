@@ -282,6 +282,21 @@ class gumbel_softmax(Recipe):
 # ---- the rotation trick (vector quantization) ------------------------------------------------
 
 
+def _norm(v: Tensor, dim: int, squares_fit: bool) -> Tensor:
+    """The 2-norm of each vector along `dim` (keepdim), as `vector_norm` computes it (so that
+    u and v are bit for bit vector-quantize-pytorch's: where x and q are nearly opposite, w
+    is the direction of their rounding), except where the squares overflow (a float32 x of
+    1e20): there it is taken on the vector scaled by its largest magnitude. `squares_fit`:
+    v is a float16 input in float32, whose squares cannot overflow."""
+    norm: Tensor = torch.linalg.vector_norm(v, dim=dim, keepdim=True)
+    if squares_fit:
+        return norm
+    scale = v.abs().amax(dim, keepdim=True)
+    scaled = torch.linalg.vector_norm(v / torch.where(scale > 0, scale, 1), dim=dim,
+                                      keepdim=True) * scale
+    return torch.where(torch.isinf(norm), scaled, norm)
+
+
 @custom_backward
 def _rotation_trick(x: Tensor, q: Tensor, recipe: rotation_trick) -> Tensor:
     # A fresh tensor: the output replaces x in the network, where an in-place op may follow
@@ -310,7 +325,10 @@ class rotation_trick(Recipe):
     q point the same way R is the identity and this is the plain straight-through
     `x + (q - x).detach()` times lambda; where they are opposite, u + v = 0, w = 0 and R is
     the reflection I - 2 v v^T; at x = 0, lambda = |q| / eps. The gradient is computed in
-    float32 for float16/bfloat16 inputs and returned in x's dtype.
+    float32 for float16/bfloat16 inputs and returned in x's dtype; the norms are taken on
+    each vector scaled by its largest entry, so they do not overflow where they are finite
+    (a float32 x of 1e20). It is finite wherever the formula is, up to the dtype's range:
+    lambda = |q| / |x| for a small x can exceed float16's.
 
     The defaults are vector-quantize-pytorch's `rotate_to(x, q)` (`eps=1e-6` in its norms
     and divisions, vectors along the last dimension): the same gradient; its forward
@@ -338,8 +356,8 @@ class rotation_trick(Recipe):
         work = _compute_dtype(x.dtype)
         g, x_, q_ = grad.to(work), x.to(work), q.to(work)
         dim, eps = self.dim, self.eps
-        x_norm: Tensor = torch.linalg.vector_norm(x_, dim=dim, keepdim=True).clamp_min(eps)
-        q_norm: Tensor = torch.linalg.vector_norm(q_, dim=dim, keepdim=True)
+        x_norm = _norm(x_, dim, x.dtype == torch.float16).clamp_min(eps)
+        q_norm = _norm(q_, dim, q.dtype == torch.float16)
         u = x_ / x_norm
         v = q_ / q_norm.clamp_min(eps)
         w = u + v
