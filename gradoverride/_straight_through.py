@@ -46,7 +46,6 @@ __all__ = [
     "Keep",
     "WindowBounds",
     "check_window",
-    "inclusive_repr",
     "masked_gradient",
     "parse_clip",
     "parse_inclusive",
@@ -55,7 +54,6 @@ __all__ = [
     "window_bounds",
     "window_gradient",
     "window_mask",
-    "window_outside",
 ]
 
 P = ParamSpec("P")
@@ -144,7 +142,7 @@ def check_window(window: tuple[float, float], inclusive: Inclusive, where: str) 
         raise GradOverrideError(msg)
 
 
-def inclusive_repr(inclusive: Inclusive) -> str:
+def _inclusive_repr(inclusive: Inclusive) -> str:
     return repr(inclusive[0]) if inclusive[0] == inclusive[1] else repr(inclusive)
 
 
@@ -239,11 +237,6 @@ def window_gradient(grad: Tensor, x: Tensor, bounds: WindowBounds) -> Tensor:
             result: Tensor = torch.ops.aten.hardtanh_backward(grad, x, *open_bounds)
             return result
     return torch.where(_outside(x, low, high), 0, grad)
-
-
-def window_outside(x: Tensor, bounds: WindowBounds) -> Tensor:
-    """The bool mask of inputs outside the window (`window_bounds`)."""
-    return _outside(x, *_bounds_for(bounds, x.dtype))
 
 
 def _outside(x: Tensor, low: float | None, high: float) -> Tensor:
@@ -514,7 +507,7 @@ def _build(
         raise GradOverrideError(msg)
     name = _options_repr(
         clip=None if window is None else _window_repr(window),
-        inclusive=None if ends == INCLUSIVE else inclusive_repr(ends),
+        inclusive=None if ends == INCLUSIVE else _inclusive_repr(ends),
         keep=keep if window is not None else None,
         surrogate=surrogate,
         derivative=derivative,

@@ -504,13 +504,14 @@ class ste_clamp(Recipe):
         value = getattr(self, name)
         if isinstance(value, Tensor):
             return value.to(device=x.device, dtype=x.dtype)
-        if _is_tensor(value):
-            msg = (
-                f"{self!r}: `{name}` is a TensorFlow tensor, and the input a torch tensor; "
-                f"give torch tensors (or numbers) as the bounds of a torch input."
-            )
-            raise GradOverrideTypeError(msg)
-        return torch.full((), value, dtype=x.dtype, device=x.device)
+        if _is_number(value):
+            return torch.full((), value, dtype=x.dtype, device=x.device)
+        # What is left is a TensorFlow tensor (anything else was refused when made).
+        msg = (
+            f"{self!r}: `{name}` is a TensorFlow tensor, and the input a torch tensor; "
+            f"give torch tensors (or numbers) as the bounds of a torch input."
+        )
+        raise GradOverrideTypeError(msg)
 
 
 def _is_number(value: object) -> bool:
@@ -526,8 +527,11 @@ def _broadcastable(*shapes: Sequence[int]) -> bool:
 
 
 def _is_tensor(value: object) -> bool:
-    """A torch or TensorFlow tensor (a bound given as a tensor)."""
-    return isinstance(value, Tensor) or is_tensorflow(value)
+    """A torch or TensorFlow tensor (a bound given as a tensor). A number is decided first:
+    `is_tensorflow` reads the type's module name, which dynamo cannot trace."""
+    if isinstance(value, Tensor):
+        return True
+    return not _is_number(value) and is_tensorflow(value)
 
 
 #: ste_clamp's presets: name -> (the options, what the library's clamp does).
