@@ -685,3 +685,23 @@ def test_integer_tensorflow_inputs_are_refused_as_on_torch(recipe: Any, dtype: s
     message = rf"`x` must be a floating-point tensor.*{dtype}"
     with pytest.raises(go.GradOverrideTypeError, match=message):
         recipe(x)
+
+
+@pytest.mark.compile
+@pytest.mark.filterwarnings("ignore:.*should not be instantiated:DeprecationWarning")
+def test_ste_clamp_with_a_tensor_bound_compiles_with_tensorflow_imported() -> None:
+    # TensorFlow is imported here: asking whether the number bound is a TensorFlow tensor
+    # reads its type's module name, which dynamo cannot trace (it once broke the graph).
+    assert "tensorflow" in __import__("sys").modules
+
+    def loss(x: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
+        return ste_clamp(low, 1.0, outside="zero")(x).sum()
+
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(loss, fullgraph=True, backend="aot_eager")
+        x = torch.tensor([-2.0, 0.5, 1.0, 3.0], requires_grad=True)
+        (got,) = torch.autograd.grad(compiled(x, torch.tensor(-1.0)), x)
+    finally:
+        torch._dynamo.reset()
+    assert got.tolist() == [0.0, 1.0, 1.0, 0.0]
