@@ -8,7 +8,8 @@
    time, peak memory of forward + backward, and memory held between forward and backward
    when the input is an activation that would otherwise be freed.
 3. Each recipe against the installed peer implementation of the same formula (snnTorch,
-   SpikingJelly, norse, brevitas): time ratio ours / peer, forward + backward.
+   SpikingJelly, norse, brevitas, vector-quantize-pytorch, and torch itself for the window
+   presets and Gumbel-softmax): time ratio ours / peer, forward + backward.
 
 Timings are interleaved in shuffled rounds with paired ratios (see `_timing.py`), on one
 thread. Peak memory is read from the profiler's allocation events.
@@ -171,8 +172,10 @@ def _maybe(module: str) -> Any:
         return None
 
 
-def peer_pairs() -> list[tuple[str, Callable[[Tensor], Tensor], Callable[[Tensor], Tensor]]]:
-    """(label, ours, peer) for every installed peer."""
+def peer_pairs(n: int) -> list[tuple[str, Callable[[Tensor], Tensor], Callable[[Tensor], Tensor]]]:
+    """(label, ours, peer) for every installed peer, on (n, n) inputs."""
+    low = -torch.rand(n, 1) - 0.5  # per-row tensor bounds for the tensor clamps
+    high = torch.rand(n, 1) + 0.5
     pairs: list[tuple[str, Callable[[Tensor], Tensor], Callable[[Tensor], Tensor]]] = []
     sn = _maybe("snntorch.surrogate")
     if sn is not None:
@@ -208,22 +211,63 @@ def peer_pairs() -> list[tuple[str, Callable[[Tensor], Tensor], Callable[[Tensor
             ("brevitas binary_sign_ste", R.binarize(clip=None), bv.binary_sign_ste),
             ("brevitas scalar_clamp_ste", R.ste_clamp(-1.0, 1.0, outside="pass"),
              lambda x: bv.scalar_clamp_ste(x, -1.0, 1.0)),
+            ("brevitas tensor_clamp_ste",
+             R.ste_clamp.preset("brevitas.tensor_clamp_ste", low, high),
+             lambda x: bv.tensor_clamp_ste(x, low, high)),
+            ("brevitas abs_binary_sign_grad", R.abs_subgradient(), bv.abs_binary_sign_grad),
         ]
+    pairs += [
+        ("torch.clamp", R.ste_clamp.preset("torch.clamp", -1.0, 1.0),
+         lambda x: torch.clamp(x, -1.0, 1.0)),
+        ("torch.nn.functional.hardtanh",
+         R.ste_clamp.preset("torch.nn.functional.hardtanh", -1.0, 1.0),
+         torch.nn.functional.hardtanh),
+        ("torch.clamp, tensor bounds", R.ste_clamp(low, high, outside="zero"),
+         lambda x: torch.clamp(x, low, high)),
+        ("torch gumbel_softmax (noise=)",
+         lambda x: R.gumbel_softmax(temperature=0.5)(x, noise=_gumbel_noise(x)),
+         lambda x: torch.nn.functional.gumbel_softmax(x, tau=0.5, hard=True)),
+    ]
     return pairs
 
 
+def _gumbel_noise(x: Tensor) -> Tensor:
+    """Gumbel draws as torch's own gumbel_softmax makes them (the same work on both sides)."""
+    return -torch.empty_like(x).exponential_().log()
+
+
+def rotation_pairs(n: int) -> list[tuple[str, Callable[[], None], Callable[[], None]]]:
+    """The rotation trick against vector-quantize-pytorch's `rotate_to`, on n vectors of 64."""
+    vq = _maybe("vector_quantize_pytorch.vector_quantize_pytorch")
+    if vq is None:
+        return []
+    x = torch.randn(n, 64, requires_grad=True)
+    q = torch.randn(n, 64)
+    g = torch.randn(n, 64)
+    trick = R.rotation_trick()
+
+    def ours() -> None:
+        torch.autograd.grad(trick(x, q), x, g)
+
+    def peer() -> None:
+        torch.autograd.grad(vq.rotate_to(x, q), x, g)
+
+    return [(f"vector-quantize-pytorch rotate_to, ({n}, 64)", ours, peer)]
+
+
 def peers_section(n: int, rounds: int, number: int) -> None:
-    pairs = peer_pairs()
+    pairs = peer_pairs(n)
     print(f"\n3. recipes against peers, ({n}, {n}) float32, forward + backward (ratio ours/peer):")
     if not pairs:
         print("  no peer installed (pip install -e '.[peers]')")
         return
     x = torch.randn(n, n, requires_grad=True)
     g = torch.randn(n, n)
+    runs = [(label, step(peer, x, g), step(ours, x, g)) for label, ours, peer in pairs]
+    runs += [(label, peer, ours) for label, ours, peer in rotation_pairs(n * n // 64)]
     worst = 0.0
-    for label, ours, peer in pairs:
-        result = compare({"peer": step(peer, x, g), "ours": step(ours, x, g)},
-                         rounds=rounds, number=number)
+    for label, peer_run, ours_run in runs:
+        result = compare({"peer": peer_run, "ours": ours_run}, rounds=rounds, number=number)
         ratio = result["ours"][1]
         worst = max(worst, ratio)
         print(f"  {label:34s} peer {result['peer'][0] * 1e3:7.2f} ms   ours "

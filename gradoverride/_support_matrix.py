@@ -34,6 +34,8 @@ KINDS: tuple[tuple[str, str], ...] = (
     ("recipe: gradient flow", "`reverse_grad(...).module()` (scaling, clipping, sanitizing "
      "share the op)"),
     ("recipe: discrete choice", "`ste_argmax` (straight-through argmax)"),
+    ("recipe: rotation trick", "`rotation_trick` (vector quantization): x gets the rotated "
+     "gradient, its code q none"),
     ("recipe: black-box solver", "`blackbox_solver` around a numpy solver"),
     ("bridge", "`go.bridge`: numpy in the middle of the graph"),
 )

@@ -29,6 +29,7 @@ from gradoverride.recipes import (
     blackbox_solver,
     lsq,
     reverse_grad,
+    rotation_trick,
     spike,
     ste_argmax,
     ste_round,
@@ -341,6 +342,45 @@ def _ref_lsq(m: nn.Module, x: Tensor, up: Tensor) -> Grads:
     return {"x": up * inside, "step": (up * d).sum() * g}
 
 
+ROTATION = rotation_trick()
+#: The codebook the rotation trick case quantizes to, a fixed tensor (5 codes of 3).
+CODEBOOK = torch.tensor([[1.0, -0.5, 0.25], [-1.0, 2.0, 0.5], [0.5, 0.5, -1.5], [0.0, 1.0, 1.0],
+                         [-0.8, -0.6, 0.3]])
+
+
+def _nearest_codes(v: Tensor) -> Tensor:
+    """Each row's nearest code (vector quantization's lookup)."""
+    return CODEBOOK[((v.unsqueeze(-2) - CODEBOOK) ** 2).sum(-1).argmin(-1)]
+
+
+class RotationModule(nn.Module):
+    """`rotation_trick()(v, nearest code of v)` with v = x * scale: vector quantization."""
+
+    op = ROTATION  # the recipe; its module form is `ROTATION.module()`
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.tensor(1.25))
+
+    def forward(self, x: Tensor) -> Tensor:
+        v = x * self.scale
+        return ROTATION(v, _nearest_codes(v.detach()))
+
+
+def _ref_rotation(m: nn.Module, x: Tensor, up: Tensor) -> Grads:
+    # The paper's estimator as an explicit matrix per row: (lambda R)^T up, with R taking
+    # the row's direction to its code's and lambda = |code| / |row|.
+    s = _params(m)["scale"]
+    rows = []
+    v = x * s
+    for e, c, g in zip(v, _nearest_codes(v), up, strict=True):
+        u, d = e / e.norm(), c / c.norm()
+        w = (u + d) / (u + d).norm()
+        rotation = torch.eye(3) - 2 * torch.outer(w, w) + 2 * torch.outer(d, u)
+        rows.append(c.norm() / e.norm() * rotation.T @ g)
+    return _before(torch.stack(rows), x, s)
+
+
 def cheapest_per_row(costs: np.ndarray) -> np.ndarray:
     """The solver of the matrix: a one-hot of the cheapest entry (a linear objective's argmin)."""
     out = np.zeros_like(costs)
@@ -427,6 +467,7 @@ CASES: dict[str, Case] = {
              OpModule(REVERSE.module()), _ref_reverse),
         Case("recipe: discrete choice", _op(ste_argmax(dim=-1)), OpModule(ARGMAX),
              _ref_argmax),
+        Case("recipe: rotation trick", RotationModule, RotationModule(), _ref_rotation),
         Case("recipe: black-box solver",
              _op(blackbox_solver(cheapest_per_row, lambda_=2.0, numpy=True)),
              OpModule(SOLVER), _ref_solver),

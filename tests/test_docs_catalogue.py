@@ -36,10 +36,10 @@ TEXT = PAGE.read_text(encoding="utf-8")
 FAMILIES = {
     "Straight-through family": [
         "ste_round", "ste_floor", "ste_ceil", "ste_sign", "ste_clamp", "binarize",
-        "ternarize", "quantize", "lsq",
+        "abs_subgradient", "ternarize", "quantize", "lsq",
     ],
     "Surrogate spikes": ["spike"],
-    "Discrete choices": ["ste_argmax", "gumbel_softmax"],
+    "Discrete choices": ["ste_argmax", "gumbel_softmax", "rotation_trick"],
     "Gradient flow": [
         "reverse_grad", "scale_grad", "ganin_ramp", "clip_grad_value", "clip_grad_norm",
         "sanitize_grad",
@@ -49,7 +49,7 @@ FAMILIES = {
 #: In `recipes.__all__` but not recipes: base classes, module forms, constants.
 NOT_RECIPES = {
     "GradientTransform", "LearnedStepQuantizer", "Recipe", "RecipeModule",
-    "ScaledGradientModule", "SPIKE_PRESETS", "SURROGATES",
+    "ScaledGradientModule", "SPIKE_PRESETS", "SURROGATES", "BINARIZE_PRESETS", "CLAMP_PRESETS",
 }
 
 
@@ -197,6 +197,63 @@ def test_values_at_the_edges(row: dict[str, str]) -> None:
     got_y, got_g = y.detach().tolist(), x.grad.tolist()
     assert all(map(_same, forward, got_y)), f"{source} forward: page {forward}, actual {got_y}"
     assert all(map(_same, grad, got_g)), f"{source} gradient: page {grad}, actual {got_g}"
+
+
+# ---- the window presets -----------------------------------------------------------------------
+
+
+WINDOW_PRESETS = _table("window preset")
+
+
+def _window_preset(row: dict[str, str]) -> str:
+    return _code(row["window preset"])[0]
+
+
+def _eval_with_torch(source: str) -> Any:
+    return eval(source, {"torch": torch, **{name: getattr(R, name) for name in R.__all__}})
+
+
+def test_the_window_preset_table_lists_every_preset() -> None:
+    names = [ast.literal_eval(ast.parse(_window_preset(row), mode="eval").body.args[0])
+             for row in WINDOW_PRESETS]
+    assert names == [*R.BINARIZE_PRESETS, *R.CLAMP_PRESETS]
+
+
+def _at_the_bounds(fn: Any) -> list[float]:
+    """dL/dx at -1 and 1 (float32, upstream 1)."""
+    x = torch.tensor([-1.0, 1.0], requires_grad=True)
+    fn(x).sum().backward()
+    assert x.grad is not None
+    return x.grad.tolist()
+
+
+@pytest.mark.parametrize("row", WINDOW_PRESETS, ids=_window_preset)
+def test_window_preset_row(row: dict[str, str]) -> None:
+    recipe = _eval_with_torch(_window_preset(row))
+    assert repr(recipe) == _code(row["the recipe"])[0]
+    expected = [float(v) for v in _numbers(_code(row["dL/dx at -1 and 1"])[0])]
+    assert _at_the_bounds(recipe) == expected
+
+
+@pytest.mark.filterwarnings("ignore")  # the peers' own deprecation warnings
+@pytest.mark.parametrize(
+    "row", [r for r in WINDOW_PRESETS if _code(r["the library's"])
+            and _code(r["the library's"])[0].startswith(("torch.", "brevitas."))],
+    ids=_window_preset,
+)
+def test_window_presets_against_the_library(row: dict[str, str]) -> None:
+    """Where the library is installed: its own gradient at the bounds is the table's."""
+    call = _code(row["the library's"])[0]
+    library = call.split(".")[0]
+    module = _import_peer(call.partition("(")[0].rpartition(".")[0])
+    if module is None:
+        pytest.skip(f"{library} is not importable here")
+    function = getattr(module, call.partition("(")[0].rpartition(".")[2])
+    arguments = call[call.index("(") + 1:-1]
+    expected = [float(v) for v in _numbers(_code(row["dL/dx at -1 and 1"])[0])]
+    assert _at_the_bounds(
+        lambda x: eval(f"function({arguments})", {"function": function, "x": x, "torch": torch})
+    ) == expected
 
 
 # ---- surrogates --------------------------------------------------------------------------------

@@ -88,7 +88,7 @@ import torch
 
 from .._errors import GradOverrideError, GradOverrideTypeError
 from ..recipes._base import GradientTransform
-from ..recipes._discrete import gumbel_softmax, ste_argmax
+from ..recipes._discrete import gumbel_softmax, rotation_trick, ste_argmax
 from ..recipes._flow import (
     ScaledGradientModule,
     _ScaledGradient,
@@ -100,6 +100,7 @@ from ..recipes._flow import (
 from ..recipes._solvers import blackbox_solver, perturbed_optimizer
 from ..recipes._ste import (
     LearnedStepQuantizer,
+    abs_subgradient,
     binarize,
     lsq,
     quantize,
@@ -119,6 +120,7 @@ __all__ = ["SUPPORTED", "call", "transform"]
 
 #: The public recipes that take TensorFlow tensors (named in the unsupported-recipe error).
 SUPPORTED: tuple[str, ...] = (
+    "abs_subgradient",
     "binarize",
     "clip_grad_norm",
     "clip_grad_value",
@@ -193,12 +195,14 @@ def _torch_sign(x: Any) -> Any:
     return tf.where(tf.math.is_nan(x), tf.zeros_like(x), tf.sign(x))
 
 
-def _outside(x: Any, low: float, high: float) -> Any:
-    """Where `x` is outside `[low, high]` (the torch recipes' `window_outside`); the bounds
-    are rounded to x's dtype, as torch compares a tensor with a Python number."""
-    if low == -high:
-        return tf.abs(x) > tf.constant(high, x.dtype)
-    return (x < tf.constant(low, x.dtype)) | (x > tf.constant(high, x.dtype))
+def _outside(x: Any, low: Any, high: Any, inclusive: tuple[bool, bool]) -> Any:
+    """Where `x` is outside the window from `low` to `high` (each end included or not, as
+    `inclusive` says: the torch recipes' windows); the bounds are rounded to x's dtype, as
+    torch compares a tensor with a Python number (or a tensor bound cast to x's dtype)."""
+    low, high = _bound_in(low, x.dtype), _bound_in(high, x.dtype)
+    below = x < low if inclusive[0] else x <= low
+    above = x > high if inclusive[1] else x >= high
+    return below | above
 
 
 def _zero_where(mask: Any, grad: Any) -> Any:
@@ -235,12 +239,14 @@ def _straight_through(x: Any, forward: Callable[[Any], Any]) -> Any:
 def _windowed(
     x: Any,
     forward: Callable[[Any], Any],
-    window: tuple[float, float] | None,
+    window: tuple[Any, Any] | None,
     keep: str,
+    inclusive: tuple[bool, bool] = (True, True),
 ) -> Any:
-    """`forward(x)` whose gradient is the upstream gradient where low <= x <= high, else 0
-    (straight-through everywhere when `window` is None). `keep` picks what the gradient
-    function closes over (what TensorFlow keeps for it): x, or the mask of the window."""
+    """`forward(x)` whose gradient is the upstream gradient inside the window (low <= x <=
+    high, or with an end left out, as `inclusive` says), else 0 (straight-through everywhere
+    when `window` is None). `keep` picks what the gradient function closes over (what
+    TensorFlow keeps for it): x, or the mask of the window."""
     if window is None:
         return _straight_through(x, forward)
     low, high = window
@@ -248,10 +254,10 @@ def _windowed(
 
     @_custom_gradient
     def op(x: Any) -> Any:
-        kept = _outside(x, low, high) if by_mask else x
+        kept = _outside(x, low, high, inclusive) if by_mask else x
 
         def gradient(dy: Any) -> Any:
-            outside = kept if by_mask else _outside(kept, low, high)
+            outside = kept if by_mask else _outside(kept, low, high, inclusive)
             return _zero_where(outside, _dense(dy))
 
         return forward(x), gradient
@@ -278,14 +284,65 @@ def _ste_sign(recipe: ste_sign, x: Any) -> Any:
     return _straight_through(x, _torch_sign)
 
 
-def _clamp(x: Any, low: float, high: float) -> Any:
-    """`torch.clamp(x, low, high)`; NaN stays NaN (as in `tf.clip_by_value`)."""
-    return tf.clip_by_value(x, tf.constant(low, x.dtype), tf.constant(high, x.dtype))
+def _clamp(x: Any, low: Any, high: Any) -> Any:
+    """`torch.clamp(x, low, high)`, the bounds cast to x's dtype and broadcast against it;
+    NaN stays NaN, and where low > high the result is high (torch.clamp's order: max with
+    low, then min with high)."""
+    return tf.minimum(tf.maximum(x, _bound_in(low, x.dtype)), _bound_in(high, x.dtype))
+
+
+def _bound_in(bound: Any, dtype: Any) -> Any:
+    """A window bound in `dtype`: a Python number converted to it directly (rounded once,
+    as torch rounds it), a tensor cast."""
+    if isinstance(bound, (int, float)):
+        return tf.constant(bound, dtype)
+    return tf.cast(bound, dtype)
 
 
 def _ste_clamp(recipe: ste_clamp, x: Any) -> Any:
-    window = recipe._window if recipe.outside == "zero" else None
-    return _windowed(x, lambda v: _clamp(v, recipe.low, recipe.high), window, recipe.keep)
+    low = _tensorflow_bound(recipe, "low", recipe.low)
+    high = _tensorflow_bound(recipe, "high", recipe.high)
+    window = (low, high) if recipe.outside == "zero" else None
+    if recipe._window is None:  # tensor bounds: the output broadcasts x against them
+        return _windowed_broadcast(x, low, high, window, recipe.keep, recipe._ends)
+    return _windowed(x, lambda v: _clamp(v, low, high), window, recipe.keep, recipe._ends)
+
+
+def _tensorflow_bound(recipe: ste_clamp, name: str, value: Any) -> Any:
+    """A bound of `ste_clamp` for a TensorFlow input: a number, or a TensorFlow tensor (a
+    variable is read here, outside the `tf.custom_gradient` function)."""
+    if isinstance(value, torch.Tensor):
+        msg = (
+            f"{recipe!r}: `{name}` is a torch tensor, and the input a TensorFlow tensor; give "
+            "TensorFlow tensors (or numbers) as the bounds of a TensorFlow input."
+        )
+        raise GradOverrideTypeError(msg)
+    return value if isinstance(value, (int, float)) else _as_tensor(value)
+
+
+def _windowed_broadcast(
+    x: Any, low: Any, high: Any, window: tuple[Any, Any] | None, keep: str,
+    inclusive: tuple[bool, bool],
+) -> Any:
+    """`ste_clamp` with tensor bounds: the output has the broadcast shape of x and the
+    bounds, so the gradient is summed back to x's shape; the bounds get none."""
+
+    @_custom_gradient
+    def op(x: Any) -> Any:
+        y = _clamp(x, low, high)
+        by_mask = window is not None and keep == "mask"
+        kept = _outside(x, low, high, inclusive) if by_mask else x
+
+        def gradient(dy: Any) -> Any:
+            dy = _dense(dy)
+            if window is not None:
+                outside = kept if by_mask else _outside(kept, low, high, inclusive)
+                dy = _zero_where(outside, dy)
+            return _sum_to_shape(dy, x)
+
+        return y, gradient
+
+    return op(_as_tensor(x))
 
 
 def _binary_sign(x: Any) -> Any:
@@ -294,7 +351,28 @@ def _binary_sign(x: Any) -> Any:
 
 
 def _binarize(recipe: binarize, x: Any) -> Any:
-    return _windowed(x, _binary_sign, recipe._window, recipe.keep)
+    return _windowed(x, _binary_sign, recipe._window, recipe.keep, recipe._ends)
+
+
+def _abs_subgradient(recipe: abs_subgradient, x: Any) -> Any:
+    """|x|, whose gradient is dy * s(x): sign(x), and `at_zero` at ±0 (as the torch
+    recipe: at_zero = 1 is -1 below 0 and +1 elsewhere, NaN included)."""
+    at_zero = recipe.at_zero
+
+    @_custom_gradient
+    def op(x: Any) -> Any:
+        def gradient(dy: Any) -> Any:
+            dy = _dense(dy)
+            if at_zero == 1:
+                return tf.where(x < 0, -dy, dy)
+            sign = _torch_sign(x)
+            if at_zero != 0:
+                sign = sign + tf.constant(at_zero, x.dtype) * (1 - tf.abs(sign))
+            return dy * sign
+
+        return tf.abs(x), gradient
+
+    return op(_as_tensor(x))
 
 
 def _ternary(recipe: ternarize, x: Any) -> Any:
@@ -752,6 +830,7 @@ _CALLS: dict[type, Callable[..., Any]] = {
     ste_sign: _ste_sign,
     ste_clamp: _ste_clamp,
     binarize: _binarize,
+    abs_subgradient: _abs_subgradient,
     ternarize: _ternarize,
     quantize: _quantize,
     lsq: _lsq,
@@ -774,6 +853,7 @@ _TRANSFORMS: dict[type, Callable[..., Any]] = {
 _INSTEAD: dict[type, str] = {
     ste_argmax: "its one-hot and softmax gradient have no TensorFlow form yet",
     gumbel_softmax: "its noise and softmax gradient have no TensorFlow form yet",
+    rotation_trick: "the discrete choices have no TensorFlow form yet",
     blackbox_solver: (
         "it calls a Python solver between the forward and the backward, which tf.function "
         "and XLA cannot trace"
@@ -814,7 +894,8 @@ def _unsupported(recipe: object, x: Any, name: str | None = None) -> GradOverrid
 
 #: The recipes that exist for their backward and so refuse an input that gets no gradient.
 _FLOATING_ONLY = (
-    ste_round, ste_floor, ste_ceil, ste_sign, ste_clamp, binarize, ternarize, quantize, lsq
+    ste_round, ste_floor, ste_ceil, ste_sign, ste_clamp, binarize, ternarize, quantize, lsq,
+    abs_subgradient,
 )
 
 
