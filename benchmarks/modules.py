@@ -14,7 +14,7 @@ Interleaved, shuffled rounds on one thread; each ratio is the median, over round
 case's time over the fastest baseline's in that round. A dense upstream gradient
 (`out.backward(upstream)`), as behind any layer.
 
-    python benchmarks/modules.py [--quick] [--device cuda]
+    python benchmarks/modules.py [--quick] [--device cuda] [--rounds N]
 """
 
 from __future__ import annotations
@@ -108,13 +108,14 @@ def negate(grad: torch.Tensor) -> torch.Tensor:
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer rounds (for the test suite)")
+    parser.add_argument("--rounds", type=int, default=41, help="timed rounds (default 41)")
     add_device_argument(parser)
     args = parser.parse_args()
     sync = synchronizer(args.device)
     device = torch.device(args.device)
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    rounds, number = (3, 5) if args.quick else (41, 200)
+    rounds, number = (3, 5) if args.quick else (args.rounds, 200)
     print(f"torch {torch.__version__}, device {args.device}, 1 thread, shape (1, {N})")
     x = torch.randn(1, N, device=device, requires_grad=True)
     upstream = torch.randn(1, N, device=device)
