@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-__all__ = ["add_device_argument", "compare", "synchronizer"]
+__all__ = ["add_device_argument", "compare", "synchronizer", "tensorflow_device"]
 
 
 def _time_block(fn: Callable[[], Any], number: int, sync: Callable[[], None]) -> float:
@@ -77,3 +77,24 @@ def synchronizer(device: str) -> Callable[[], None]:
                      f"({torch.__version__}); run on a machine with a GPU, or use --device cpu.")
         return torch.cuda.synchronize
     sys.exit(f"--device {device}: only cpu and cuda are supported by the benchmarks.")
+
+
+def tensorflow_device(device: str) -> str:
+    """TensorFlow's name for --device; where TensorFlow has no GPU, says so and exits with
+    status 3 (cannot run here: what benchmarks/gpu.sh marks skipped)."""
+    import tensorflow as tf
+
+    kind, _, index = device.partition(":")
+    if kind == "cpu":
+        return "/CPU:0"
+    if kind != "cuda":
+        sys.exit(f"--device {device}: only cpu and cuda are supported by the benchmarks.")
+    if not tf.config.list_physical_devices("GPU"):
+        print(
+            f"--device {device}: TensorFlow {tf.__version__} sees no GPU (a CPU-only build such "
+            "as tensorflow-cpu, or no CUDA libraries for it); install a TensorFlow with GPU "
+            "support, or use --device cpu.",
+            file=sys.stderr,
+        )
+        sys.exit(3)
+    return f"/GPU:{index or 0}"

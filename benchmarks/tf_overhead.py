@@ -36,7 +36,7 @@ except ImportError:
 import gradoverride as go
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _timing import add_device_argument, compare
+from _timing import add_device_argument, compare, tensorflow_device
 
 
 @go.custom_backward
@@ -86,25 +86,6 @@ def main() -> None:
     print(f"tensorflow {tf.__version__}, {placement}, 1 thread")
     with tf.device(placement):
         run_all(args.quick)
-
-
-def tensorflow_device(device: str) -> str:
-    """TensorFlow's name for --device; exits saying why where TensorFlow has no such GPU."""
-    kind, _, index = device.partition(":")
-    if kind == "cpu":
-        return "/CPU:0"
-    if kind != "cuda":
-        sys.exit(f"--device {device}: only cpu and cuda are supported by the benchmarks.")
-    gpus = tf.config.list_physical_devices("GPU")
-    if not gpus:
-        print(
-            f"--device {device}: TensorFlow {tf.__version__} sees no GPU (a CPU-only build such "
-            "as tensorflow-cpu, or no CUDA libraries for it); install a TensorFlow with GPU "
-            "support, or use --device cpu.",
-            file=sys.stderr,
-        )
-        sys.exit(3)  # cannot run here: benchmarks/gpu.sh marks it skipped
-    return f"/GPU:{index or 0}"
 
 
 def run_all(quick: bool) -> None:
