@@ -457,8 +457,13 @@ class _AtInputs(_Transforming):
                 # hook on it, were replaced.
                 raise GradOverrideError(_inplace_input_message(module))
             else:
+                base = given._base
                 for leaf in leaves:
-                    if related(leaf, given):
+                    # `related(leaf, given)`, written out (the common call has one leaf):
+                    # `given` is a view, so its base is never None.
+                    if leaf is given or leaf is base or leaf._base is given or (
+                        leaf._base is base
+                    ):
                         # Returned as-is or as a view (`nn.Identity`, `nn.Flatten`): through a
                         # view op, so an in-place op right after is PyTorch's error, not a
                         # lost transform.

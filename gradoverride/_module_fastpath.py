@@ -325,8 +325,10 @@ def generate_twin(
         out = []
         for g, p, name in zip(pg, ps, names, strict=True):
             # A parameter that takes no gradient (not floating-point), as the core says it.
+            # (A parameter that requires grad is floating-point or complex.)
             out += [
-                f"if {g} is not None and not ({p}.is_floating_point() or {p}.is_complex()):",
+                f"if {g} is not None and not {p}.requires_grad and not "
+                f"({p}.is_floating_point() or {p}.is_complex()):",
                 f"    _go_check_gradient({g}, None, {label!r}, {name!r})",
             ]
         for i, g in enumerate(ig):
