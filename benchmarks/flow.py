@@ -13,7 +13,7 @@ formula, so every ratio to pytorch-revgrad must be at most 1.0.
 
     pip install pytorch-revgrad      # optional (the `peers` extra): else the hand-written
                                      # baseline only
-    python benchmarks/flow.py [--quick]
+    python benchmarks/flow.py [--quick] [--device cuda]
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import torch
 from gradoverride.recipes import reverse_grad
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _timing import compare
+from _timing import add_device_argument, compare, synchronizer
 
 try:
     import pytorch_revgrad
@@ -52,16 +52,18 @@ class ReverseFunction(torch.autograd.Function):
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer rounds (for the test suite)")
+    add_device_argument(parser)
     args = parser.parse_args()
+    sync = synchronizer(args.device)
     torch.set_num_threads(1)
     torch.manual_seed(0)
     version = "not installed" if pytorch_revgrad is None else pytorch_revgrad.__version__
-    print(f"torch {torch.__version__}, pytorch-revgrad {version}, cpu, 1 thread")
+    print(f"torch {torch.__version__}, pytorch-revgrad {version}, {args.device}, 1 thread")
 
     for shape, number, rounds in (((1, 256), 200, 41), ((64, 1024), 50, 21),
                                   ((2048, 2048), 3, 11)):
-        x = torch.randn(*shape, requires_grad=True)
-        upstream = torch.randn(*shape)
+        x = torch.randn(*shape, device=args.device, requires_grad=True)
+        upstream = torch.randn(*shape, device=args.device)
 
         def step(op: Callable[..., torch.Tensor], *extra: Any, x: torch.Tensor = x,
                  upstream: torch.Tensor = upstream) -> Callable[[], None]:
@@ -72,13 +74,13 @@ def main() -> None:
 
         comparisons: dict[str, dict[str, Callable[[], None]]] = {}
         if pytorch_revgrad is not None:
-            alpha = torch.tensor(1.0)
+            alpha = torch.tensor(1.0, device=args.device)
             comparisons["function"] = {
                 "pytorch_revgrad.revgrad": step(pytorch_revgrad.functional.revgrad, alpha),
                 "reverse_grad()": step(reverse_grad()),
             }
             comparisons["module"] = {
-                "pytorch_revgrad.RevGrad()": step(pytorch_revgrad.RevGrad()),
+                "pytorch_revgrad.RevGrad()": step(pytorch_revgrad.RevGrad().to(args.device)),
                 "reverse_grad().module()": step(reverse_grad().module()),
             }
         comparisons["hand-written"] = {
@@ -88,7 +90,7 @@ def main() -> None:
         print(f"\nforward+backward per call, shape {shape}:")
         for label, cases in comparisons.items():
             result = compare(cases, rounds=5 if args.quick else rounds,
-                             number=2 if args.quick else number)
+                             number=2 if args.quick else number, sync=sync)
             print(f"  {label}:")
             for name, (seconds, ratio) in result.items():
                 print(f"    {name:27s} {seconds * 1e6:10.1f} us   ratio {ratio:.3f}")

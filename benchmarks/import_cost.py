@@ -15,7 +15,10 @@ median over the rounds (and min, max) of:
 Then, from one `python -X importtime` run, the slowest imports of gradoverride and its
 recipes (cumulative), which is where to look when a number grows.
 
-    python benchmarks/import_cost.py [--quick] [--rounds N]
+With `--device cuda`, also whether any of the imports initialized CUDA (none may: a
+process that only imports gradoverride must not take a GPU context).
+
+    python benchmarks/import_cost.py [--quick] [--rounds N] [--device cuda]
 """
 
 from __future__ import annotations
@@ -30,6 +33,9 @@ import subprocess
 import sys
 from typing import Any
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _timing import add_device_argument, synchronizer
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FRAMEWORKS = ("tensorflow", "keras", "tf_keras")
 
@@ -43,7 +49,9 @@ t1 = time.perf_counter()
 t2 = time.perf_counter()
 frameworks = {frameworks!r}
 loaded = sorted({{m.split(".")[0] for m in sys.modules if m.split(".")[0] in frameworks}})
-print("PROBE " + json.dumps({{"before": t1 - t0, "after": t2 - t1, "loaded": loaded}}))
+cuda = bool(sys.modules["torch"].cuda.is_initialized()) if "torch" in sys.modules else False
+print("PROBE " + json.dumps({{"before": t1 - t0, "after": t2 - t1, "loaded": loaded,
+                             "cuda": cuda}}))
 """
 
 # name -> (imported first, untimed; timed). The cases without "keras" must load no framework.
@@ -113,7 +121,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer rounds (for the test suite)")
     parser.add_argument("--rounds", type=int, default=None, help="rounds (default 15; 3 quick)")
+    add_device_argument(parser)
     args = parser.parse_args()
+    if args.device != "cpu":
+        synchronizer(args.device)  # a clear exit where torch cannot use that GPU
     rounds = args.rounds or (3 if args.quick else 15)
     has_tf = importlib.util.find_spec("tensorflow") is not None
     # Each TensorFlow case takes seconds (TensorFlow's own import): left out when quick.
@@ -127,6 +138,7 @@ def main() -> None:
 
     seconds: dict[str, list[float]] = {n: [] for n in names}
     loaded: dict[str, set[str]] = {n: set() for n in names}
+    cuda_initialized: set[str] = set()
     torch_seconds: list[float] = []
     order = random.Random(0)
     for _ in range(rounds):
@@ -136,6 +148,8 @@ def main() -> None:
             report = probe(*CASES[name])
             seconds[name].append(report["after"])
             loaded[name].update(report["loaded"])
+            if report["cuda"]:
+                cuda_initialized.add(name)
             if name == names[0]:
                 torch_seconds.append(report["before"])
 
@@ -155,6 +169,9 @@ def main() -> None:
         f"{'yes' if not leaked else 'NO (' + ', '.join(sorted(leaked)) + ')'}"
     )
 
+    if args.device != "cpu":
+        found = ", ".join(sorted(cuda_initialized))
+        print(f"CUDA initialized by any of these imports: {'YES: ' + found if found else 'no'}")
     print(
         "\nslowest imports of gradoverride and its recipes after torch (cumulative, one "
         "-X importtime run):"
@@ -164,6 +181,8 @@ def main() -> None:
         print(f"  {took * 1e3:8.1f} ms  {module}")
     if leaked:
         raise SystemExit("`import gradoverride` or its recipes imported TensorFlow or Keras")
+    if cuda_initialized:
+        raise SystemExit("an import initialized CUDA: " + ", ".join(sorted(cuda_initialized)))
 
 
 if __name__ == "__main__":

@@ -12,7 +12,9 @@ One step is forward + backward under a `tf.GradientTape`, timed eagerly and insi
 `tf.function`; interleaved, shuffled rounds; medians and the median of paired ratios.
 
     pip install -e ".[tensorflow]"
-    python benchmarks/keras_layers.py [--quick]
+    python benchmarks/keras_layers.py [--quick] [--device cuda]
+
+`--device cuda` runs on TensorFlow's first GPU (a TensorFlow build with GPU support).
 """
 
 from __future__ import annotations
@@ -26,15 +28,20 @@ from typing import Any
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 
-import keras
-import tensorflow as tf
+try:
+    import keras
+    import tensorflow as tf
+except ImportError:
+    # Exit status 3: this benchmark cannot run here (what benchmarks/gpu.sh marks skipped).
+    print("TensorFlow is not installed (pip install -e '.[tensorflow]')", file=sys.stderr)
+    sys.exit(3)
 
 import gradoverride as go
 from gradoverride import recipes
 from gradoverride.keras import Layer
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _timing import compare
+from _timing import add_device_argument, compare, tensorflow_device
 
 
 class ScaleWithRule(Layer):
@@ -122,10 +129,17 @@ def _step(layer: Any) -> Callable[[Any, Any], Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer rounds (for the test suite)")
+    add_device_argument(parser)
     args = parser.parse_args()
+    placement = tensorflow_device(args.device)
     tf.config.threading.set_intra_op_parallelism_threads(1)
     tf.config.threading.set_inter_op_parallelism_threads(1)
-    print(f"tensorflow {tf.__version__}, keras {keras.__version__}, cpu, 1 thread")
+    print(f"tensorflow {tf.__version__}, keras {keras.__version__}, {placement}, 1 thread")
+    with tf.device(placement):
+        run_all(args.quick)
+
+
+def run_all(quick: bool) -> None:
     x = tf.random.stateless_normal((1, 256), seed=(0, 1))
     keras.utils.set_random_seed(0)
     overridden = keras.layers.Dense(256)
@@ -152,8 +166,8 @@ def main() -> None:
                     [g.numpy() for g in step(x, upstream)]
 
                 cases[name] = run
-            result = compare(cases, rounds=3 if args.quick else 21,
-                             number=2 if args.quick else 50)
+            result = compare(cases, rounds=3 if quick else 21,
+                             number=2 if quick else 50)
             print(f"\n{title}, forward+backward per step, (1, 256), {mode}:")
             for name, (seconds, ratio) in result.items():
                 print(f"  {name:14s} {seconds * 1e6:10.1f} us   ratio {ratio:.3f}")

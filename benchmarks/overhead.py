@@ -26,7 +26,7 @@ import gradoverride as go
 from gradoverride.testing import saved_bytes
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _timing import compare
+from _timing import add_device_argument, compare, synchronizer
 
 
 class Classic(torch.autograd.Function):
@@ -98,8 +98,9 @@ def import_cost(repeats: int = 5) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer rounds (for the test suite)")
-    parser.add_argument("--device", default="cpu")
+    add_device_argument(parser)
     args = parser.parse_args()
+    synchronizer(args.device)  # a clear exit where the device is a GPU torch cannot use
     torch.set_num_threads(1)
     torch.manual_seed(0)
     print(f"torch {torch.__version__}, device {args.device}, 1 thread")
@@ -128,7 +129,7 @@ def main() -> None:
         for name, (seconds, ratio) in result.items():
             print(f"  {name:24s} {seconds * 1e6:10.1f} us   ratio {ratio:.3f}")
 
-    x = torch.randn(64, 64, requires_grad=True)
+    x = torch.randn(64, 64, device=args.device, requires_grad=True)
     print("\nbytes saved for backward, (64, 64) float32:")
     print(f"  rule naming nothing (passthrough_sign): {saved_bytes(passthrough_sign, x)}")
     print(f"  rule naming x (quantize):               {saved_bytes(quantize, x)}")

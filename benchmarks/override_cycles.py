@@ -6,7 +6,9 @@ prints how much the process's resident memory grew over the measured cycles and 
 generated source `linecache` still holds. Both should stay flat: an op's generated source is
 dropped with the op.
 
-    python benchmarks/override_cycles.py [--quick] [--cycles N]
+    python benchmarks/override_cycles.py [--quick] [--cycles N] [--device cuda]
+
+On a GPU it also prints how much the CUDA allocator's memory grew.
 """
 
 from __future__ import annotations
@@ -14,21 +16,27 @@ from __future__ import annotations
 import argparse
 import gc
 import linecache
+import os
+import sys
 
 import torch
 from torch import nn
 
 import gradoverride as go
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _timing import add_device_argument, synchronizer
+
 
 def rule(grad, *, input, module):  # `input`: nn.Linear.forward's parameter name
     return {"input": grad @ module.weight, "weight": grad.T @ input, "bias": grad.sum(0)}
 
 
-def cycle() -> None:
-    linear = nn.Linear(4, 4)
+def cycle(device: str = "cpu") -> None:
+    linear = nn.Linear(4, 4, device=device)
     handle = go.override_backward(linear, rule)
-    linear(torch.randn(2, 4, requires_grad=True)).sum().backward()
+    for _ in range(2):  # the first call is checked; the second takes the fast path
+        linear(torch.randn(2, 4, device=device, requires_grad=True)).sum().backward()
     handle.remove()
 
 
@@ -51,17 +59,26 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="100 cycles (a smoke test)")
     parser.add_argument("--cycles", type=int, default=1000)
+    add_device_argument(parser)
     args = parser.parse_args()
+    sync = synchronizer(args.device)
+    on_gpu = args.device != "cpu"
     cycles = 100 if args.quick else args.cycles
     for _ in range(50):
-        cycle()
+        cycle(args.device)
     gc.collect()
+    sync()
     before = resident_mb()
+    allocated = torch.cuda.memory_allocated() if on_gpu else 0
     for _ in range(cycles):
-        cycle()
+        cycle(args.device)
     gc.collect()
-    print(f"{cycles} override/remove cycles of an nn.Linear(4, 4):")
+    sync()
+    print(f"{cycles} override/remove cycles of an nn.Linear(4, 4) on {args.device}:")
     print(f"  resident memory grew by {resident_mb() - before:.1f} MB")
+    if on_gpu:
+        grown = (torch.cuda.memory_allocated() - allocated) / 2**20
+        print(f"  CUDA memory allocated grew by {grown:.2f} MB")
     print(f"  generated source held in linecache: {generated_source_mb():.2f} MB")
 
 

@@ -14,7 +14,9 @@
 Timings are interleaved in shuffled rounds with paired ratios (see `_timing.py`), on one
 thread. Peak memory is read from the profiler's allocation events.
 
-    python benchmarks/ste.py [--quick] [--size N] [--no-compile]
+    python benchmarks/ste.py [--quick] [--size N] [--no-compile] [--device cuda]
+
+On a GPU, peak and held memory are read from `torch.cuda`'s allocator statistics instead.
 """
 
 from __future__ import annotations
@@ -36,9 +38,19 @@ from gradoverride import recipes as R
 from gradoverride.testing import saved_bytes
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _timing import compare
+from _timing import add_device_argument, compare, synchronizer
 
 Tensor = torch.Tensor
+
+# Set by `main` from --device: where the tensors live, and what ends a timed block there.
+DEVICE = "cpu"
+
+
+def _no_sync() -> None:
+    return None
+
+
+SYNC: Callable[[], None] = _no_sync
 
 
 # ---- 1. identity ------------------------------------------------------------------------------
@@ -71,14 +83,14 @@ def step(op: Callable[[Tensor], Tensor], x: Tensor, g: Tensor) -> Callable[[], N
 
 
 def identity_section(n: int, rounds: int) -> None:
-    x = torch.randn(n, n, requires_grad=True)
-    g = torch.randn(n, n)
+    x = torch.randn(n, n, device=DEVICE, requires_grad=True)
+    g = torch.randn(n, n, device=DEVICE)
     cases = {
         "x + (f(x) - x).detach()": step(detach_idiom, x, g),
         "hand-written Function": step(HandWritten.apply, x, g),
         "go.straight_through": step(ste_sign, x, g),
     }
-    result = compare(cases, rounds=rounds, number=1)
+    result = compare(cases, rounds=rounds, number=1, sync=SYNC)
     print(f"\n1. identity straight-through, sign, ({n}, {n}) float32, forward + backward:")
     for name, (seconds, ratio) in result.items():
         fn = {"x + (f(x) - x).detach()": detach_idiom, "hand-written Function": HandWritten.apply,
@@ -108,6 +120,13 @@ def _quiet_stderr() -> Any:
 
 def peak_memory(fn: Callable[[], None]) -> float:
     """Peak MiB allocated while `fn` runs, from the profiler's allocation events."""
+    if DEVICE != "cpu":
+        torch.cuda.synchronize()
+        start = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        fn()
+        torch.cuda.synchronize()
+        return (torch.cuda.max_memory_allocated() - start) / 2**20
     with _quiet_stderr(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
     events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
@@ -122,6 +141,16 @@ def peak_memory(fn: Callable[[], None]) -> float:
 def held_after_forward(op: Callable[[Tensor], Tensor], x: Tensor) -> float:
     """MiB still allocated after the forward of `op(x * 2)`, the activation freed: what the
     backward keeps (output included)."""
+    if DEVICE != "cpu":
+        torch.cuda.synchronize()
+        start = torch.cuda.memory_allocated()
+        h = x * 2
+        y = op(h)
+        del h
+        torch.cuda.synchronize()
+        held = torch.cuda.memory_allocated() - start
+        del y
+        return held / 2**20
     with _quiet_stderr(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         h = x * 2
         y = op(h)
@@ -140,8 +169,8 @@ def clipped_section(n: int, rounds: int, compiled: bool) -> None:
     def clip_mask(x: Tensor) -> Tensor:
         return torch.sign(x)
 
-    x = torch.randn(n, n, requires_grad=True)
-    g = torch.randn(n, n)
+    x = torch.randn(n, n, device=DEVICE, requires_grad=True)
+    g = torch.randn(n, n, device=DEVICE)
     modes = [("eager", lambda f: f)]
     if compiled:
         modes.append(("compiled", lambda f: torch.compile(f, fullgraph=True)))
@@ -149,7 +178,8 @@ def clipped_section(n: int, rounds: int, compiled: bool) -> None:
     for mode, wrap in modes:
         torch._dynamo.reset()
         ops = {"keep='input'": wrap(clip_input), "keep='mask'": wrap(clip_mask)}
-        result = compare({k: step(op, x, g) for k, op in ops.items()}, rounds=rounds, number=1)
+        result = compare({k: step(op, x, g) for k, op in ops.items()}, rounds=rounds, number=1,
+                         sync=SYNC)
         for name, (seconds, ratio) in result.items():
             op = ops[name]
             peak = peak_memory(step(op, x, g))
@@ -241,9 +271,9 @@ def rotation_pairs(n: int) -> list[tuple[str, Callable[[], None], Callable[[], N
     vq = _maybe("vector_quantize_pytorch.vector_quantize_pytorch")
     if vq is None:
         return []
-    x = torch.randn(n, 64, requires_grad=True)
-    q = torch.randn(n, 64)
-    g = torch.randn(n, 64)
+    x = torch.randn(n, 64, device=DEVICE, requires_grad=True)
+    q = torch.randn(n, 64, device=DEVICE)
+    g = torch.randn(n, 64, device=DEVICE)
     trick = R.rotation_trick()
 
     def ours() -> None:
@@ -261,13 +291,14 @@ def peers_section(n: int, rounds: int, number: int) -> None:
     if not pairs:
         print("  no peer installed (pip install -e '.[peers]')")
         return
-    x = torch.randn(n, n, requires_grad=True)
-    g = torch.randn(n, n)
+    x = torch.randn(n, n, device=DEVICE, requires_grad=True)
+    g = torch.randn(n, n, device=DEVICE)
     runs = [(label, step(peer, x, g), step(ours, x, g)) for label, ours, peer in pairs]
     runs += [(label, peer, ours) for label, ours, peer in rotation_pairs(n * n // 64)]
     worst = 0.0
     for label, peer_run, ours_run in runs:
-        result = compare({"peer": peer_run, "ours": ours_run}, rounds=rounds, number=number)
+        result = compare({"peer": peer_run, "ours": ours_run}, rounds=rounds, number=number,
+                         sync=SYNC)
         ratio = result["ours"][1]
         worst = max(worst, ratio)
         print(f"  {label:34s} peer {result['peer'][0] * 1e3:7.2f} ms   ours "
@@ -281,12 +312,16 @@ def main() -> None:
     parser.add_argument("--size", type=int, default=4096, help="side of sections 1 and 2")
     parser.add_argument("--peer-size", type=int, default=1024, help="side of section 3")
     parser.add_argument("--no-compile", action="store_true", help="skip the compiled runs")
+    add_device_argument(parser)
     args = parser.parse_args()
+    global DEVICE, SYNC
+    SYNC = synchronizer(args.device)
+    DEVICE = args.device
     torch.set_num_threads(1)
     torch.manual_seed(0)
     size, peer_size = (256, 64) if args.quick else (args.size, args.peer_size)
     rounds = 3 if args.quick else 9
-    print(f"torch {torch.__version__}, 1 thread")
+    print(f"torch {torch.__version__}, device {args.device}, 1 thread")
     with contextlib.ExitStack() as stack:
         stack.enter_context(warnings.catch_warnings())
         warnings.simplefilter("ignore")

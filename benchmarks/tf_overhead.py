@@ -10,7 +10,10 @@ Interleaved, shuffled rounds; medians and the median of paired ratios to the han
 No contract number: DESIGN §4 states the torch one; this reports where TensorFlow stands.
 
     pip install -e ".[tensorflow]"
-    python benchmarks/tf_overhead.py [--quick]
+    python benchmarks/tf_overhead.py [--quick] [--device cuda]
+
+`--device cuda` places the tensors on TensorFlow's first GPU (it needs a TensorFlow build
+with GPU support; the CPU-only `tensorflow-cpu` exits saying so).
 """
 
 from __future__ import annotations
@@ -23,12 +26,17 @@ from typing import Any
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import tensorflow as tf
+try:
+    import tensorflow as tf
+except ImportError:
+    # Exit status 3: this benchmark cannot run here (what benchmarks/gpu.sh marks skipped).
+    print("TensorFlow is not installed (pip install -e '.[tensorflow]')", file=sys.stderr)
+    sys.exit(3)
 
 import gradoverride as go
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _timing import compare
+from _timing import add_device_argument, compare, tensorflow_device
 
 
 @go.custom_backward
@@ -70,10 +78,17 @@ def _step(op: Callable[..., Any]) -> Callable[[Any, Any], Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer rounds (for the test suite)")
+    add_device_argument(parser)
     args = parser.parse_args()
+    placement = tensorflow_device(args.device)
     tf.config.threading.set_intra_op_parallelism_threads(1)
     tf.config.threading.set_inter_op_parallelism_threads(1)
-    print(f"tensorflow {tf.__version__}, cpu, 1 thread")
+    print(f"tensorflow {tf.__version__}, {placement}, 1 thread")
+    with tf.device(placement):
+        run_all(args.quick)
+
+
+def run_all(quick: bool) -> None:
     for shape, number, rounds in (((1, 256), 100, 21), ((2048, 2048), 3, 9)):
         x = tf.random.stateless_normal(shape, seed=(0, 1))
         upstream = tf.random.stateless_normal(shape, seed=(0, 2))
@@ -90,8 +105,8 @@ def main() -> None:
                     step(x, upstream).numpy()
 
                 cases[name] = run
-            result = compare(cases, rounds=3 if args.quick else rounds,
-                             number=2 if args.quick else number)
+            result = compare(cases, rounds=3 if quick else rounds,
+                             number=2 if quick else number)
             print(f"\nforward+backward per step, shape {shape}, {mode}:")
             for name, (seconds, ratio) in result.items():
                 print(f"  {name:22s} {seconds * 1e6:10.1f} us   ratio {ratio:.3f}")

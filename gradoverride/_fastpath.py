@@ -20,7 +20,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["generate"]
+__all__ = ["compile_source", "generate"]
 
 # Up to this many parameters the lone-tensor return is matched by written-out conditions;
 # beyond it the general `flat_gradients` does it (still correct, a little slower).
@@ -29,7 +29,10 @@ _UNROLL = 6
 _counter = 0
 
 
-def _compile(source: str, name: str, namespace: dict[str, Any]) -> Any:
+def _compile(
+    source: str, name: str, namespace: dict[str, Any], owner: str = "backward"
+) -> Any:
+    """Run `source` in `namespace`; its source lines live as long as the function `owner`."""
     global _counter
     _counter += 1
     filename = f"<gradoverride generated {name} #{_counter}>"
@@ -39,8 +42,11 @@ def _compile(source: str, name: str, namespace: dict[str, Any]) -> Any:
     # The source stays readable for tracebacks while the generated code lives, and no
     # longer: `linecache` never drops an entry without a file on its own, so ops made and
     # dropped in a loop (override/remove cycles) would keep every source forever.
-    weakref.finalize(namespace["backward"], linecache.cache.pop, filename, None)
+    weakref.finalize(namespace[owner], linecache.cache.pop, filename, None)
     return namespace
+
+
+compile_source = _compile
 
 
 def _tuple(items: list[str]) -> str:

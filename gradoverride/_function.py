@@ -614,6 +614,11 @@ def _build_owning(
         fast_forward = forward
 
     cls = _function_class(op, module, kind, fast_forward, setup_context, backward)
+    # For another eager twin of this Function (a module op's, see `_module_fastpath`): the
+    # general steps, which it takes for what its own fast path does not cover.
+    cls._gradoverride_general = (  # type: ignore[attr-defined]
+        shape_output, setup_general, backward_general, finish
+    )
     apply = cls.apply
     raw = raw_apply(cls)
     if fast and generated["forward_eager"] is not None:

@@ -29,7 +29,7 @@ from torch.utils.hooks import RemovableHandle
 
 from ._errors import GradOverrideError, GradOverrideTypeError
 from ._frameworks import autograph_artifact, is_keras_layer
-from ._internals import is_tracing, transforms_active
+from ._internals import add_tensor_hook, is_tracing, tracing_state, transforms_active
 from ._jit import RefuseScripting, jit_message
 from ._passthrough import related, shows_input
 from ._signature import describe
@@ -170,6 +170,21 @@ def _tensors(tree: Any) -> tuple[Tensor, ...]:
     return tuple(t for t in pytree.tree_leaves(tree) if isinstance(t, Tensor))
 
 
+# Values the eager fast paths read as they are: pytree leaves that are tensors of a built-in
+# type (a tensor subclass may be registered as a pytree node) or Python scalars.
+_PLAIN = frozenset({Tensor, nn.Parameter, int, float, bool, complex, str, type(None)})
+
+
+def _plain(values: Any) -> bool:
+    """Whether every value is one `pytree.tree_leaves` would give back as itself."""
+    return _PLAIN.issuperset(map(type, values))
+
+
+def _plain_tensor(value: object) -> bool:
+    t = type(value)
+    return t is Tensor or t is nn.Parameter
+
+
 @autograph_artifact
 def grad_hook(
     module: nn.Module,
@@ -302,6 +317,13 @@ class _Transforming:
         return type(self)(self.transform)
 
 
+class _CallStack(threading.local):
+    """Per thread, one entry per call in progress (`stack`, made in each thread)."""
+
+    def __init__(self) -> None:
+        self.stack: list[list[tuple[str, Tensor, Tensor, Any]]] = []
+
+
 class _AtInputs(_Transforming):
     """The transform at a module's inputs: a forward pre-hook and a forward hook.
 
@@ -335,26 +357,21 @@ class _AtInputs(_Transforming):
         self.inplace: bool | None = None
         # Per thread, a stack with one entry per call in progress (a module may call itself),
         # pushed by the pre-hook and popped by the forward hook: what `after` finishes.
-        self.local = threading.local()
-
-    def _stack(self) -> list[list[tuple[str, Tensor, Tensor, Any]]]:
-        stack = getattr(self.local, "stack", None)
-        if stack is None:
-            stack = self.local.stack = []
-        return stack
+        self.local = _CallStack()
 
     def __call__(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
         entries: list[tuple[str, Tensor, Tensor, Any]] = []
-        self._stack().append(entries)  # first: `after` pops once per call, whatever happens
+        self.local.stack.append(entries)  # first: `after` pops once per call, whatever happens
         if not torch.is_grad_enabled():
             return None
-        _refuse_tracing(module)
+        if tracing_state() is not None:
+            _refuse_tracing(module)
         transform = self.transform
-        from ._transform import transformed, transformed_private
 
         if is_dynamo_compiling() or transforms_active():
+            from ._transform import transformed
 
             def through(t: Any) -> Any:
                 if isinstance(t, Tensor) and t.requires_grad:
@@ -369,6 +386,31 @@ class _AtInputs(_Transforming):
             inplace = self.inplace = any(
                 getattr(m, "inplace", False) is True for m in module.modules()
             )
+        if not inplace and not kwargs:
+            # The common call: positional tensors, each through a hooked view (as below).
+            if len(args) == 1:
+                t = args[0]
+                if type(t) is Tensor or type(t) is nn.Parameter:
+                    if not t.requires_grad:
+                        return None
+                    given = t.view_as(t)
+                    add_tensor_hook(given, transform)
+                    entries.append(("view", t, given, (None, given.grad_fn)))
+                    return (given,), kwargs
+            elif _plain(args):
+                given_args: list[Any] | None = None
+                for i, t in enumerate(args):
+                    if _plain_tensor(t) and t.requires_grad:
+                        given = t.view_as(t)
+                        add_tensor_hook(given, transform)
+                        entries.append(("view", t, given, (None, given.grad_fn)))
+                        if given_args is None:
+                            given_args = list(args)
+                        given_args[i] = given
+                return None if given_args is None else (tuple(given_args), kwargs)
+
+        from ._transform import transformed_private
+
         copies: dict[int, Tensor] = {}  # one copy per tensor, passed twice or not
         tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, Tensor)]
         if inplace and _share_memory(tensors):
@@ -384,7 +426,7 @@ class _AtInputs(_Transforming):
                     entries.append(("copy", t, given, (given._version, given.grad_fn)))
             else:
                 given = t.view_as(t)
-                _register_hook(given, transform)
+                add_tensor_hook(given, transform)
                 entries.append(("view", t, given, (given._version, given.grad_fn)))
             return given
 
@@ -392,17 +434,18 @@ class _AtInputs(_Transforming):
 
     def after(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
         """Forward hook: copy an in-place module's change back; refuse a lost transform."""
-        stack = self._stack()
+        stack = self.local.stack
         entries = stack.pop() if stack else None
         if not entries:
             return None
-        from ._transform import transformed
-
-        leaves = [leaf for leaf in pytree.tree_leaves(output) if isinstance(leaf, Tensor)]
+        if type(output) is Tensor:
+            leaves: Any = (output,)
+        else:
+            leaves = [leaf for leaf in pytree.tree_leaves(output) if isinstance(leaf, Tensor)]
         replace: dict[int, Tensor] = {}
         for kind, t, given, (version, grad_fn) in entries:
-            returned = any(leaf is given for leaf in leaves)
             if kind == "copy":
+                returned = any(leaf is given for leaf in leaves)
                 if returned or given._version != version:
                     # The caller's tensor is what the module changed (or returned as-is), as
                     # the in-place op would have left it: it takes the copy's history, which
@@ -413,11 +456,19 @@ class _AtInputs(_Transforming):
                 # The view was changed in place with grad enabled: its history, and the
                 # hook on it, were replaced.
                 raise GradOverrideError(_inplace_input_message(module))
-            elif returned or any(related(leaf, given) for leaf in leaves):
-                # Returned as-is or as a view (`nn.Identity`, `nn.Flatten`): through a view op,
-                # so an in-place op right after is PyTorch's error, not a lost transform.
+            else:
+                base = given._base
                 for leaf in leaves:
-                    if related(leaf, given):
+                    # `related(leaf, given)`, written out (the common call has one leaf):
+                    # `given` is a view, so its base is never None.
+                    if leaf is given or leaf is base or leaf._base is given or (
+                        leaf._base is base
+                    ):
+                        # Returned as-is or as a view (`nn.Identity`, `nn.Flatten`): through a
+                        # view op, so an in-place op right after is PyTorch's error, not a
+                        # lost transform.
+                        from ._transform import transformed
+
                         replace[id(leaf)] = transformed(leaf, _keep)
         if not replace or output is None:
             return None
@@ -484,7 +535,18 @@ class _AtOutputs(_Transforming):
     ) -> Any:
         if not torch.is_grad_enabled():
             return None
-        _refuse_tracing(module)
+        if tracing_state() is not None:
+            _refuse_tracing(module)
+        if type(output) is Tensor and not kwargs and not is_dynamo_compiling() and (
+            _plain_tensor(args[0]) if len(args) == 1 else _plain(args)
+        ):
+            # One plain tensor output of positional inputs (the common call): what
+            # `_hook_tensors` does, without its walks.
+            if not output.requires_grad:
+                return None
+            if output._base is None and not output.is_leaf and not shows_input(output, args):
+                add_tensor_hook(output, self.transform)
+                return None
         return _hook_tensors(output, self.transform, (args, kwargs))
 
 
@@ -575,6 +637,23 @@ class _ParameterHooks:
             return
         if self.module is None:  # a loaded or copied module: it hooks its parameters now
             self.module = weakref.ref(module)
+        if not module._modules and not is_dynamo_compiling() and not transforms_active():
+            # Eager, no submodule (the common small layer): the loop below, with `_hooked`
+            # written out for a parameter.
+            token, ids = self.token, self.handle_ids
+            for name, p in module._parameters.items():
+                if p is None or not p.requires_grad:
+                    continue
+                if not isinstance(p, nn.Parameter):
+                    self._swap(module._parameters, name, p)
+                    continue
+                table = p._backward_hooks
+                if (
+                    token not in getattr(p, _MARK, ())
+                    or table is None or ids.isdisjoint(table)
+                ):
+                    self._hook(p)
+            return
         for sub in module.modules():
             params = sub._parameters
             for name, p in params.items():
@@ -584,10 +663,14 @@ class _ParameterHooks:
                     if not self._hooked(p):
                         self._hook_later(p)
                 else:
-                    from ._transform import transformed
+                    self._swap(params, name, p)
 
-                    self.swapped.append((params, name, p))
-                    params[name] = transformed(p, self.transform)  # type: ignore[assignment]
+    def _swap(self, params: dict[str, Any], name: str, p: Tensor) -> None:
+        """For this call, `p` through an identity op whose backward is the transform."""
+        from ._transform import transformed
+
+        self.swapped.append((params, name, p))
+        params[name] = transformed(p, self.transform)
 
     def _hook_later(self, p: Tensor) -> None:
         # Outside torch.compile: hook it now. Inside, dynamo cannot keep a hook handle

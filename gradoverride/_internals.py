@@ -15,6 +15,13 @@ path gives the same gradients.
   `tests/test_internals.py` checks. While compiling or under a transform callers use
   `cls.apply`, so dynamo and functorch see exactly what they expect.
 * `any_autocast_enabled()`: one C call instead of one per device type (dynamo folds it).
+* `add_tensor_hook(t, fn)`: what `Tensor.register_hook` does for a tensor with no hooks yet
+  (a dict of hooks set as `t._backward_hooks` and handed to `t.grad_fn._register_hook_dict`),
+  without the `RemovableHandle` it builds and its other Python steps, which cost ~4 us a
+  call, a few percent of a small layer's step: `grad_hook` hooks a fresh tensor on every
+  call, and never removes that hook (it lives as long as the tensor). Any other tensor, one
+  a `__torch_function__` override or mode would see, or a torch without these pieces, takes
+  `Tensor.register_hook`.
 
 Private torch pieces used elsewhere, each with a test that fails if it goes missing:
 
@@ -32,6 +39,7 @@ Private torch pieces used elsewhere, each with a test that fails if it goes miss
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -40,11 +48,14 @@ from torch import Tensor
 
 __all__ = [
     "FAST_APPLY",
+    "FAST_TENSOR_HOOKS",
+    "add_tensor_hook",
     "any_autocast_enabled",
     "is_batched",
     "is_tracing",
     "is_transformed",
     "raw_apply",
+    "tracing_state",
     "transforms_active",
 ]
 
@@ -80,6 +91,36 @@ except AttributeError:  # pragma: no cover - depends on torch version
         )
 
 
+_has_torch_function_unary: Callable[[Any], bool] = torch._C._has_torch_function_unary
+try:
+    from torch.utils.hooks import RemovableHandle as _RemovableHandle
+
+    FAST_TENSOR_HOOKS = hasattr(_RemovableHandle, "next_id") and hasattr(
+        Tensor, "_backward_hooks"
+    )
+except ImportError:  # pragma: no cover - depends on torch version
+    FAST_TENSOR_HOOKS = False
+
+
+def add_tensor_hook(t: Tensor, fn: Callable[[Tensor], Tensor | None]) -> None:
+    """`t.register_hook(fn)`, with no handle returned: for a tensor that requires grad."""
+    if FAST_TENSOR_HOOKS and t._backward_hooks is None and not _has_torch_function_unary(t):
+        grad_fn = t.grad_fn
+        register = getattr(grad_fn, "_register_hook_dict", None)
+        if register is not None:
+            hooks: OrderedDict[int, Any] = OrderedDict()
+            t._backward_hooks = hooks
+            register(t)
+            # A key from the handles' own counter, so a later `register_hook` on `t` does
+            # not reuse it.
+            key = _RemovableHandle.next_id
+            _RemovableHandle.next_id = key + 1
+            hooks[key] = fn
+            return
+    register_hook: Callable[..., Any] = t.register_hook
+    register_hook(fn)
+
+
 def is_batched(value: Any) -> bool:
     """Whether `value` is a tensor batched by torch.func.vmap, at any level of the transforms
     (`vmap(grad(f))` wraps it in a grad-tracking tensor first): numpy would get its
@@ -102,6 +143,11 @@ def is_transformed(value: Any) -> bool:
     )
 
 
+#: The C call under `torch.jit.is_tracing` (mypy sees it untyped): not None while
+#: torch.jit.trace records.
+tracing_state: Callable[[], Any] = torch._C._get_tracing_state
+
+
 def is_tracing() -> bool:
     """Whether torch.jit.trace is recording."""
-    return torch._C._get_tracing_state() is not None
+    return tracing_state() is not None

@@ -34,8 +34,10 @@ from torch.nn.parameter import UninitializedParameter
 from ._decorators import CustomBackward
 from ._errors import GradOverrideError, GradOverrideTypeError
 from ._gradients import check_gradient
-from ._internals import is_tracing, is_transformed, transforms_active
+from ._internals import FAST_APPLY, is_transformed, tracing_state, transforms_active
 from ._jit import jit_message, refuse_scripting
+from ._layout import KEY, Layout, make_layout, snapshot
+from ._module_fastpath import MISS, generate_entry, generate_rule, generate_twin
 from ._rule import RESERVED_NAMES, normalize_names
 
 __all__ = ["Module"]
@@ -88,11 +90,17 @@ class _ParameterIds:
 
     __slots__ = ("buffers", "ids")
 
-    def __init__(
-        self, params: tuple[Tensor, ...], buffers: dict[str, Tensor] | None = None
-    ) -> None:
-        self.ids = tuple(id(p) for p in params)
+    def __init__(self, ids: tuple[int, ...], buffers: dict[str, Tensor] | None) -> None:
+        self.ids = ids
         self.buffers = buffers
+
+
+#: The ids object of a call without floating buffers (its ids are read only by the op's
+#: own path, which computes them).
+_NO_BUFFERS = _ParameterIds((), None)
+
+# An entry checks each parameter and buffer in written-out source: up to this many each.
+_MAX_ENTRY = 8
 
 
 class _ModuleRule:
@@ -159,6 +167,10 @@ class _ModuleRule:
         self.once_differentiable = once_differentiable
         self.materialize_grads = materialize_grads
         self.ops: dict[tuple[tuple[str, ...], bool], CustomBackward[..., Any]] = {}
+        # Per parameter names, the raw apply of the op's eager twin (see `_module_fastpath`),
+        # for rules it covers; per module structure, the generated entry that applies it.
+        self.twins: dict[tuple[str, ...], Callable[..., Any]] = {}
+        self.entries: dict[tuple[Any, ...], Callable[..., Any]] = {}
 
     # ---- the op around the module's forward, one per parameter layout ------------------
 
@@ -201,7 +213,7 @@ class _ModuleRule:
             module: nn.Module, ids: _ParameterIds, *rest: Any, **kwargs: Any
         ) -> Any:
             params, args = rest[:k], rest[k + c :]
-            if all(id(p) == i for p, i in zip(params, ids.ids, strict=True)):
+            if tuple(map(id, params)) == ids.ids:
                 return forward(module, *args, **kwargs)  # the module's own parameters
             # Owned parameters arrive detached (partial override), or others under a
             # transform: the forward must see these.
@@ -246,10 +258,35 @@ class _ModuleRule:
             copies,
         )
 
-        def rule(*grads: Any, **named: Any) -> Any:
+        def general_rule(*grads: Any, **named: Any) -> Any:
             for name, original in zip(copied, copies, strict=True):
                 named[name] = named.pop(original)
             return _call_module_rule(config, grads, named)
+
+        rule: Callable[..., Any] = general_rule
+        owns_everything = len(owned_inputs) == len(self.inputs) and owned_names == names
+        if owns_everything and not copies and not wants_needs:
+            rule = generate_rule(
+                label=self.where.strip("`"),
+                inputs=self.inputs,
+                names=names,
+                slots=slots,
+                rule_names=tuple(rule_names),
+                requested=self.requested,
+                parameter_names=self.parameter_names,
+                rule_is_method=self.rule_is_method,
+                n_grads=self.n_grads,
+                module_kw=_MODULE,
+                ids_kw=_IDS,
+                namespace={
+                    "user_rule": self.user_rule,
+                    "CONFIG": config,
+                    "general": _call_module_rule,
+                    "translate": _translate,
+                    "current": _current_parameter,
+                    "wrote_grad": functools.partial(_refuse_written_grad, self.where),
+                },
+            )
 
         rule.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
             [inspect.Parameter("grads", inspect.Parameter.VAR_POSITIONAL)]
@@ -280,25 +317,136 @@ class _ModuleRule:
             once_differentiable=self.once_differentiable,
             materialize_grads=self.materialize_grads,
         )
+        if rule is not general_rule and self._twin_covers():
+            self.twins[names] = generate_twin(
+                label=self.where.strip("`"),
+                kind="CustomBackward",
+                module_name=getattr(forward, "__module__", None) or __name__,
+                forward=forward,
+                inputs=self.inputs,
+                names=names,
+                op_names=(_MODULE, _IDS, *slots, *self.inputs),
+                requested=self.requested,
+                parameter_names=self.parameter_names,
+                rule_is_method=self.rule_is_method,
+                n_grads=self.n_grads,
+                materialize=self.materialize_grads,
+                op_function=op.function,
+                op_rule=rule,
+                rule_label=rule.__qualname__,
+                labels=labels,
+                namespace={
+                    "user_rule": self.user_rule,
+                    "current": _current_parameter,
+                    "wrote_grad": functools.partial(_refuse_written_grad, self.where),
+                    "CONFIG": config,
+                    "translate": _translate,
+                },
+            )
         return op
 
-    def call(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def _twin_covers(self) -> bool:
+        """Whether an eager twin can take this rule's common call: no residuals, no
+        once_differentiable, one upstream gradient, a forward of positional parameters."""
+        positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        forward_params = list(inspect.signature(self.forward).parameters.values())[1:]
+        return (
+            FAST_APPLY
+            and not self.residuals
+            and not self.once_differentiable
+            and self.n_grads in (None, 1)
+            and all(p.kind in positional for p in forward_params)
+        )
+
+    def call(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+        cache: dict[str, Any],
+    ) -> Any:
+        """A call of `module` with this rule. `cache` keeps the module's layout between calls
+        (see `_layout`): the module's `__dict__` for a `go.Module`, the override's own dict
+        for `override_backward`. The callers try the layout's entry first (`enter`)."""
         if not torch.is_grad_enabled():
             # No gradient is computed, so the rule cannot matter: the module's own forward,
             # without a Function around it (also the dry run that lazy modules need).
             return self.forward(module, *args, **kwargs)
-        if is_tracing():
+        if tracing_state() is not None:
             raise GradOverrideError(jit_message(self.where, "torch.jit.trace"))
+        if is_dynamo_compiling():
+            # Traced code keeps no per-call objects: the walks, which dynamo folds.
+            return self._call_walked(module, args, kwargs)
+        layout = cache.get(KEY)
+        snap = snapshot(module)
+        if layout is None or layout.key != snap[0] or layout.owner is not self:
+            layout = make_layout(self, module, snap)
+            if layout is None:  # a lazy parameter, or walks the snapshot cannot follow
+                return self._call_walked(module, args, kwargs)
+            layout.extra = (
+                self.op_for(layout.names, False), _ParameterIds(layout.parameter_ids, None)
+            )
+            layout.entry = self._entry_for(module, layout)
+            cache[KEY] = layout
+        values = layout.parameters(snap[1])
+        buffers = layout.floating_buffers(snap[2])
+        if buffers is None:
+            op, ids = layout.extra
+        else:
+            self._refuse_wrapped_buffers(buffers)
+            op, ids = layout.extra[0], _ParameterIds(layout.parameter_ids, buffers)
+        if not layout.inplace(module):
+            return op(module, ids, *values, *args, **kwargs)
+        return self._call_inplace(module, layout.names, values, ids, args, kwargs)
+
+    def _entry_for(self, module: nn.Module, layout: Layout) -> Callable[..., Any] | None:
+        """The generated entry for `module`'s structure (see `_module_fastpath`): for a
+        module without submodules whose op has an eager twin, with few parameters."""
+        apply = self.twins.get(layout.names)
+        if apply is None or module._modules:
+            return None
+        params = tuple((k, v is None) for k, v in module._parameters.items())
+        buffers = tuple((k, v is None) for k, v in module._buffers.items())
+        if len(params) > _MAX_ENTRY or len(buffers) > _MAX_ENTRY:
+            return None
+        key = (type(module), params, buffers, layout.inplace_in_dict)
+        entry = self.entries.get(key)
+        if entry is None:
+            op = self.op_for(layout.names, False)
+            entry = self.entries[key] = generate_entry(
+                label=self.where.strip("`"),
+                cls=type(module),
+                pattern=(params, buffers),
+                n_inputs=len(self.inputs),
+                inplace_in_dict=layout.inplace_in_dict,
+                namespace={
+                    "op": op,
+                    "fast_class": op._fast_class,
+                    "apply": apply,
+                    "finish": op.function._gradoverride_general[3],  # type: ignore[attr-defined]
+                    "ParameterIds": _ParameterIds,
+                    "NO_BUFFERS": _NO_BUFFERS,
+                },
+            )
+        return entry
+
+    def _call_walked(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        """`call` with the parameters and buffers walked at this call (the reference)."""
         params = dict(module.named_parameters())
         values = tuple(params.values())
         for name, p in params.items():
             if isinstance(p, UninitializedParameter):
                 raise GradOverrideError(_lazy_message(self.where, name))
-        inplace = getattr(module, "inplace", False) is True
-        ids = _ParameterIds(values, self._buffers(module))
-        if not inplace:
+        ids = _ParameterIds(tuple(map(id, values)), self._buffers(module))
+        if getattr(module, "inplace", False) is not True:
             op = self.op_for(tuple(params), False)
             return op(module, ids, *values, *args, **kwargs)
+        return self._call_inplace(module, tuple(params), values, ids, args, kwargs)
+
+    def _call_inplace(
+        self, module: nn.Module, names: tuple[str, ...], values: tuple[Tensor, ...],
+        ids: _ParameterIds, args: tuple[Any, ...], kwargs: dict[str, Any],
+    ) -> Any:
+        """`call` for a module built with inplace=True."""
         if is_dynamo_compiling():
             raise GradOverrideError(_compiled_inplace_message(self.where))
         for value in (*args, *kwargs.values()):
@@ -313,7 +461,7 @@ class _ModuleRule:
             i = self.input_position[name]
             value = args[i] if i < len(args) else kwargs.get(name, self.input_default[name])
             originals.append(value.detach().clone() if isinstance(value, Tensor) else value)
-        op = self.op_for(tuple(params), True)
+        op = self.op_for(names, True)
         return op(module, ids, *values, *originals, *args, **kwargs)
 
     def _buffers(self, module: nn.Module) -> dict[str, Tensor] | None:
@@ -326,11 +474,15 @@ class _ModuleRule:
         }
         if not buffers:
             return None
+        self._refuse_wrapped_buffers(buffers)
+        return buffers
+
+    def _refuse_wrapped_buffers(self, buffers: dict[str, Tensor]) -> None:
+        """Buffers a torch.func transform wraps would reach the forward as captured."""
         if transforms_active():
             wrapped = [n for n, b in buffers.items() if is_transformed(b)]
             if wrapped:
                 raise GradOverrideError(_wrapped_buffers_message(self.where, wrapped[0]))
-        return buffers
 
     def check_names(self, module: nn.Module) -> None:
         """Check the names the rule uses against `module`'s parameters (once it has them)."""
@@ -367,10 +519,10 @@ def _call_module_rule(spec: _RuleConfig, grads: tuple[Any, ...], named: dict[str
         raise GradOverrideTypeError(msg)
     # Every parameter as the forward saw it, by name.
     seen = {n: named.pop(slot_of[n]) for n in names}
-    owned = {n: seen[n] for n in owned_names}
+    owned = seen if len(owned_names) == len(names) else {n: seen[n] for n in owned_names}
     for name in parameter_names:
         named[name] = seen[name]
-    needs_inputs: dict[str, bool] = named.pop("needs_grad", {})
+    needs_inputs: dict[str, bool] = named.pop("needs_grad", None) or {}
     if "module" in requested and not rule_is_method:
         named["module"] = module
     if "needs_grad" in requested:
@@ -380,25 +532,59 @@ def _call_module_rule(spec: _RuleConfig, grads: tuple[Any, ...], named: dict[str
         }
     current = {n: _current_parameter(module, n) for n in names}
     before = [current[n].grad for n in owned_names]
-    swap: dict[str, Tensor] = dict(seen)
-    if ids.buffers:
-        # The buffers the forward saw (those passed to functional_call), for the rule too.
-        current.update(module.named_buffers())
-        swap.update(ids.buffers)
-    with _parameters_as(module, swap, current):
+    if not ids.buffers and all(current[n] is seen[n] for n in names):
+        # The module holds what its forward saw (no functional_call): nothing to swap in.
         if rule_is_method:
             result = user_rule(module, *grads, **named)
         else:
             result = user_rule(*grads, **named)
+    else:
+        swap: dict[str, Tensor] = dict(seen)
+        if ids.buffers:
+            # The buffers the forward saw (those passed to functional_call), for the rule.
+            current.update(module.named_buffers())
+            swap.update(ids.buffers)
+        with _parameters_as(module, swap, current):
+            if rule_is_method:
+                result = user_rule(module, *grads, **named)
+            else:
+                result = user_rule(*grads, **named)
     for name, grad in zip(owned_names, before, strict=True):
         if current[name].grad is not grad:
-            msg = (
-                f"the backward of {where} wrote `{name}.grad` itself; return the "
-                f"gradient instead, e.g. `return {{..., '{name}': grad_{_ident(name)}}}`, "
-                "and autograd accumulates it (hooks and DDP see it too)."
-            )
-            raise GradOverrideError(msg)
+            _refuse_written_grad(where, name)
+    if type(result) is dict and len(result) == len(inputs) + len(owned):
+        translated = _translate_full_dict(spec, result, owned)
+        if translated is not None:
+            return translated
     return _translate(spec, result, owned, needs_inputs)
+
+
+def _translate_full_dict(
+    spec: _RuleConfig, result: dict[str, Any], owned: dict[str, Tensor]
+) -> tuple[Any, ...] | None:
+    """`_translate` for the common return: a dict naming every input and owned parameter
+    (None when it names anything else, for `_translate` to say so)."""
+    where, inputs, names, copies = spec[0], spec[1], spec[8], spec[11]
+    try:
+        input_grads = [result[n] for n in inputs]
+        param_grads = [result[n] if n in owned else None for n in names]
+    except KeyError:
+        return None
+    label = where.strip("`")
+    for i, (name, grad) in enumerate(zip(names, param_grads, strict=True)):
+        if grad is not None:
+            p = owned[name]
+            param_grads[i] = check_gradient(grad, (p.shape, p.dtype, p.device), label, name)
+    return (None, None, *param_grads, *(None for _ in copies), *input_grads)
+
+
+def _refuse_written_grad(where: str, name: str) -> None:
+    msg = (
+        f"the backward of {where} wrote `{name}.grad` itself; return the "
+        f"gradient instead, e.g. `return {{..., '{name}': grad_{_ident(name)}}}`, "
+        "and autograd accumulates it (hooks and DDP see it too)."
+    )
+    raise GradOverrideError(msg)
 
 
 def _current_parameter(module: nn.Module, name: str) -> Tensor:
@@ -678,7 +864,14 @@ class Module(nn.Module, metaclass=_ModuleMeta):
         cls._gradoverride_forward = forward  # type: ignore[attr-defined]
 
         def wrapped_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-            return rule.call(self, args, kwargs)
+            # The generated entry for this module's structure first (see `enter`).
+            if not is_dynamo_compiling():
+                layout = self.__dict__.get(KEY)
+                if layout is not None and layout.entry is not None:
+                    out = layout.entry(self, args, kwargs)
+                    if out is not MISS:
+                        return out
+            return rule.call(self, args, kwargs, self.__dict__)
 
         functools.update_wrapper(wrapped_forward, forward)
         # No `__wrapped__`: TorchScript would compile the original forward through it, and
@@ -686,6 +879,14 @@ class Module(nn.Module, metaclass=_ModuleMeta):
         del wrapped_forward.__wrapped__  # type: ignore[attr-defined]
         wrapped_forward.__qualname__ = f"{cls.__qualname__}.forward"
         cls.forward = wrapped_forward
+
+    def __getstate__(self) -> dict[str, Any]:
+        # The cached layout (see `_layout`) is not state: a copy or a loaded module makes
+        # its own at its first call.
+        getstate: Callable[[], dict[str, Any]] = super().__getstate__
+        state = getstate()
+        state.pop(KEY, None)
+        return state
 
     def __prepare_scriptable__(self) -> nn.Module:
         # torch.jit.script calls this on every module it scripts.

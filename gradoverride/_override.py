@@ -14,11 +14,14 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from torch import nn
+from torch.compiler import is_dynamo_compiling
 
 from ._errors import GradOverrideError, GradOverrideTypeError
 from ._frameworks import autograph_artifact, is_keras_layer
 from ._jit import RefuseScripting
+from ._layout import KEY
 from ._module import Module, _ModuleRule, _parameter_names
+from ._module_fastpath import MISS
 from ._signature import describe
 
 __all__ = ["OverrideHandle", "override_backward"]
@@ -31,7 +34,7 @@ class _OverriddenForward:
     options), so a saved model loads back with its override; `copy.deepcopy` gives the copy
     an override bound to the copy."""
 
-    __slots__ = ("_rule", "module", "options", "rule")
+    __slots__ = ("_rule", "cache", "module", "options", "rule")
 
     def __init__(self, module: nn.Module, rule: Callable[..., Any], options: dict[str, Any],
                  module_rule: _ModuleRule | None = None) -> None:
@@ -41,9 +44,19 @@ class _OverriddenForward:
         self._rule = module_rule if module_rule is not None else _module_rule_for(
             type(module), rule, options
         )
+        # The module's layout between calls (see `_layout`); a copy or a loaded override
+        # starts empty.
+        self.cache: dict[str, Any] = {}
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self._rule.call(self.module, args, kwargs)
+        # The generated entry for the module's structure first (see `_ModuleRule.call`).
+        if not is_dynamo_compiling():
+            layout = self.cache.get(KEY)
+            if layout is not None and layout.entry is not None:
+                out = layout.entry(self.module, args, kwargs)
+                if out is not MISS:
+                    return out
+        return self._rule.call(self.module, args, kwargs, self.cache)
 
     # What tools read off a bound `forward` (torch.export reads `__code__` for the argument
     # names, `inspect.signature` the signature): the module's own forward's.

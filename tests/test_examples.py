@@ -156,9 +156,48 @@ def test_ste_benchmark_quick() -> None:
 
 def test_modules_benchmark_quick() -> None:
     out = _run("benchmarks/modules.py", "--quick").stdout
-    assert re.search(r"go\.grad_hook\(at='inputs'\)\s+[\d.]+ us\s+ratio [\d.]+", out), out
-    assert re.search(r"register_full_backward_hook\s+[\d.]+ us\s+ratio [\d.]+", out), out
-    assert re.search(r"go\.Module\s+[\d.]+ us\s+ratio [\d.]+", out), out
+    for case in ("go.Module", "go.override_backward", "go.grad_hook(at='inputs')",
+                 "go.grad_hook(at='outputs')", "go.grad_hook(at='parameters')",
+                 "register_full_backward_hook", "tensor hooks registered once"):
+        assert re.search(rf"^  {re.escape(case)}\s+[\d.]+ us\s+ratio [\d.]+$", out, re.M), (
+            case, out
+        )
+
+
+BENCHMARKS = sorted(p for p in (ROOT / "benchmarks").glob("*.py") if not p.name.startswith("_"))
+
+
+@pytest.mark.parametrize("script", BENCHMARKS, ids=[p.name for p in BENCHMARKS])
+def test_every_benchmark_takes_device(script: Path) -> None:
+    # benchmarks/gpu.sh runs each with --device cuda.
+    assert "add_device_argument(parser)" in script.read_text(encoding="utf-8"), script.name
+
+
+NO_CUDA = pytest.mark.skipif(
+    importlib.util.find_spec("torch") is not None and __import__("torch").cuda.is_available(),
+    reason="a GPU is here: the script would run",
+)
+
+
+@NO_CUDA
+def test_a_benchmark_with_device_cuda_fails_clearly_without_cuda() -> None:
+    result = subprocess.run(
+        [sys.executable, "benchmarks/modules.py", "--quick", "--device", "cuda"],
+        cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT_S, check=False,
+    )
+    assert result.returncode != 0
+    assert "--device cuda: CUDA is not available to this torch" in result.stderr, result.stderr
+
+
+@NO_CUDA
+def test_gpu_script_fails_clearly_without_cuda() -> None:
+    result = subprocess.run(
+        ["bash", "benchmarks/gpu.sh"], cwd=ROOT, capture_output=True, text=True,
+        timeout=TIMEOUT_S, check=False, env={**os.environ, "PYTHON": sys.executable},
+    )
+    assert result.returncode == 2, result
+    assert "benchmarks/gpu.sh: CUDA is not available to torch" in result.stderr, result.stderr
+    assert result.stdout == "", "it ran something before checking for a GPU"
 
 
 def test_tensorflow_benchmark_quick() -> None:
@@ -199,3 +238,31 @@ def test_tensorflow_example_without_tensorflow_says_what_to_install(tmp_path: Pa
     assert result.returncode == 1, result.stderr[-2000:]
     assert "pip install -e '.[tensorflow]'" in result.stderr, result.stderr[-2000:]
     assert "Traceback" not in result.stderr
+
+
+def test_gpu_table_reads_the_benchmarks_lines() -> None:
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import _gpu_table
+    finally:
+        sys.path.pop(0)
+    log = (
+        "torch 2.13, device cuda, 1 thread\n\n"
+        "go.Module: x * weights, forward+backward:\n"
+        "  (ratio to the fastest of: hand-made Function module)\n"
+        "  hand-made Function module               114.1 us   ratio 1.000\n"
+        "  go.Module, owns=('x', 'weights')        128.7 us   ratio 1.122\n"
+        "3. recipes against peers, (64, 64) float32, forward + backward (ratio ours/peer):\n"
+        "  snntorch atan                      peer    0.20 ms   ours    0.16 ms   ratio 0.783\n"
+    )
+    assert _gpu_table.rows("modules", log) == [
+        ("go.Module: x * weights, forward+backward", "hand-made Function module", "114.1 us",
+         "1.000"),
+        ("go.Module: x * weights, forward+backward", "go.Module, owns=('x', 'weights')",
+         "128.7 us", "1.122"),
+        ("3. recipes against peers, (64, 64) float32, forward + backward (ratio ours/peer)",
+         "snntorch atan", "0.20 ms", "0.783"),
+    ]
+    assert _gpu_table.rows("tests", "12 passed, 3 skipped in 4.0s\n") == [
+        ("", "12 passed, 3 skipped in 4.0s", "", "")
+    ]

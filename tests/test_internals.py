@@ -169,3 +169,45 @@ def test_import_gradoverride_does_not_import_dynamo() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True)
     assert out.stdout.strip() == "False"
+
+
+# ---- add_tensor_hook: Tensor.register_hook without its handle --------------------------------
+
+
+def test_fast_tensor_hooks_are_available_on_this_torch() -> None:
+    assert internals.FAST_TENSOR_HOOKS is True
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_add_tensor_hook_transforms_as_register_hook_does(
+    fast: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(internals, "FAST_TENSOR_HOOKS", fast)
+    x = torch.tensor([1.0, -2.0, 3.0], requires_grad=True)
+    h = x * 2
+    internals.add_tensor_hook(h, lambda g: g * 10)
+    # A hook registered later on the same tensor runs after it, and neither replaces the
+    # other (the fast path takes its key from the handles' counter).
+    handle = h.register_hook(lambda g: g + 1)
+    (h * torch.tensor([1.0, 2.0, 3.0])).sum().backward()
+    torch.testing.assert_close(x.grad, (torch.tensor([1.0, 2.0, 3.0]) * 10 + 1) * 2)
+    handle.remove()
+
+
+def test_add_tensor_hook_under_a_torch_function_mode_is_register_hook() -> None:
+    from torch.overrides import TorchFunctionMode
+
+    seen: list[str] = []
+
+    class Watch(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            seen.append(getattr(func, "__name__", str(func)))
+            return func(*args, **(kwargs or {}))
+
+    x = torch.ones(3, requires_grad=True)
+    h = x * 2
+    with Watch():
+        internals.add_tensor_hook(h, lambda g: g * 10)
+    assert "register_hook" in seen
+    h.sum().backward()
+    torch.testing.assert_close(x.grad, torch.full((3,), 20.0))
