@@ -201,10 +201,16 @@ class Spike(_RecipeLayer):
         threshold: subtracted from the input first (default 0), so that a `Sequential`
             needs no extra layer for it; the recipe itself takes ``v - v_th``. A constant,
             not a weight.
-        leak, spread, beta, terms, bound, center, sample: the recipe's own, for the
-            surrogates that take them (see `gradoverride.recipes.spike`). A stochastic
-            spike (`sample=True`, or a `spread`) draws TensorFlow's random numbers on
-            every call.
+        leak: the gradient outside the window or on the silent side (`rectangular`,
+            `log_tailed_relu`, `leaky_relu`; see `gradoverride.recipes.spike`).
+        spread: the noise on `leaky_relu`'s silent side; such a spike draws TensorFlow's
+            random numbers on every call.
+        beta: `s2nn`'s right branch height.
+        terms: `squarewave_fourier`'s number of harmonics.
+        bound: `sparse_fast_sigmoid`'s lower bound.
+        center: where the surrogate is centred (the step stays at the threshold).
+        sample: draw the spike from Bernoulli(the surrogate's step), with TensorFlow's
+            random numbers on every call.
         **kwargs: Keras' layer arguments (`name`, `dtype`, `autocast`, ...).
 
     `Spike.preset("snntorch.fast_sigmoid", slope=25)` takes a library's convention, as

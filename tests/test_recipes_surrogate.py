@@ -319,6 +319,38 @@ def test_every_surrogate_compiles_with_fullgraph_and_matches_eager(part: str) ->
     assert_consistent(loss, x0, modes=("compile",))
 
 
+class _Layer(torch.nn.Module):
+    """`recipe(x * weight)`: the recipe as a module's attribute, as a model holds it."""
+
+    def __init__(self, recipe: Any) -> None:
+        super().__init__()
+        self.recipe = recipe
+        self.weight = torch.nn.Parameter(torch.tensor(1.25))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.recipe(x * self.weight)
+
+
+@pytest.mark.compile
+@_TORCH_CTX_WARNING
+@pytest.mark.parametrize("name", _FORMULAS)
+def test_every_surrogate_compiles_with_dynamic_shapes(name: str) -> None:
+    """dynamic=True makes the recipe's numbers symbolic: each formula's constants must
+    trace (circ's float ** float did not: dynamo's guard on it failed)."""
+    layer = _Layer(R.spike(name, alpha=1.5, center=0.1, **PARAMS.get(name, {})))
+    compiled = torch.compile(layer, fullgraph=True, dynamic=True, backend="aot_eager")
+    torch._dynamo.reset()
+    try:
+        # One shape: dynamic=True traces it symbolically already (circ failed right there).
+        x = torch.randn(3, 4, generator=torch.Generator().manual_seed(2)).requires_grad_()
+        up = torch.rand(3, 4, generator=torch.Generator().manual_seed(5))
+        expected = torch.autograd.grad(layer(x), [x, layer.weight], up)
+        got = torch.autograd.grad(compiled(x), [x, layer.weight], up)
+        torch.testing.assert_close(got, expected)
+    finally:
+        torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("recipe", _every_spike(), ids=repr)
 def test_vmap_of_grad_matches_the_loop(recipe: Any) -> None:
     xs = torch.tensor([[-2.0, -0.3, 0.1, 1.0], [0.5, 1.5, -0.2, 0.0]])

@@ -198,7 +198,8 @@ def _circ(g: Tensor, x: Tensor, r: spike) -> Tensor:
     # c = (s a / 2)^(-2/3). The root comes first: d may overflow to inf (giving 0), its cube
     # is never formed (in float16 it would overflow from |a x| = 40 on).
     a, s = _set(r.alpha), r.scale
-    c = (s * a / 2) ** (-2 / 3)
+    # c as exp(log): dynamo's guard on a float ** float of the recipe's numbers fails
+    c = math.exp(math.log(s * a / 2) * (-2 / 3))
     d = torch.addcmul(_scalar(x, c), x, x, value=c * a * a)
     if _in_place():
         return d.rsqrt_().pow_(3).mul_(g)
@@ -208,7 +209,7 @@ def _circ(g: Tensor, x: Tensor, r: spike) -> Tensor:
 def _q_pseudo_spike(g: Tensor, x: Tensor, r: spike) -> Tensor:
     # s (1 + 2|x| / (a - 1))^(-a) = g * d^(-a), d = k + k c |x|, c = 2/(a-1), k = s^(-1/a)
     a, s = _set(r.alpha), r.scale
-    k = s ** (-1 / a)
+    k = math.exp(-math.log(s) / a)  # s ** (-1/a), written so that dynamo's guard holds
     d = torch.add(_scalar(x, k), torch.abs(x), alpha=k * 2 / (a - 1))
     return _times(d.pow_(-a) if _in_place() else d.pow(-a), g)
 
@@ -589,8 +590,8 @@ def _(grad: Tensor, *, x: Tensor, recipe: spike) -> tuple[Tensor, None, None, No
 
 
 def _uniform(like: Tensor, generator: torch.Generator | None, dtype: torch.dtype) -> Tensor:
-    """U[0, 1) noise of like's shape, from `generator` or torch's default one (the numbers
-    `torch.rand_like` and `torch.bernoulli` draw there)."""
+    """U[0, 1) noise of like's shape, from `generator` or torch's default one: the numbers
+    `torch.rand_like` draws (and, on the CPU in float32 and float64, `torch.bernoulli`)."""
     return torch.rand(like.shape, generator=generator, dtype=dtype, device=like.device)
 
 
@@ -703,8 +704,9 @@ class spike(Recipe):
     A stochastic spike (`sample=True`, or leaky_relu with a spread) takes `noise=` (U[0, 1)
     samples of x's shape: the spike is noise < p; for the spread, the u above) or
     `generator=` (a torch.Generator); with neither it draws from torch's default generator
-    as `torch.bernoulli` and `torch.rand_like` do. Under `torch.compile` and `torch.func`
-    pass `noise=`: a compiled graph draws its own numbers, and `vmap` refuses random draws.
+    as `torch.rand_like` does (on the CPU in float32 and float64 also what `torch.bernoulli`
+    draws), so a seed reproduces a peer's run. Under `torch.compile` and `torch.func` pass
+    `noise=`: a compiled graph draws its own numbers, and `vmap` refuses random draws.
     """
 
     surrogate: str = "arctan"
