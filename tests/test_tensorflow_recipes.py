@@ -356,7 +356,7 @@ def test_stochastic_spike_draws_its_own_noise(mode: str) -> None:
 
 def test_stochastic_spike_mistakes_on_tensorflow() -> None:
     x = tf.constant(X)
-    with pytest.raises(go.GradOverrideTypeError, match="a torch.Generator cannot drive"):
+    with pytest.raises(go.GradOverrideTypeError, match=r"a torch\.Generator cannot drive"):
         spike("circ", sample=True)(x, generator=torch.Generator())
     with pytest.raises(go.GradOverrideTypeError, match=r"got a TensorFlow float32 tensor of "
                        r"shape \(3,\) for an input of shape \(6, 8\)"):

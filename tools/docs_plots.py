@@ -5,8 +5,9 @@ that `recipes.spike(surrogate=name)` actually sends back (autograd on a grid of 
 formula written here), as `img/surrogates/<name>.png`, and all of them in one figure,
 `img/surrogates/overview.png`; and for every preset of `recipes.SPIKE_PRESETS` the gradient
 of `recipes.spike.preset(name)` at the library's defaults, as `img/presets/<name>.png` (a
-stochastic one with a seeded generator, so that a build draws the same figure). The PNGs are made in memory and added to the site's files
-(`on_files`): nothing is written into the source tree. `docs/recipes.md` must show every
+stochastic one with a seeded generator, so that a build draws the same figure). The PNGs
+are made in memory and added to the site's files (`on_files`): nothing is written into the
+source tree. `docs/recipes.md` must show every
 one of them (`on_page_markdown` checks), so a new surrogate without its entry in the
 catalogue fails the build, and so does a surrogate that cannot be drawn (an error, a
 gradient that is not finite, not shaped like its input, or zero everywhere).
@@ -78,8 +79,8 @@ def _sample(name: str, preset: bool = False, alpha: float | None = None
         half = (_POINTS - 1) // 2
         x = (torch.arange(-half, half + 1, dtype=torch.float64) * (_X_RANGE / half))
         x.requires_grad_()
-        seeded = {"generator": torch.Generator().manual_seed(0)} if spike.stochastic else {}
-        spike(x, **seeded).sum().backward()  # type: ignore[no-untyped-call]
+        generator = torch.Generator().manual_seed(0) if spike.stochastic else None
+        spike(x, generator=generator).sum().backward()  # type: ignore[no-untyped-call]
     except Exception as error:
         msg = f"docs_plots: the {what} {name!r} cannot be drawn: {error!r}"
         raise PluginError(msg) from error

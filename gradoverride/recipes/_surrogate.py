@@ -94,11 +94,29 @@ def _indicator(compare: Callable[..., Tensor], a: Tensor, b: Tensor | float) -> 
 
 def _blend(mask: Tensor, on: Tensor | float, off: Tensor | float) -> Tensor:
     """on where mask is 1, off where it is 0: mask * on + (1 - mask) * off, exact (one of
-    the two terms is 0) while on and off are finite."""
-    first = mask if isinstance(on, float) and on == 1 else mask * on
+    the two terms is 0) while on and off are finite. `mask` is the caller's temporary (an
+    `_indicator`): it is reused for the result when that is safe."""
+    rest = 1 - mask
+    first = mask if isinstance(on, float) and on == 1 else _times(mask, on)
     if isinstance(off, float):
-        return torch.add(first, 1 - mask, alpha=off)
-    return first + (1 - mask) * off
+        if _in_place():
+            return torch.add(first, rest, alpha=off, out=first)
+        return torch.add(first, rest, alpha=off)
+    rest = _times(rest, off)
+    return first.add_(rest) if _in_place() else first + rest
+
+
+def _apply(t: Tensor, name: str) -> Tensor:
+    """t.name() (exp, relu, ...), in place on the temporary t when that is safe."""
+    result: Tensor = getattr(t, f"{name}_")() if _in_place() else getattr(t, name)()
+    return result
+
+
+def _minus(k: float, t: Tensor, alpha: float) -> Tensor:
+    """k - alpha * t in one fused pass, written into the temporary t when that is safe."""
+    if _in_place():
+        return torch.sub(_scalar(t, k), t, alpha=alpha, out=t)
+    return torch.sub(_scalar(t, k), t, alpha=alpha)
 
 
 def _set(value: float | None) -> float:
@@ -113,7 +131,7 @@ def _arctan(g: Tensor, x: Tensor, r: spike) -> Tensor:
     a, s = _set(r.alpha), r.scale
     k = s * a / 2
     c = math.pi * a / 2
-    return g / torch.addcmul(_scalar(x, 1 / k), x, x, value=c * c / k)
+    return _divide(g, torch.addcmul(_scalar(x, 1 / k), x, x, value=c * c / k))
 
 
 #: Where sigmoid(t) rounds to 1 in each dtype while exp(t) is still finite: above it
@@ -148,21 +166,21 @@ def _fast_sigmoid(g: Tensor, x: Tensor, r: spike) -> Tensor:
     a, s = _set(r.alpha), r.scale
     k = math.sqrt(2 / (s * a))
     d = torch.abs(x).mul_(a * k).add_(k)
-    return g / (d * d)
+    return _divide(g, d.square_() if _in_place() else d * d)
 
 
 def _erf(g: Tensor, x: Tensor, r: spike) -> Tensor:
     # s * a / sqrt(pi) * exp(-(a x)^2) = exp(log(s a / sqrt(pi)) - a^2 x^2)
     a, s = _set(r.alpha), r.scale
     log_k = math.log(s * a / _SQRT_PI)
-    return _times(torch.exp(torch.addcmul(_scalar(x, log_k), x, x, value=-a * a)), g)
+    return _times(_apply(torch.addcmul(_scalar(x, log_k), x, x, value=-a * a), "exp"), g)
 
 
 def _triangle(g: Tensor, x: Tensor, r: spike) -> Tensor:
     # s * max(0, a - a^2 |x|)
     a, s = _set(r.alpha), r.scale
     k = s * a
-    return _times(torch.relu(torch.sub(_scalar(x, k), torch.abs(x), alpha=k * a)), g)
+    return _times(_apply(_minus(k, torch.abs(x), k * a), "relu"), g)
 
 
 def _rectangular(g: Tensor, x: Tensor, r: spike) -> Tensor:
@@ -173,7 +191,7 @@ def _rectangular(g: Tensor, x: Tensor, r: spike) -> Tensor:
     k = s * a
     if leak != 0:
         inside = _indicator(torch.lt, torch.abs(x), h)  # NaN: outside, as SpikingJelly's
-        return g * _blend(inside, k, s * leak)
+        return _times(_blend(inside, k, s * leak), g)
     if g.dtype == x.dtype and not torch.compiler.is_compiling():
         out = torch.ops.aten.hardtanh_backward(g, x, -h, h)
     else:
@@ -185,7 +203,7 @@ def _piecewise_exp(g: Tensor, x: Tensor, r: spike) -> Tensor:
     # s * (a/2) * exp(-a|x|) = exp(log(s a / 2) - a|x|)
     a, s = _set(r.alpha), r.scale
     log_k = math.log(s * a / 2)
-    return _times(torch.exp(torch.sub(_scalar(x, log_k), torch.abs(x), alpha=a)), g)
+    return _times(_apply(_minus(log_k, torch.abs(x), a), "exp"), g)
 
 
 def _straight(g: Tensor, x: Tensor, r: spike) -> Tensor:
@@ -210,7 +228,7 @@ def _q_pseudo_spike(g: Tensor, x: Tensor, r: spike) -> Tensor:
     # s (1 + 2|x| / (a - 1))^(-a) = g * d^(-a), d = k + k c |x|, c = 2/(a-1), k = s^(-1/a)
     a, s = _set(r.alpha), r.scale
     k = math.exp(-math.log(s) / a)  # s ** (-1/a), written so that dynamo's guard holds
-    d = torch.add(_scalar(x, k), torch.abs(x), alpha=k * 2 / (a - 1))
+    d = _minus(k, torch.abs(x), -k * 2 / (a - 1))
     return _times(d.pow_(-a) if _in_place() else d.pow(-a), g)
 
 
@@ -220,13 +238,13 @@ def _s2nn(g: Tensor, x: Tensor, r: spike) -> Tensor:
     # 0/1 blend, or a second derivative, would turn into NaN)
     a, s, b = _set(r.alpha), r.scale, _set(r.beta)
     negative = _indicator(torch.lt, x, 0.0)
-    left = _times(_sigmoid_product(g, x, a, s * a), negative)
+    left = _sigmoid_product(g, x, a, s * a)
     if b == 0:
-        return left
-    right = g / torch.abs(x).add_(1)
+        return _times(left, negative)
+    right = _divide(g, torch.abs(x).add_(1))
     if s * b != 1:
         right = _times(right, s * b)
-    return left + _times(right, 1 - negative)
+    return _blend(negative, left, right)
 
 
 def _squarewave_fourier(g: Tensor, x: Tensor, r: spike) -> Tensor:
@@ -305,7 +323,7 @@ def _leaky_relu(g: Tensor, x: Tensor, r: spike, noise: Tensor | None = None) -> 
     silent: float | Tensor = leak
     if noise is not None and spread != 0:
         silent = torch.add(_scalar(noise, leak - spread / 2), noise, alpha=spread)
-    return g * _leaky_factor(x, r, silent)
+    return _times(_leaky_factor(x, r, silent), g)
 
 
 def _sparse_fast_sigmoid(g: Tensor, x: Tensor, r: spike) -> Tensor:
@@ -634,8 +652,9 @@ class spike(Recipe):
     """A Heaviside spike whose backward is a surrogate gradient.
 
     Forward: H(x) = 1 where x > 0, 0 where x < 0, `at_zero` where x == 0, in x's dtype.
-    Backward: dL/dx = dL/dy * scale * sg(x - center), with sg (a = `alpha`; each surrogate's
-    default alpha; the top rows integrate to 1 and their default alpha gives sg(0) = 1):
+    Backward: dL/dx = dL/dy * scale * sg(x - center), with sg below (a = `alpha`, the
+    column its default). The rows down to q_pseudo_spike are a smooth step's derivative:
+    they integrate to 1, and their default alpha gives sg(0) = 1.
 
     =======================  ==============================================  ========  =====
     surrogate                sg(x)                                           alpha     sg(0)
@@ -661,9 +680,10 @@ class spike(Recipe):
     sparse_fast_sigmoid      the fast sigmoid's where x > bound, else 0      2         0
     =======================  ==============================================  ========  =====
 
-    (s = sigmoid; * 2a terms / pi; ** at_zero + (1 - at_zero) * leak.) From `s2nn` down the
-    formula cannot follow the convention: their gradients do not integrate to 1 (a 1/x or
-    constant tail, a periodic sum) or are one-sided by design.
+    (s = sigmoid; * 2a terms / pi; ** at_zero + (1 - at_zero) * leak.) straight_through is
+    the constant 1, and from s2nn down the formula cannot follow the convention: their
+    gradients do not integrate to 1 (a 1/x or constant tail, a periodic sum) or are
+    one-sided by design; their columns give what alpha and sg(0) are instead.
 
     Parameters besides alpha, each taken only by the surrogates that use it (None: the
     surrogate's default, as for alpha; the repr shows those that differ from it):
