@@ -307,6 +307,41 @@ def _ref_spike(m: nn.Module, x: Tensor, up: Tensor) -> Grads:
     return _before(up * 1.0 / (1 + (math.pi * v) ** 2), x, s)  # (a/2)/(1+(pi a v/2)^2), a=2
 
 
+SAMPLED = spike("circ", alpha=1.5, sample=True)
+NOISY = spike("leaky_relu", leak=0.1, spread=0.4)
+
+
+def _noise_for(h: Tensor) -> Tensor:
+    """Noise in [0, 1) that is a function of the input, so that every context (dynamic
+    shapes, checkpoint's recomputation, per-sample vmap) sees the same numbers."""
+    return torch.frac(h.detach().abs() * 7.31 + 0.137)
+
+
+class StochasticSpikes(nn.Module):
+    """A sampled spike and a spike with a noisy gradient of `x * scale`, given their noise
+    (`op` is what scripting sees: its module form)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.op = SAMPLED
+        self.noisy = NOISY
+        self.scale = nn.Parameter(torch.tensor(1.25))
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = x * self.scale
+        u = _noise_for(h)
+        return self.op(h, noise=u) + 2 * self.noisy(h, noise=u)
+
+
+def _ref_stochastic(m: nn.Module, x: Tensor, up: Tensor) -> Grads:
+    s = _params(m)["scale"]
+    h = x * s
+    u = _noise_for(h)
+    sampled = 0.75 / (1 + (1.5 * h) ** 2) ** 1.5  # circ, a = 1.5: (a/2) / (1 + (a h)^2)^1.5
+    noisy = torch.where(h > 0, 1.0, 0.1 + 0.4 * (u - 0.5))
+    return _before(up * (sampled + 2 * noisy), x, s)
+
+
 def _ref_reverse(m: nn.Module, x: Tensor, up: Tensor) -> Grads:
     return _before(-0.5 * up, x, _params(m)["scale"])
 
@@ -463,6 +498,8 @@ CASES: dict[str, Case] = {
              _ref_round),
         Case("recipe: learned step (lsq)", LsqModule, LsqModule(), _ref_lsq),
         Case("recipe: surrogate spike", _op(spike("arctan")), OpModule(SPIKE), _ref_spike),
+        Case("recipe: stochastic spike", StochasticSpikes, StochasticSpikes(),
+             _ref_stochastic),
         Case("recipe: gradient flow", lambda: OpModule(reverse_grad(scale=0.5).module()),
              OpModule(REVERSE.module()), _ref_reverse),
         Case("recipe: discrete choice", _op(ste_argmax(dim=-1)), OpModule(ARGMAX),

@@ -316,6 +316,44 @@ SPIKES = [spike(surrogate) for surrogate in SURROGATES] + [
     spike("rectangular", alpha=0.5),  # |x| < 1
     spike("piecewise_exp", alpha=0.3, scale=0.9, at_zero=0.25),
     spike("straight_through", scale=0.5),
+    spike("rectangular", alpha=1.0, leak=0.2),  # the leak outside |x| < 0.5
+    spike("circ", alpha=0.7, scale=3.0, center=0.25),
+    spike("q_pseudo_spike", alpha=1.5, scale=2.0),
+    spike("s2nn", alpha=2.0, beta=0.5, scale=1.5, at_zero=1.0),
+    spike("squarewave_fourier", alpha=1.3, terms=3, scale=0.5),
+    spike("nonzero_sign_log_abs", alpha=2.0, scale=0.5),
+    spike("fake_numerical_gradient", alpha=0.5, scale=2.0),  # the cap ends at |x| = 2
+    spike("log_tailed_relu", leak=0.2, scale=0.5),
+    spike("leaky_relu", leak=0.1, scale=2.0, at_zero=1.0),
+    spike("leaky_relu", leak=-0.3, at_zero=0.5),
+    spike("sparse_fast_sigmoid", alpha=5.0, bound=-0.5, scale=0.4),
+]
+
+#: U[0, 1) noise for the stochastic spikes, the same in both frameworks.
+NOISE = np.random.default_rng(3).random(X.shape, dtype=np.float32)
+
+
+class _WithNoise:
+    """`recipe(x, noise=NOISE)` in either framework (the noise is not an input: it gets no
+    gradient)."""
+
+    def __init__(self, recipe: spike) -> None:
+        self.recipe = recipe
+
+    def __call__(self, x: Any) -> Any:
+        noise = torch.tensor(NOISE) if isinstance(x, torch.Tensor) else tf.constant(NOISE)
+        return self.recipe(x, noise=noise)
+
+    def __repr__(self) -> str:
+        return f"{self.recipe!r} with noise"
+
+
+STOCHASTIC_SPIKES = [
+    _WithNoise(spike("circ", alpha=1.5, sample=True)),
+    _WithNoise(spike("straight_through", sample=True)),  # p = x clipped to [0, 1]
+    _WithNoise(spike("fast_sigmoid", center=0.5, sample=True)),
+    _WithNoise(spike("q_pseudo_spike", alpha=3.0, sample=True)),
+    _WithNoise(spike("leaky_relu", leak=0.1, spread=0.4, scale=2.0)),
 ]
 
 
@@ -334,12 +372,41 @@ def test_spike_parity(recipe: spike, mode: str) -> None:
     assert_parity(recipe, X, mode=mode, atol=_spike_atol(recipe))
 
 
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("recipe", STOCHASTIC_SPIKES, ids=repr)
+def test_stochastic_spike_parity_given_the_noise(recipe: _WithNoise, mode: str) -> None:
+    assert_parity(recipe, X, mode=mode)
+
+
 @pytest.mark.parametrize("name", sorted(SPIKE_PRESETS))
 def test_spike_preset_parity(name: str) -> None:
-    """Every library preset (with its default parameter), eagerly: a preset is a `spike`,
+    """Every library preset (with its default parameters), eagerly: a preset is a `spike`,
     whose three modes are checked above."""
     recipe = spike.preset(name)
-    assert_parity(recipe, X, mode="eager", atol=_spike_atol(recipe))
+    call = _WithNoise(recipe) if recipe.stochastic else recipe
+    assert_parity(call, X, mode="eager", atol=_spike_atol(recipe))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_stochastic_spike_draws_its_own_noise(mode: str) -> None:
+    """Without `noise=`: TensorFlow's random numbers, spikes that are 0 or 1, the gradient
+    the surrogate's (a sample's backward is deterministic)."""
+    recipe = spike("circ", alpha=1.5, sample=True)
+    out, (grad,) = gradients(recipe, tf.constant(X), mode=mode)
+    assert set(np.unique(out.numpy())) <= {0.0, 1.0}
+    _, (expected,) = gradients(spike("circ", alpha=1.5), tf.constant(X), mode=mode)
+    np.testing.assert_allclose(grad.numpy(), expected.numpy(), **TOLERANCE)
+
+
+def test_stochastic_spike_mistakes_on_tensorflow() -> None:
+    x = tf.constant(X)
+    with pytest.raises(go.GradOverrideTypeError, match=r"a torch\.Generator cannot drive"):
+        spike("circ", sample=True)(x, generator=torch.Generator())
+    with pytest.raises(go.GradOverrideTypeError, match=r"got a TensorFlow float32 tensor of "
+                       r"shape \(3,\) for an input of shape \(6, 8\)"):
+        spike("circ", sample=True)(x, noise=tf.zeros(3))
+    with pytest.raises(go.GradOverrideTypeError, match="is deterministic: it takes no"):
+        spike("circ")(x, noise=tf.constant(NOISE))
 
 
 def test_every_surrogate_has_a_tensorflow_derivative() -> None:
@@ -363,6 +430,10 @@ HALF_RECIPES = [
     sanitize_grad(),
     spike("fast_sigmoid"),
     spike("erf", at_zero=0.5),
+    spike("circ"),
+    spike("s2nn", beta=0.5),
+    spike("squarewave_fourier", alpha=25.0, terms=2),  # computed in float32: no overflow
+    spike("leaky_relu", leak=0.1),
 ]
 
 
