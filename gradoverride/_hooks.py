@@ -194,14 +194,23 @@ def grad_hook(
 ) -> HookHandle:
     """Transform the gradient flowing at a module's inputs, outputs or parameters.
 
-    Example::
+    ```python
+    import torch
+    from torch import nn
+    import gradoverride as go
 
-        encoder = nn.Sequential(nn.Linear(8, 8), nn.ReLU(inplace=True))
-        handle = go.grad_hook(encoder[0], lambda g: g.clamp(-1, 1), at="inputs")
-        handle = go.grad_hook(encoder[0], go.recipes.reverse_grad(), at="outputs")
+    encoder = nn.Sequential(nn.Linear(8, 8), nn.ReLU(inplace=True))
+    clip = go.grad_hook(encoder[0], lambda g: g.clamp(-0.01, 0.01), at="inputs")
+    reverse = go.grad_hook(encoder[0], go.recipes.reverse_grad(), at="outputs")
+    x = torch.randn(4, 8, requires_grad=True)
+    encoder(x).sum().backward()
+    print(bool(x.grad.abs().max() <= 0.01))
+    #> True
+    ```
 
     Args:
-        module: any `nn.Module` instance.
+        module: any `nn.Module` instance, or a Keras 3 layer (`at="variables"` there for
+            its variables; a `gradoverride.keras.LayerHandle` is returned).
         fn: `fn(grad) -> grad` (returning None keeps the gradient), or a gradient recipe
             (`GradientTransform`), whose `transform` is used.
         at: `"outputs"` — the gradient with respect to what the module returned, before it

@@ -667,19 +667,31 @@ def straight_through(
 ) -> Any:
     """Keep a non-differentiable forward; choose its backward.
 
-    Example::
+    ```python
+    import torch
+    import gradoverride as go
 
-        @go.straight_through                      # backward: the upstream gradient
-        def binarize(x):
-            return torch.sign(x)
+    @go.straight_through  # backward: the upstream gradient
+    def binarize(x):
+        return torch.sign(x)
 
-        @go.straight_through(clip=1.0)            # grad where |x| <= 1, else 0
-        def binarize_clipped(x):
-            return torch.sign(x)
+    @go.straight_through(clip=1.0)  # grad where |x| <= 1, else 0
+    def binarize_clipped(x):
+        return torch.sign(x)
 
-        @go.straight_through(surrogate=torch.tanh)  # grad * tanh'(x), by autograd
-        def spike(x):
-            return (x > 0).to(x.dtype)
+    @go.straight_through(surrogate=torch.tanh)  # grad * tanh'(x), by autograd
+    def spike(x):
+        return (x > 0).to(x.dtype)
+
+    x = torch.tensor([-2.0, 0.5], requires_grad=True)
+    for op in (binarize, binarize_clipped, spike):
+        x.grad = None
+        op(x).sum().backward()
+        print(op.__name__, [round(g, 3) for g in x.grad.tolist()])
+        #> binarize [1.0, 1.0]
+        #> binarize_clipped [0.0, 1.0]
+        #> spike [0.071, 0.786]
+    ```
 
     The gradient goes to the first argument; further arguments (a bit width, a threshold)
     are passed to the forward and get no gradient. The result is a `custom_backward` op:

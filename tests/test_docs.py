@@ -164,3 +164,17 @@ def test_the_api_reference_has_every_public_name(module_name: str, page: str) ->
                   if name.startswith(module_name + ".")}
     missing = sorted(public - documented)
     assert not missing, f"docs/api/{page} lacks {missing}: add `::: {module_name}.<name>`"
+
+
+def test_docstrings_fence_their_code() -> None:
+    # An rst literal block (`Example::` and an indented block) renders as a paragraph ending in
+    # "::" on the docs site and is never run; a fenced ```python block is both highlighted and
+    # run by the test above.
+    for path in sorted((ROOT / "gradoverride").rglob("*.py")):
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+            code = line.split("#", 1)[0]
+            assert not code.rstrip().endswith("::"), (
+                f"{path.relative_to(ROOT)}:{number} starts an rst literal block; fence it"
+            )
+    docstring_examples = [e for e in EXAMPLES if e.path.suffix == ".py"]
+    assert len(docstring_examples) >= 30, len(docstring_examples)
