@@ -27,6 +27,7 @@ from torch.compiler import is_dynamo_compiling
 from torch.utils import _pytree as pytree
 from torch.utils.hooks import RemovableHandle
 
+from ._backends import backend
 from ._errors import GradOverrideError, GradOverrideTypeError
 from ._frameworks import autograph_artifact, is_keras_layer
 from ._internals import add_tensor_hook, is_tracing, tracing_state, transforms_active
@@ -224,9 +225,8 @@ def grad_hook(
     """
     if not isinstance(module, nn.Module):
         if is_keras_layer(module):
-            from ._tensorflow._keras_modules import hook_layer
-
-            return hook_layer(module, fn, at)  # the Keras layer's handle (LayerHandle)
+            # The Keras layer's handle (a LayerHandle).
+            return backend("tensorflow").hook_layer(module, fn, at)
         msg = (
             f"grad_hook needs an nn.Module instance, got {type(module).__name__} {module!r}; "
             "for a tensor, use `tensor.register_hook(fn)`."

@@ -16,6 +16,7 @@ from typing import Any
 from torch import nn
 from torch.compiler import is_dynamo_compiling
 
+from ._backends import backend
 from ._errors import GradOverrideError, GradOverrideTypeError
 from ._frameworks import autograph_artifact, is_keras_layer
 from ._jit import RefuseScripting
@@ -220,9 +221,8 @@ def override_backward(
     """
     if not isinstance(module, nn.Module):
         if is_keras_layer(module):
-            from ._tensorflow._keras_modules import override_layer
-
-            return override_layer(  # the Keras layer's handle (LayerHandle)
+            # The Keras layer's handle (a LayerHandle).
+            return backend("tensorflow").override_layer(
                 module, rule, owns=owns, once_differentiable=once_differentiable,
                 materialize_grads=materialize_grads,
             )

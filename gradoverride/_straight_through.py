@@ -34,6 +34,7 @@ import torch
 from torch import Tensor
 from typing_extensions import ParamSpec
 
+from ._backends import backend
 from ._decorators import CustomBackward, custom_backward
 from ._errors import GradOverrideError, GradOverrideTypeError
 from ._frameworks import autograph_artifact
@@ -584,9 +585,7 @@ def _tensorflow_rule(
     rest = (None,) * (n_params - 1)
 
     def rule(upstream: Any, /, **saved: Any) -> Any:
-        from ._tensorflow._straight_through import gradient
-
-        grad = gradient(
+        grad = backend("tensorflow").straight_through_gradient(
             upstream, saved, first=first, window=window, inclusive=inclusive,
             surrogate=surrogate, derivative=derivative, op=op,
         )
@@ -607,9 +606,7 @@ def _build_mask(
         if isinstance(x, Tensor):
             mask = window_mask(x, bounds)
         else:  # a TensorFlow tensor: only then is the TensorFlow side imported
-            from ._tensorflow._straight_through import window_mask as tensorflow_window_mask
-
-            mask = tensorflow_window_mask(x, *window, inclusive)
+            mask = backend("tensorflow").window_mask(x, *window, inclusive)
         return fn(*args, **kwargs), {"mask": mask}
 
     op: CustomBackward[..., Any] = custom_backward(forward, residuals=("mask",))
