@@ -11,7 +11,10 @@ from pathlib import Path
 
 import pytest
 
-PACKAGE = Path(__file__).resolve().parent.parent / "gradoverride"
+import gradoverride
+
+# The package being tested (the installed one, where the source tree is not importable).
+PACKAGE = Path(gradoverride.__file__).resolve().parent
 
 
 def _module_name(path: Path) -> str:
