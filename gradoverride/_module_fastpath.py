@@ -66,6 +66,12 @@ def _builtins() -> dict[str, Any]:
     }
 
 
+def _other_device(g: str, t: str) -> str:
+    """Source: whether tensor `g` is on another device than tensor `t`. Reading `.device`
+    makes two device objects; for a CPU tensor, `is_cpu` says it without them."""
+    return f"((not {g}.is_cpu) if {t}.is_cpu else {g}.device != {t}.device)"
+
+
 def _tuple(items: list[str]) -> str:
     return "(" + ", ".join(items) + ("," if len(items) == 1 else "") + ")"
 
@@ -136,7 +142,7 @@ def _rule_body(
     for g, name, p in zip(pg, names, params, strict=True):
         body += [
             f"        if {g} is not None and (not _go_isinstance({g}, _go_Tensor) or "
-            f"{g}.shape != {p}.shape or {g}.dtype is not {p}.dtype or {g}.device != {p}.device):",
+            f"{g}.shape != {p}.shape or {g}.dtype is not {p}.dtype or {_other_device(g, p)}):",
             f"            {g} = _go_check_gradient({g}, ({p}.shape, {p}.dtype, {p}.device), "
             f"{label!r}, {name!r})",
         ]
@@ -337,7 +343,7 @@ def generate_twin(
                 f"{g}.shape != {meta}[0] or {g}.dtype is not {meta}[1] or {g}.device != {meta}[2]"
                 if i not in req_inputs else
                 f"{g}.shape != _go_k{i}.shape or {g}.dtype is not _go_k{i}.dtype or "
-                f"{g}.device != _go_k{i}.device"
+                f"{_other_device(g, f'_go_k{i}')}"
             )
             out += [
                 f"if {g} is not None:",
