@@ -24,7 +24,7 @@ class BinaryLinear(nn.Linear):
 
     def __init__(self, n_in: int, n_out: int) -> None:
         super().__init__(n_in, n_out)
-        self.binarize = recipes.binarize()  # clip=1.0: the hardtanh window
+        self.binarize = recipes.binarize()  # the gradient passes where |w| <= 1
         self.scale = 1 / math.sqrt(n_in)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""Plot every surrogate of `go.recipes.spike`: its smooth step and its gradient.
+"""Plot the surrogates of `go.recipes.spike` that are a smooth step's derivative: the step
+and its gradient.
 
 Left: the smooth step whose derivative each surrogate is (the forward stays the Heaviside
 step, drawn in black). Right: the surrogate gradient, at its default alpha (peak 1 at the
@@ -30,7 +31,7 @@ def main(output: Path) -> Path:
     x = torch.linspace(-3, 3, 1201, dtype=torch.float64)
     # One curve per formula: aliases (super_spike, soft_sign, piecewise_quadratic) coincide.
     names = ["arctan", "sigmoid", "fast_sigmoid", "erf", "triangle", "rectangular",
-             "piecewise_exp", "straight_through"]
+             "piecewise_exp", "circ", "q_pseudo_spike", "straight_through"]
     figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
     left.plot(x, recipes.spike().step(x), color="black", linewidth=2.5, label="step H(x)")
     for name in names:

@@ -31,9 +31,13 @@ KINDS: tuple[tuple[str, str], ...] = (
     ("recipe: straight-through estimator", "`ste_round` (the STE family: round, sign, ...)"),
     ("recipe: learned step (lsq)", "`lsq` with a learnable step"),
     ("recipe: surrogate spike", "`spike` (every surrogate shares the op)"),
+    ("recipe: stochastic spike", "`spike(sample=True)` and `leaky_relu` with a `spread`, "
+     "given `noise=`"),
     ("recipe: gradient flow", "`reverse_grad(...).module()` (scaling, clipping, sanitizing "
      "share the op)"),
     ("recipe: discrete choice", "`ste_argmax` (straight-through argmax)"),
+    ("recipe: rotation trick", "`rotation_trick` (vector quantization): x gets the rotated "
+     "gradient, its code q none"),
     ("recipe: black-box solver", "`blackbox_solver` around a numpy solver"),
     ("bridge", "`go.bridge`: numpy in the middle of the graph"),
 )
@@ -146,6 +150,14 @@ NOTES: dict[tuple[str, str], str] = {
         "`torch.compile` it meets PyTorch's error for views made in a Function). A module "
         "returning its input as-is returns a view: an in-place op right after it is "
         "PyTorch's error."
+    ),
+    ("recipe: stochastic spike", "compile"): (
+        "With `noise=`. Without it the spike draws from torch's default generator, and a "
+        "compiled graph draws its own numbers (not eager mode's); a `generator=` cannot be "
+        "compiled."
+    ),
+    ("recipe: stochastic spike", "vmap"): (
+        "With `noise=`: `vmap` refuses random draws (or takes `randomness=`)."
     ),
     ("go.Module", "functional_call"): "The rule reads the parameters passed in.",
     ("go.Module owns=", "functional_call"): "The rule reads the parameters passed in.",

@@ -60,6 +60,7 @@ imports TensorFlow and Keras; `import gradoverride` does not.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -226,6 +227,16 @@ class Spike(_RecipeLayer):
         threshold: subtracted from the input first (default 0), so that a `Sequential`
             needs no extra layer for it; the recipe itself takes ``v - v_th``. A constant,
             not a weight.
+        leak: the gradient outside the window or on the silent side (`rectangular`,
+            `log_tailed_relu`, `leaky_relu`; see `gradoverride.recipes.spike`).
+        spread: the noise on `leaky_relu`'s silent side; such a spike draws TensorFlow's
+            random numbers on every call.
+        beta: `s2nn`'s right branch height.
+        terms: `squarewave_fourier`'s number of harmonics.
+        bound: `sparse_fast_sigmoid`'s lower bound.
+        center: where the surrogate is centred (the step stays at the threshold).
+        sample: draw the spike from Bernoulli(the surrogate's step), with TensorFlow's
+            random numbers on every call.
         **kwargs: Keras' layer arguments (`name`, `dtype`, `autocast`, ...).
 
     `Spike.preset("snntorch.fast_sigmoid", slope=25)` takes a library's convention, as
@@ -239,10 +250,21 @@ class Spike(_RecipeLayer):
         scale: float = 1.0,
         at_zero: float = 0.0,
         threshold: float = 0.0,
+        *,
+        leak: float | None = None,
+        spread: float | None = None,
+        beta: float | None = None,
+        terms: int | None = None,
+        bound: float | None = None,
+        center: float = 0.0,
+        sample: bool = False,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
-        self.recipe = spike(surrogate=surrogate, alpha=alpha, scale=scale, at_zero=at_zero)
+        self.recipe = spike(
+            surrogate=surrogate, alpha=alpha, scale=scale, at_zero=at_zero, leak=leak,
+            spread=spread, beta=beta, terms=terms, bound=bound, center=center, sample=sample,
+        )
         if (
             not isinstance(threshold, int | float)
             or isinstance(threshold, bool)
@@ -259,14 +281,7 @@ class Spike(_RecipeLayer):
         (`name`, `dtype`, ...) go in `params` too."""
         keras_args = {k: params.pop(k) for k in ("name", "dtype", "autocast") if k in params}
         recipe = spike.preset(name, **params)
-        return cls(
-            surrogate=recipe.surrogate,
-            alpha=recipe.alpha,
-            scale=recipe.scale,
-            at_zero=recipe.at_zero,
-            threshold=threshold,
-            **keras_args,
-        )
+        return cls(threshold=threshold, **_spike_fields(recipe), **keras_args)
 
     def call(self, inputs: Any) -> Any:
         if self.threshold != 0:
@@ -275,19 +290,19 @@ class Spike(_RecipeLayer):
 
     def get_config(self) -> dict[str, Any]:
         config = super().get_config()
-        recipe = self.recipe
-        config.update(
-            surrogate=recipe.surrogate,
-            alpha=recipe.alpha,
-            scale=recipe.scale,
-            at_zero=recipe.at_zero,
-            threshold=self.threshold,
-        )
+        config.update(_spike_fields(self.recipe), threshold=self.threshold)
         return config
 
     def __repr__(self) -> str:
         extra = f", threshold={self.threshold!r}" if self.threshold else ""
         return f"Spike({self.recipe!r}{extra}, name={self.name!r})"
+
+
+def _spike_fields(recipe: spike) -> dict[str, Any]:
+    """The recipe's fields, those its surrogate does not take (None) left out: what rebuilds
+    it (every field, so that no parameter of a preset is dropped)."""
+    fields = {f.name: getattr(recipe, f.name) for f in dataclasses.fields(recipe)}
+    return {k: v for k, v in fields.items() if v is not None}
 
 
 class Quantize(_RecipeLayer):

@@ -29,6 +29,7 @@ from gradoverride.recipes import (
     blackbox_solver,
     lsq,
     reverse_grad,
+    rotation_trick,
     spike,
     ste_argmax,
     ste_round,
@@ -306,6 +307,41 @@ def _ref_spike(m: nn.Module, x: Tensor, up: Tensor) -> Grads:
     return _before(up * 1.0 / (1 + (math.pi * v) ** 2), x, s)  # (a/2)/(1+(pi a v/2)^2), a=2
 
 
+SAMPLED = spike("circ", alpha=1.5, sample=True)
+NOISY = spike("leaky_relu", leak=0.1, spread=0.4)
+
+
+def _noise_for(h: Tensor) -> Tensor:
+    """Noise in [0, 1) that is a function of the input, so that every context (dynamic
+    shapes, checkpoint's recomputation, per-sample vmap) sees the same numbers."""
+    return torch.frac(h.detach().abs() * 7.31 + 0.137)
+
+
+class StochasticSpikes(nn.Module):
+    """A sampled spike and a spike with a noisy gradient of `x * scale`, given their noise
+    (`op` is what scripting sees: its module form)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.op = SAMPLED
+        self.noisy = NOISY
+        self.scale = nn.Parameter(torch.tensor(1.25))
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = x * self.scale
+        u = _noise_for(h)
+        return self.op(h, noise=u) + 2 * self.noisy(h, noise=u)
+
+
+def _ref_stochastic(m: nn.Module, x: Tensor, up: Tensor) -> Grads:
+    s = _params(m)["scale"]
+    h = x * s
+    u = _noise_for(h)
+    sampled = 0.75 / (1 + (1.5 * h) ** 2) ** 1.5  # circ, a = 1.5: (a/2) / (1 + (a h)^2)^1.5
+    noisy = torch.where(h > 0, 1.0, 0.1 + 0.4 * (u - 0.5))
+    return _before(up * (sampled + 2 * noisy), x, s)
+
+
 def _ref_reverse(m: nn.Module, x: Tensor, up: Tensor) -> Grads:
     return _before(-0.5 * up, x, _params(m)["scale"])
 
@@ -339,6 +375,45 @@ def _ref_lsq(m: nn.Module, x: Tensor, up: Tensor) -> Grads:
     d = torch.where(inside, torch.round(v) - v, torch.where(v <= -qn, -qn, qp))
     g = 1 / math.sqrt(x.numel() * qp)
     return {"x": up * inside, "step": (up * d).sum() * g}
+
+
+ROTATION = rotation_trick()
+#: The codebook the rotation trick case quantizes to, a fixed tensor (5 codes of 3).
+CODEBOOK = torch.tensor([[1.0, -0.5, 0.25], [-1.0, 2.0, 0.5], [0.5, 0.5, -1.5], [0.0, 1.0, 1.0],
+                         [-0.8, -0.6, 0.3]])
+
+
+def _nearest_codes(v: Tensor) -> Tensor:
+    """Each row's nearest code (vector quantization's lookup)."""
+    return CODEBOOK[((v.unsqueeze(-2) - CODEBOOK) ** 2).sum(-1).argmin(-1)]
+
+
+class RotationModule(nn.Module):
+    """`rotation_trick()(v, nearest code of v)` with v = x * scale: vector quantization."""
+
+    op = ROTATION  # the recipe; its module form is `ROTATION.module()`
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.tensor(1.25))
+
+    def forward(self, x: Tensor) -> Tensor:
+        v = x * self.scale
+        return ROTATION(v, _nearest_codes(v.detach()))
+
+
+def _ref_rotation(m: nn.Module, x: Tensor, up: Tensor) -> Grads:
+    # The paper's estimator as an explicit matrix per row: (lambda R)^T up, with R taking
+    # the row's direction to its code's and lambda = |code| / |row|.
+    s = _params(m)["scale"]
+    rows = []
+    v = x * s
+    for e, c, g in zip(v, _nearest_codes(v), up, strict=True):
+        u, d = e / e.norm(), c / c.norm()
+        w = (u + d) / (u + d).norm()
+        rotation = torch.eye(3) - 2 * torch.outer(w, w) + 2 * torch.outer(d, u)
+        rows.append(c.norm() / e.norm() * rotation.T @ g)
+    return _before(torch.stack(rows), x, s)
 
 
 def cheapest_per_row(costs: np.ndarray) -> np.ndarray:
@@ -423,10 +498,13 @@ CASES: dict[str, Case] = {
              _ref_round),
         Case("recipe: learned step (lsq)", LsqModule, LsqModule(), _ref_lsq),
         Case("recipe: surrogate spike", _op(spike("arctan")), OpModule(SPIKE), _ref_spike),
+        Case("recipe: stochastic spike", StochasticSpikes, StochasticSpikes(),
+             _ref_stochastic),
         Case("recipe: gradient flow", lambda: OpModule(reverse_grad(scale=0.5).module()),
              OpModule(REVERSE.module()), _ref_reverse),
         Case("recipe: discrete choice", _op(ste_argmax(dim=-1)), OpModule(ARGMAX),
              _ref_argmax),
+        Case("recipe: rotation trick", RotationModule, RotationModule(), _ref_rotation),
         Case("recipe: black-box solver",
              _op(blackbox_solver(cheapest_per_row, lambda_=2.0, numpy=True)),
              OpModule(SOLVER), _ref_solver),

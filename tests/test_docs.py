@@ -8,6 +8,7 @@ string block for long output), which pytest-examples compares with what the bloc
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import os
 import re
@@ -124,22 +125,22 @@ def test_every_output_line_follows_a_print() -> None:
     # pytest-examples compares only the `#>` lines right after a print: a `#>` line after
     # any other statement would be shown on the page and never checked.
     for example in EXAMPLES:
-        open_parens = 0
-        last_code = ""
-        for number, line in enumerate(example.source.splitlines(), start=example.start_line):
+        lines = example.source.splitlines()
+        print_ends = {
+            node.end_lineno
+            for node in ast.walk(ast.parse(example.source))
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "print"
+        }
+        previous = 0
+        for number, line in enumerate(lines, start=1):
             stripped = line.strip()
             if stripped.startswith("#>"):
-                assert "print(" in last_code and open_parens == 0, (
-                    f"{_id(example)}: the `#>` line {number} does not follow a print"
+                assert previous in print_ends, (
+                    f"{_id(example)}: the `#>` line {example.start_line + number} does not "
+                    "follow a print"
                 )
-                continue
-            if not stripped or stripped.startswith("#"):
-                continue
-            if open_parens == 0:
-                last_code = stripped
-            else:
-                last_code += " " + stripped
-            open_parens += line.count("(") - line.count(")")
+            elif stripped and not stripped.startswith("#"):
+                previous = number
 
 
 def _api_names(page: str) -> set[str]:

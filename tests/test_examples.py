@@ -152,6 +152,16 @@ def test_ste_benchmark_quick() -> None:
     assert re.search(r"^\s*go\.straight_through\s+[0-9.]+ ms\s+ratio to idiom [0-9.]+\s+"
                      r"saved bytes 0\s*$", out, re.M), out
     assert re.search(r"keep='mask'.*held for backward", out), out
+    # Every spike preset is timed against its peer function, where the peer is installed
+    # (snnTorch's LSO, whose function raises, says why it is not).
+    import peers
+
+    from gradoverride import recipes
+
+    for name in recipes.SPIKE_PRESETS:
+        if peers.import_peer(peers.library(name)) is not None:
+            assert re.search(rf"^\s*{re.escape(name)}\s+(peer .* ratio [0-9.]+|not timed: )",
+                             out, re.M), name
 
 
 def test_modules_benchmark_quick() -> None:

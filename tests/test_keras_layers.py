@@ -122,6 +122,19 @@ def test_spike_preset_is_the_recipe_preset() -> None:
     _check_parity(layer, layer.recipe, "eager")
 
 
+@pytest.mark.parametrize(
+    ("name", "params"),
+    [("spikingjelly.PiecewiseLeakyReLU", {"w": 0.5, "c": 0.1}),
+     ("snntorch.spike_rate_escape", {"beta": 2.0}), ("spikingjelly.S2NN", {"beta": 0.5}),
+     ("spikingjelly.SquarewaveFourierSeries", {"n": 3})],
+)
+def test_spike_preset_keeps_every_parameter(name: str, params: dict[str, float]) -> None:
+    """A leak, a centre, a second shape parameter: the layer's recipe is the preset's."""
+    layer = Spike.preset(name, **params)
+    assert layer.recipe == recipes.spike.preset(name, **params)
+    _check_parity(layer, layer.recipe, "eager")
+
+
 def test_scheduled_reversal_uses_the_step_then_advances() -> None:
     ramp = recipes.ganin_ramp(total_steps=4)
     layer = GradientReversal(scale=ramp)
@@ -265,6 +278,10 @@ def test_fit_reverses_the_gradient_before_the_layer(fit_mode: str) -> None:
         Spike(),
         Spike(surrogate="erf", alpha=2.0, scale=0.5, at_zero=1.0, threshold=0.3),
         Spike.preset("norse.super"),
+        Spike.preset("spikingjelly.PiecewiseLeakyReLU", w=0.5, c=0.1),
+        Spike.preset("snntorch.spike_rate_escape"),
+        Spike.preset("norse.circ_dist_fn", k=2.0),
+        Spike(surrogate="leaky_relu", leak=0.1, spread=0.2),
         Quantize(),
         Quantize(bits=4, bound=2.0, keep="mask"),
         Quantize(bits=3, symmetric=False, bound=(-1.0, 3.0)),

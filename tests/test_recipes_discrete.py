@@ -1,6 +1,7 @@
-"""Discrete recipes: straight-through argmax and Gumbel-softmax. The forward is the one-hot
-exactly; the backward is autograd of the softmax it stands for; no NaN in float16 or at tiny
-temperatures; the generator makes noise reproducible."""
+"""Discrete recipes: straight-through argmax, Gumbel-softmax and the rotation trick. The
+forward is the one-hot (or the code) exactly; the backward is autograd of what it stands
+for; no NaN in float16 or at tiny temperatures; the generator or given noise makes samples
+reproducible; the rotation trick is vector-quantize-pytorch's `rotate_to`."""
 
 from __future__ import annotations
 
@@ -227,3 +228,276 @@ def test_dim_out_of_range_names_the_valid_range() -> None:
         "in [-2, 1]."
     )):
         R.ste_argmax(dim=5)(torch.zeros(2, 3))
+
+
+# ---- Gumbel-softmax with given noise -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("hard", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_gumbel_with_given_noise_is_torchs_gumbel_softmax_on_the_same_draws(
+    hard: bool, dtype: torch.dtype
+) -> None:
+    # torch.nn.functional.gumbel_softmax draws G = -log(Exponential(1)) from the global
+    # generator: the same draws, given as noise=, give its sample and gradient.
+    logits = torch.tensor([[1.0, 3.0, 0.5, -2.0], [0.0, 0.0, 1e-3, -1e-3]], dtype=dtype)
+    g = torch.tensor([[1.0, -1.0, 2.0, 0.5], [3.0, 0.0, -2.0, 1.0]], dtype=dtype)
+    for seed in range(5):
+        torch.manual_seed(seed)
+        draws = -torch.empty_like(logits).exponential_().log()
+        torch.manual_seed(seed)
+        ref_y, ref_g = _grad(
+            lambda t: torch.nn.functional.gumbel_softmax(t, tau=0.5, hard=hard), logits, g
+        )
+        y, gx = _grad(
+            lambda t, n=draws: R.gumbel_softmax(temperature=0.5, hard=hard)(t, noise=n),
+            logits, g,
+        )
+        assert y.dtype == gx.dtype == dtype
+        torch.testing.assert_close(y, ref_y, **tolerance(dtype))
+        torch.testing.assert_close(gx, ref_g, **tolerance(dtype))
+        if hard:
+            assert torch.equal(y, ref_y)
+
+
+def test_gumbel_given_noise_reproduces_a_run_and_gets_the_scores_gradient() -> None:
+    logits = torch.tensor([[1.0, 3.0, 0.5]], requires_grad=True)
+    noise = gumbel_noise(logits.shape, generator=torch.Generator().manual_seed(7))
+    drawn = R.gumbel_softmax(hard=False)(logits, generator=torch.Generator().manual_seed(7))
+    given_noise = noise.clone().requires_grad_()
+    again = R.gumbel_softmax(hard=False)(logits, noise=given_noise)
+    assert torch.equal(again, drawn)
+    weights = torch.tensor([[1.0, -1.0, 2.0]])
+    g_logits, g_noise = torch.autograd.grad((again * weights).sum(), (logits, given_noise))
+    assert torch.equal(g_logits, g_noise)  # the scores are logits + noise
+    soft = torch.softmax(logits.detach() + noise, -1)
+    torch.testing.assert_close(g_logits, soft * (weights - (weights * soft).sum(-1, True)))
+    # half inputs: the noise is used in float32, the sample in the input's dtype
+    half = R.gumbel_softmax()(logits.detach().half(), noise=noise)
+    assert half.dtype == torch.float16 and half.tolist() == [[0.0, 1.0, 0.0]]
+
+
+@pytest.mark.compile
+@_TORCH_CTX_WARNING
+def test_gumbel_with_given_noise_compiles_with_fullgraph() -> None:
+    from gradoverride.testing import assert_consistent
+
+    noise = gumbel_noise((2, 3), generator=torch.Generator().manual_seed(1))
+    recipe = R.gumbel_softmax(temperature=0.7)
+    weights = torch.tensor([[1.0, -1.0, 2.0], [0.5, 0.0, 3.0]])
+    assert_consistent(lambda x, n: (recipe(x, noise=n) * weights).sum(),
+                      torch.tensor([[1.0, 2.0, 0.5], [0.0, -1.0, 1.0]]), noise,
+                      modes=("compile",))
+
+
+@pytest.mark.parametrize(
+    "kwargs,error,message",
+    [
+        ({"noise": torch.zeros(2, 3), "generator": torch.Generator()}, go.GradOverrideError,
+         r"gumbel_softmax\(.*\) got both `generator=` and `noise=`; pass one: `generator` "
+         r"draws the noise, `noise` gives the draws\."),
+        ({"noise": torch.zeros(3)}, go.GradOverrideError,
+         r"gumbel_softmax\(.*\): `noise` must have the scores' shape and device, \(2, 3\) on "
+         r"cpu; got \(3,\) on cpu\. Draw one value per score"),
+        ({"noise": torch.zeros(2, 3, dtype=torch.int64)}, go.GradOverrideTypeError,
+         r"`noise` must be a floating-point tensor of Gumbel draws shaped like the scores; got "
+         r"a torch\.int64 tensor\."),
+        ({"noise": [[0.0] * 3] * 2}, go.GradOverrideTypeError,
+         r"`noise` must be a floating-point tensor .*; got list "),
+    ],
+)
+def test_gumbel_noise_mistakes_are_errors(kwargs: Any, error: type[Exception], message: str
+                                          ) -> None:
+    with pytest.raises(error, match=message):
+        R.gumbel_softmax()(torch.zeros(2, 3), **kwargs)
+
+
+# ---- the rotation trick ----------------------------------------------------------------------
+
+
+def _rotation_grad(x: torch.Tensor, q: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """d/dx of sum(g * (lambda R) x), with lambda R held constant: (lambda R)^T g."""
+    leaf = x.double().detach().requires_grad_()
+    eps = 1e-6
+    flat, codes = leaf.reshape(-1, x.shape[-1]), q.double().reshape(-1, x.shape[-1])
+    rows = []
+    for e, c in zip(flat, codes, strict=True):
+        ed = e.detach()
+        u = ed / ed.norm().clamp_min(eps)
+        v = c / c.norm().clamp_min(eps)
+        w = (u + v) / (u + v).norm().clamp_min(eps)
+        rotation = (torch.eye(e.numel(), dtype=torch.float64) - 2 * torch.outer(w, w)
+                    + 2 * torch.outer(v, u))
+        rows.append(c.norm() / ed.norm().clamp_min(eps) * (rotation @ e))
+    out = torch.stack(rows).reshape(x.shape)
+    (gx,) = torch.autograd.grad(out, leaf, g.double())
+    return gx
+
+
+@given(x=gst.tensors(shape=gst.shapes(min_dims=1, max_dims=3, min_side=1), scale=2.0,
+                     dtype=gst.float_dtypes(low_precision=False)), seed=st.integers(0, 99))
+def test_rotation_trick_forward_is_q_and_backward_the_rotation(x: torch.Tensor, seed: int
+                                                               ) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(x.shape, generator=gen, dtype=torch.float64).to(x.dtype)
+    g = torch.randn(x.shape, generator=gen, dtype=torch.float64).to(x.dtype)
+    y, gx = _grad(lambda t: R.rotation_trick()(t, q), x, g)
+    assert y.dtype == gx.dtype == x.dtype
+    assert torch.equal(y, q)
+    torch.testing.assert_close(gx, _rotation_grad(x, q, g).to(x.dtype),
+                               **tolerance(x.dtype))
+
+
+def test_rotation_trick_at_its_edges() -> None:
+    q = torch.tensor([[3.0, 4.0]], dtype=torch.float64)
+    g = torch.tensor([[1.0, -2.0]], dtype=torch.float64)
+    trick = R.rotation_trick()
+    for x, expected in [
+        (q / 5, g * 5.0 / 1.0),                 # same direction: R = I, lambda = |q| / |x| = 5
+        (-q, g - 2 * (g * q / 5).sum() * q / 5),  # opposite: the reflection I - 2 v v^T, lambda 1
+        (torch.zeros(1, 2, dtype=torch.float64),  # x = 0: u = 0, w = v, lambda = |q| / eps
+         (g - 2 * (g * q / 5).sum() * q / 5) * 5 / 1e-6),
+    ]:
+        y, gx = _grad(lambda t: trick(t, q), x, g)
+        assert torch.equal(y, q)
+        torch.testing.assert_close(gx, expected)
+    _, at_zero_code = _grad(lambda t: trick(t, torch.zeros_like(q)), q, g)
+    assert at_zero_code.tolist() == [[0.0, 0.0]]  # q = 0: lambda = 0
+
+
+def test_rotation_trick_along_another_dim_half_inputs_and_no_gradient_for_q() -> None:
+    x = torch.randn(2, 3, 4, generator=torch.Generator().manual_seed(0))
+    q = torch.randn(2, 3, 4, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    g = torch.randn(2, 3, 4, generator=torch.Generator().manual_seed(2))
+    _, along_1 = _grad(lambda t: R.rotation_trick(dim=1)(t, q), x, g)
+    _, last = _grad(lambda t: R.rotation_trick()(t.movedim(1, -1), q.movedim(1, -1)), x,
+                    g.movedim(1, -1))
+    torch.testing.assert_close(along_1, last)
+    leaf = x.clone().requires_grad_()
+    gx, gq = torch.autograd.grad(R.rotation_trick()(leaf, q).sum(), (leaf, q), allow_unused=True)
+    assert gq is None and gx is not None
+    for dtype in (torch.float16, torch.bfloat16):  # computed in float32, returned in dtype
+        code = q.detach().to(dtype)
+        y, gh = _grad(lambda t, c=code: R.rotation_trick()(t, c), x.to(dtype), g.to(dtype))
+        assert y.dtype == gh.dtype == dtype and torch.isfinite(gh).all()
+        torch.testing.assert_close(gh.float(), _rotation_grad(x.to(dtype), q.to(dtype),
+                                                               g.to(dtype)).float(),
+                                   **tolerance(dtype))
+
+
+@pytest.mark.compile
+@_TORCH_CTX_WARNING
+def test_rotation_trick_compiles_and_vmaps() -> None:
+    from gradoverride.testing import assert_consistent
+
+    q = torch.tensor([[1.0, 2.0, -1.0], [0.5, 0.0, 2.0]])
+    weights = torch.tensor([[1.0, -1.0, 2.0], [0.5, 3.0, -2.0]])
+    x0 = torch.tensor([[0.3, -1.0, 2.0], [1.0, 1.0, 0.0]])
+    trick = R.rotation_trick()
+    assert_consistent(lambda x: (trick(x, q) * weights).sum(), x0, modes=("compile",))
+
+    def f(x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        return (trick(x, c) * weights[0]).sum()
+
+    looped = torch.stack([func_grad(f)(x, c) for x, c in zip(x0, q, strict=True)])
+    torch.testing.assert_close(vmap(func_grad(f))(x0, q), looped)
+
+
+def test_rotation_trick_module_form_and_repr() -> None:
+    layer = R.rotation_trick().module()
+    assert repr(layer) == "rotation_trick(dim=-1, eps=1e-06)"
+    x, q = torch.randn(2, 4), torch.randn(2, 4)
+    assert torch.equal(layer(x, q), q)
+
+
+@pytest.mark.parametrize(
+    "call,error,message",
+    [
+        (lambda: R.rotation_trick()(torch.zeros(2, 3), torch.zeros(2, 4)), go.GradOverrideError,
+         r"rotation_trick\(dim=-1, eps=1e-06\): `x` and its codebook vector `q` must have the "
+         r"same shape; got \(2, 3\) and \(2, 4\)\. Gather one code per vector first"),
+        (lambda: R.rotation_trick()(torch.zeros(()), torch.zeros(())), go.GradOverrideError,
+         r"rotation_trick\(.*\) got tensors of shape \(\), with no dimension -1 to hold the "
+         r"vectors"),
+        (lambda: R.rotation_trick(dim=2)(torch.zeros(2, 3), torch.zeros(2, 3)),
+         go.GradOverrideError, r"no dimension 2 to hold the vectors; pass a dim in \[-2, 1\]"),
+        (lambda: R.rotation_trick()(torch.zeros(2, 3), torch.zeros(2, 3, dtype=torch.long)),
+         go.GradOverrideTypeError, r"`q` must be a floating-point tensor; got a torch\.int64"),
+        (lambda: R.rotation_trick(eps=0.0), go.GradOverrideError,
+         r"rotation_trick: `eps` must be a positive finite number; got float 0\.0\. It floors "
+         r"the norms"),
+    ],
+)
+def test_rotation_trick_mistakes_are_errors(call: Any, error: type[Exception], message: str
+                                            ) -> None:
+    with pytest.raises(error, match=message):
+        call()
+
+
+def _vector_quantize_pytorch() -> Any:
+    try:
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            import vector_quantize_pytorch.vector_quantize_pytorch as vq
+    except Exception:  # any failure means the peer is not usable here
+        pytest.skip("vector-quantize-pytorch is not importable here (the `peers` extra)")
+    return vq
+
+
+@pytest.mark.filterwarnings("ignore")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_rotation_trick_matches_vector_quantize_pytorchs_rotate_to(dtype: torch.dtype) -> None:
+    vq = _vector_quantize_pytorch()
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(12, 8, generator=gen, dtype=torch.float64)
+    x = torch.randn(12, 8, generator=gen, dtype=torch.float64)
+    tiny = torch.finfo(dtype).eps
+    x[0] = q[0] * 0.5                          # same direction
+    x[1] = -q[1] * 2.0                         # opposite
+    x[2] = -q[2] * (1 + tiny)                  # opposite, a float step apart
+    x[3] = q[3]                                # x is its code
+    x[4, 1:] = 0.0                             # on an axis
+    x[5] = 1e-7                                # near eps, the norms' floor
+    x[6] = 1e-5
+    q[7] = 0.0                                 # a zero code
+    x[8] = x[8] * 1e3                          # large
+    x, q = x.to(dtype), q.to(dtype)
+    g = torch.randn(12, 8, generator=gen, dtype=torch.float64).to(dtype)
+    y, gx = _grad(lambda t: R.rotation_trick()(t, q), x, g)
+    ref_y, ref_g = _grad(lambda t: vq.rotate_to(t, q), x, g)
+    assert y.dtype == gx.dtype == ref_g.dtype == dtype
+    assert torch.equal(y, q)  # exactly q; the peer computes lambda R x, q up to rounding
+    close = {"rtol": 1e-4, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 1e-10,
+                                                                          "atol": 1e-12}
+    floored = torch.linalg.vector_norm(x, dim=-1) < 1e-6  # the peer's forward is not q there
+    assert floored.tolist() == [False] * 5 + [True] + [False] * 6
+    # (in float32 the peer's lambda R x loses digits where x and q are nearly opposite)
+    peer_forward = {"rtol": 1e-3, "atol": 1e-3} if dtype == torch.float32 else close
+    torch.testing.assert_close(ref_y[~floored], q[~floored], **peer_forward)
+    torch.testing.assert_close(gx, ref_g, **close)
+    # x = 0: the peer's forward is 0 (lambda R x), this recipe's is q; the gradients agree
+    zero = torch.zeros(1, 8, dtype=dtype)
+    assert torch.equal(vq.rotate_to(zero, q[:1]), torch.zeros(1, 8, dtype=dtype))
+    torch.testing.assert_close(_grad(lambda t: R.rotation_trick()(t, q[:1]), zero, g[:1])[1],
+                               _grad(lambda t: vq.rotate_to(t, q[:1]), zero, g[:1])[1],
+                               **close)
+
+
+@pytest.mark.parametrize(
+    "dtype,big", [(torch.float16, 1e4), (torch.bfloat16, 1e30), (torch.float32, 1e30),
+                  (torch.float64, 1e300)], ids=str
+)
+def test_rotation_trick_gradient_is_finite_and_right_at_extreme_inputs(
+    dtype: torch.dtype, big: float
+) -> None:
+    # The squares of a float32 1e20 overflow; the norm, and so the gradient, do not.
+    q = torch.tensor([[1.0, 2.0, -1.0], [0.5, -0.5, 2.0]], dtype=dtype)
+    g = torch.tensor([[1.0, -2.0, 0.5], [3.0, 1.0, -1.0]], dtype=dtype)
+    x = torch.tensor([[big, -big, big / 2], [-big, big / 4, 1.0]], dtype=dtype)
+    y, gx = _grad(lambda t: R.rotation_trick()(t, q), x, g)
+    assert torch.equal(y, q) and torch.isfinite(gx).all()
+    expected = _rotation_grad(x / big, q, g) / big  # R is scale-free, lambda goes as 1 / |x|
+    torch.testing.assert_close(gx.double(), expected, rtol=2e-2 if dtype in (
+        torch.float16, torch.bfloat16) else 1e-5, atol=0)

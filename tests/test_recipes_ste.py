@@ -284,7 +284,14 @@ def test_lsq_module_initialises_and_keeps_a_loaded_step() -> None:
 
 # ---- all recipes: dtypes, extremes, module form, repr ----------------------------------------
 
-ALL = [r for r, _ in IDENTITY] + [r for r, *_ in WINDOWED] + QUANTIZERS + [R.ternarize()]
+ALL = [r for r, _ in IDENTITY] + [r for r, *_ in WINDOWED] + QUANTIZERS + [R.ternarize()] + [
+    R.binarize(inclusive=False),
+    R.ste_clamp(-1.0, 0.5, outside="zero", inclusive=(False, True), keep="mask"),
+    R.ste_clamp(torch.tensor(-1.0), torch.tensor([0.5]), outside="zero"),
+    R.ste_clamp(torch.tensor(-1.0), 1.0, outside="pass"),
+    R.abs_subgradient(),
+    R.abs_subgradient(at_zero=0.5),
+]
 
 
 @pytest.mark.parametrize("recipe", ALL, ids=repr)
@@ -301,16 +308,18 @@ def test_finite_gradients_at_extreme_inputs(recipe: Any, dtype: torch.dtype, big
 def test_reprs_are_the_calls() -> None:
     assert repr(R.ste_round()) == "ste_round()"
     assert repr(R.ste_clamp(-1.0, 1.0, outside="zero")) == (
-        "ste_clamp(low=-1.0, high=1.0, outside='zero', keep='input')"
+        "ste_clamp(low=-1.0, high=1.0, outside='zero', inclusive=True, keep='input')"
     )
-    assert repr(R.binarize(clip=0.5, keep="mask")) == "binarize(clip=0.5, keep='mask')"
+    assert repr(R.binarize(clip=0.5, keep="mask")) == (
+        "binarize(clip=0.5, inclusive=True, keep='mask')"
+    )
     assert repr(R.quantize(bits=4)) == "quantize(bits=4, symmetric=True, bound=None, keep='input')"
     assert R.binarize() == R.binarize(clip=1.0) and hash(R.binarize()) == hash(R.binarize())
 
 
 def test_module_form_in_sequential() -> None:
     model = nn.Sequential(nn.Linear(3, 4), R.binarize().module(), nn.Linear(4, 1))
-    assert "binarize(clip=1.0, keep='input')" in repr(model)
+    assert "binarize(clip=1.0, inclusive=True, keep='input')" in repr(model)
     model(torch.randn(5, 3)).sum().backward()
     assert model[0].weight.grad is not None
 
@@ -533,3 +542,398 @@ def test_lsq_survives_an_all_zero_first_input() -> None:
     y.sum().backward()
     assert torch.isfinite(y).all() and module.step.item() > 0
     assert module.step.grad is not None and torch.isfinite(module.step.grad).all()
+
+
+# ---- which ends belong to the window (`inclusive`) and the libraries' presets -----------------
+
+
+def _neighbours(dtype: torch.dtype, *values: float) -> torch.Tensor:
+    """Each value rounded to `dtype`, with its neighbours on both sides in `dtype`."""
+    v = torch.tensor(values, dtype=torch.float64).to(dtype)
+    inf = torch.tensor(math.inf, dtype=dtype)
+    return torch.cat([torch.nextafter(v, -inf), v, torch.nextafter(v, inf)])
+
+
+def _edges(dtype: torch.dtype, *bounds: float) -> torch.Tensor:
+    """The bounds and their neighbours, ±0, ±inf, the window's middle and values beyond."""
+    extra = torch.tensor([0.0, -0.0, math.inf, -math.inf, 3.5, -3.5, 0.3, 1e-30], dtype=dtype)
+    return torch.cat([_neighbours(dtype, *bounds), extra])
+
+
+def _window_ends(
+    x: torch.Tensor, g: torch.Tensor, low: float, high: float, ends: tuple[bool, bool]
+) -> torch.Tensor:
+    """The gradient a window passes, by float64 comparisons with the bounds rounded to x's
+    dtype first (as `x <= c` rounds them)."""
+    lo, hi = (torch.tensor(b, dtype=torch.float64).to(x.dtype).double() for b in (low, high))
+    v = x.double()
+    above = v >= lo if ends[0] else v > lo
+    below = v <= hi if ends[1] else v < hi
+    return torch.where(above & below, g, torch.zeros_like(g))
+
+
+WINDOW_ENDS = [
+    (R.binarize(inclusive=False), -1.0, 1.0, (False, False)),
+    (R.binarize(clip=(-0.5, 2.0), inclusive=(True, False), keep="mask"), -0.5, 2.0,
+     (True, False)),
+    (R.binarize(clip=0.3, inclusive=(False, True)), -0.3, 0.3, (False, True)),
+    (R.ste_clamp(-1.0, 0.5, outside="zero", inclusive=False), -1.0, 0.5, (False, False)),
+    (R.ste_clamp(-1.0, 0.5, outside="zero", inclusive=(False, True), keep="mask"), -1.0, 0.5,
+     (False, True)),
+    (R.ste_clamp(-0.3, 0.7, outside="zero", inclusive=(True, False)), -0.3, 0.7,
+     (True, False)),
+    (R.ste_clamp(-0.3, 0.3, outside="zero", inclusive=False), -0.3, 0.3, (False, False)),
+]
+
+
+_WINDOW_ENDS_IDS = [repr(r) for r, *_ in WINDOW_ENDS]
+
+
+@pytest.mark.parametrize("recipe,low,high,ends", WINDOW_ENDS, ids=_WINDOW_ENDS_IDS)
+@pytest.mark.parametrize("dtype", gst.FLOAT_DTYPES, ids=str)
+def test_window_ends_in_or_out_as_inclusive_says(
+    recipe: Any, low: float, high: float, ends: tuple[bool, bool], dtype: torch.dtype
+) -> None:
+    x = _edges(dtype, low, high)
+    g = torch.linspace(-2, 2, x.numel(), dtype=torch.float64).to(dtype)
+    y, gx = _grad(recipe, x, g)
+    assert y.dtype == gx.dtype == dtype
+    assert torch.equal(gx, _window_ends(x, g, low, high, ends)), (x, gx)
+    assert torch.equal(y, recipe._forward(x))
+
+
+@pytest.mark.compile
+@_TORCH_CTX_WARNING
+@pytest.mark.parametrize("recipe,low,high,ends", WINDOW_ENDS, ids=_WINDOW_ENDS_IDS)
+def test_window_ends_compile_with_dynamic_shapes_and_match_eager(
+    recipe: Any, low: float, high: float, ends: tuple[bool, bool]
+) -> None:
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    inputs = [_edges(torch.float32, low, high), torch.cat([_edges(torch.float32, low, high),
+                                                         torch.tensor([0.1, -0.2, 0.9])])]
+    counter = CompileCounterWithBackend("aot_eager")
+    torch._dynamo.reset()
+    compiles = []
+    try:
+        compiled = torch.compile(recipe, dynamic=True, fullgraph=True, backend=counter)
+        for x in inputs:
+            g = torch.randn(x.shape, generator=torch.Generator().manual_seed(0))
+            y_c, gx_c = _grad(compiled, x, g)
+            assert torch.equal(gx_c, _window_ends(x, g, low, high, ends)), (x, gx_c)
+            assert torch.equal(y_c, recipe._forward(x))
+            compiles.append(counter.frame_count)
+    finally:
+        torch._dynamo.reset()
+    assert compiles[1] == compiles[0]  # the graph for the first shape serves the second
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("keep", ["input", "mask"])
+def test_presets_match_torch_hardtanh_and_clamp(dtype: torch.dtype, keep: Any) -> None:
+    # torch itself is the library here: hardtanh's gradient is 0 at its bounds, clamp's is
+    # not; the presets give each exactly, forward and gradient.
+    nn_f = nn.functional
+    for low, high in ((-1.0, 1.0), (-0.5, 2.0), (0.25, 0.75)):
+        x = _edges(dtype, low, high)
+        g = torch.linspace(-3, 3, x.numel(), dtype=dtype)
+        for name, reference in (
+            ("torch.nn.functional.hardtanh",
+             lambda t, lo=low, hi=high: nn_f.hardtanh(t, lo, hi)),
+            ("torch.clamp", lambda t, lo=low, hi=high: torch.clamp(t, lo, hi)),
+        ):
+            recipe = R.ste_clamp.preset(name, low, high, keep=keep)
+            y, gx = _grad(recipe, x, g)
+            ref_y, ref_g = _grad(reference, x, g)
+            assert torch.equal(y, ref_y) and torch.equal(gx, ref_g), (name, low, high)
+    x = _edges(dtype, -1.0, 1.0)
+    g = torch.linspace(-3, 3, x.numel(), dtype=dtype)
+    _, gx = _grad(R.binarize.preset("xnor_net", keep=keep), x, g)
+    assert torch.equal(gx, _grad(nn_f.hardtanh, x, g)[1])  # XNOR-Net's window: hardtanh's
+
+
+def test_presets_are_the_documented_recipes() -> None:
+    assert R.binarize.preset("binarynet") == R.binarize() == R.binarize.preset("larq.ste_sign")
+    assert R.binarize.preset("xnor_net") == R.binarize(clip=1.0, inclusive=False)
+    assert R.binarize.preset("brevitas.binary_sign_ste") == R.binarize(clip=None)
+    assert R.binarize.preset("xnor_net", keep="mask").keep == "mask"
+    assert R.ste_clamp.preset("torch.clamp", -1.0, 2.0) == R.ste_clamp(-1.0, 2.0, outside="zero")
+    assert R.ste_clamp.preset("torch.nn.functional.hardtanh", -1.0, 2.0) == (
+        R.ste_clamp(-1.0, 2.0, outside="zero", inclusive=False)
+    )
+    for name in ("brevitas.scalar_clamp_ste", "brevitas.tensor_clamp_ste"):
+        assert R.ste_clamp.preset(name, -1.0, 2.0) == R.ste_clamp(-1.0, 2.0, outside="pass")
+    assert list(R.BINARIZE_PRESETS) == ["binarynet", "larq.ste_sign", "xnor_net",
+                                        "brevitas.binary_sign_ste"]
+    assert list(R.CLAMP_PRESETS) == ["torch.clamp", "torch.nn.functional.hardtanh",
+                                     "brevitas.scalar_clamp_ste", "brevitas.tensor_clamp_ste"]
+    with pytest.raises(go.GradOverrideError, match=r"binarize\.preset: unknown preset "
+                       r"'xnor'; the presets are 'binarynet', 'larq\.ste_sign', 'xnor_net', "
+                       r"'brevitas\.binary_sign_ste'\."):
+        R.binarize.preset("xnor")
+    with pytest.raises(go.GradOverrideError, match=r"ste_clamp\.preset: unknown preset "
+                       r"'torch\.hardtanh'; the presets are 'torch\.clamp', "):
+        R.ste_clamp.preset("torch.hardtanh", -1.0, 1.0)
+
+
+# ---- abs with a chosen subgradient at 0 ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("at_zero", [1.0, 0.0, -1.0, 0.5])
+@given(x=gst.tensors(edges=(0.0, -0.0, 1.0, -1.0, 1e-30, -1e-30), scale=2.0))
+def test_abs_subgradient_is_abs_with_at_zero_at_zero(at_zero: float, x: torch.Tensor) -> None:
+    g = _upstream(x)
+    y, gx = _grad(R.abs_subgradient(at_zero=at_zero), x, g)
+    assert y.dtype == gx.dtype == x.dtype
+    assert torch.equal(y, torch.abs(x))
+    slope = torch.where(x > 0, 1.0, torch.where(x < 0, -1.0, at_zero)).to(x.dtype)
+    assert torch.equal(gx, g * slope)
+
+
+@given(x=gst.tensors(edges=(0.0, -0.0, 1.0, -1.0), dtype=gst.float_dtypes(low_precision=False)))
+def test_abs_subgradient_at_zero_0_is_torch_abs(x: torch.Tensor) -> None:
+    g = _upstream(x)
+    assert torch.equal(_grad(R.abs_subgradient(at_zero=0.0), x, g)[1], _grad(torch.abs, x, g)[1])
+
+
+# ---- ste_clamp with tensor bounds ---------------------------------------------------------------
+
+
+def test_tensor_bounds_broadcast_per_channel_and_keep_the_dtype() -> None:
+    x = torch.tensor([[-2.0, -1.0, 0.0, 0.5], [1.0, 2.0, -0.25, 0.25]])
+    low = torch.tensor([[-1.0], [-0.25]])  # per row
+    high = torch.tensor([[0.5], [1.0]])
+    g = torch.arange(1.0, 9.0).reshape(2, 4)
+    for outside, inclusive, keep, inside in [
+        ("pass", True, "input", torch.ones(2, 4, dtype=torch.bool)),
+        ("zero", True, "input", (x >= low) & (x <= high)),
+        ("zero", True, "mask", (x >= low) & (x <= high)),
+        ("zero", False, "input", (x > low) & (x < high)),
+        ("zero", (True, False), "mask", (x >= low) & (x < high)),
+    ]:
+        recipe = R.ste_clamp(low, high, outside=outside, inclusive=inclusive, keep=keep)
+        y, gx = _grad(recipe, x, g)
+        assert torch.equal(y, torch.clamp(x, low, high)), recipe
+        assert torch.equal(gx, torch.where(inside, g, 0)), recipe
+    for dtype in (torch.float16, torch.bfloat16, torch.float64):
+        y, gx = _grad(R.ste_clamp(low, 1.0, outside="zero"), x.to(dtype), g.to(dtype))
+        assert y.dtype == gx.dtype == dtype
+
+
+def test_tensor_bounds_are_rounded_to_the_input_dtype_as_number_bounds_are() -> None:
+    x = torch.tensor([0.3, 0.2998, 0.3003, -0.3], dtype=torch.float16)
+    g = torch.ones(4, dtype=torch.float16)
+    by_number = R.ste_clamp(-0.3, 0.3, outside="zero")
+    by_tensor = R.ste_clamp(torch.tensor(-0.3), torch.tensor([0.3]), outside="zero")
+    assert torch.equal(_grad(by_tensor, x, g)[1], _grad(by_number, x, g)[1])
+    assert torch.equal(_grad(by_tensor, x, g)[0], _grad(by_number, x, g)[0])
+
+
+def test_tensor_bounds_wider_than_the_input_sum_the_gradient_to_its_shape() -> None:
+    x = torch.tensor([-2.0, 0.5, 3.0])
+    high = torch.tensor([[1.0], [4.0]])  # the output is (2, 3)
+    g = torch.tensor([[1.0, 2.0, 3.0], [10.0, 20.0, 30.0]])
+    for outside, expected in (("pass", [11.0, 22.0, 33.0]), ("zero", [0.0, 22.0, 30.0])):
+        y, gx = _grad(R.ste_clamp(-1.0, high, outside=outside), x, g)
+        assert y.shape == (2, 3) and gx.tolist() == expected, outside
+
+
+def test_tensor_bounds_get_no_gradient() -> None:
+    # As brevitas's tensor_clamp_ste: the bounds are not differentiated through.
+    low = torch.tensor([-1.0, -1.0, -1.0], requires_grad=True)
+    high = torch.nn.Parameter(torch.tensor(1.0))
+    x = torch.tensor([-2.0, 0.5, 3.0], requires_grad=True)
+    for outside in ("pass", "zero"):
+        y = R.ste_clamp(low, high, outside=outside)(x)
+        gx, g_low, g_high = torch.autograd.grad(y.sum(), (x, low, high), allow_unused=True)
+        assert g_low is None and g_high is None
+        assert gx.tolist() == ([1.0, 1.0, 1.0] if outside == "pass" else [0.0, 1.0, 0.0])
+
+
+def test_tensor_bound_recipes_compare_by_identity_and_hash() -> None:
+    low, high = torch.tensor([-1.0, -2.0]), torch.tensor([1.0, 2.0])
+    a = R.ste_clamp(low, high, outside="pass")
+    assert a == R.ste_clamp(low, high, outside="pass") and hash(a) == hash(
+        R.ste_clamp(low, high, outside="pass"))
+    assert a != R.ste_clamp(low.clone(), high, outside="pass")
+    assert a != R.ste_clamp(-1.0, 1.0, outside="pass")
+    assert repr(R.ste_clamp(low, 2.0, outside="zero")) == (
+        "ste_clamp(low=tensor([-1., -2.]), high=2.0, outside='zero', inclusive=True, "
+        "keep='input')"
+    )
+
+
+@pytest.mark.compile
+@_TORCH_CTX_WARNING
+@pytest.mark.parametrize("outside,inclusive,keep", [("pass", True, "input"),
+                                                    ("zero", True, "input"),
+                                                    ("zero", (False, True), "mask")])
+def test_tensor_bounds_compile_with_fullgraph_and_match_eager(
+    outside: Any, inclusive: Any, keep: Any
+) -> None:
+    low = torch.tensor([[-1.0], [-0.5]])
+    high = torch.tensor([[0.5], [1.0]])
+    recipe = R.ste_clamp(low, high, outside=outside, inclusive=inclusive, keep=keep)
+    x0 = torch.tensor([[-2.0, -1.0, 0.0, 0.5], [1.0, 2.0, -0.5, 0.25]])
+    assert_consistent(lambda x: (recipe(x) * torch.arange(8.0).reshape(2, 4)).sum(), x0,
+                      modes=("compile",))
+
+    def built_inside(x: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:  # as brevitas does
+        return R.ste_clamp(lo, 1.0, outside=outside, inclusive=inclusive, keep=keep)(x).sum()
+
+    torch._dynamo.reset()
+    x = x0.clone().requires_grad_()
+    compiled = torch.compile(built_inside, fullgraph=True, backend="aot_eager")
+    (g_c,) = torch.autograd.grad(compiled(x, low), x)
+    (g_e,) = torch.autograd.grad(built_inside(x, low), x)
+    torch._dynamo.reset()
+    assert torch.equal(g_c, g_e)
+
+
+def test_tensor_bounds_under_vmap_of_grad() -> None:
+    recipe = R.ste_clamp(torch.tensor([-1.0, -0.5, 0.0]), 1.0, outside="zero")
+    xs = torch.tensor([[-2.0, -0.5, 0.3], [0.5, 1.5, -0.2]])
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return (recipe(x) * torch.arange(1.0, 4.0)).sum()
+
+    torch.testing.assert_close(vmap(func_grad(f))(xs), torch.stack([func_grad(f)(x) for x in xs]))
+
+
+@pytest.mark.parametrize(
+    "make,error,message",
+    [
+        (lambda: R.ste_clamp(torch.tensor([0, 1]), 2.0, outside="pass"), go.GradOverrideTypeError,
+         r"ste_clamp: `low` as a tensor must be floating-point \(it is compared with the input "
+         r"in the input's dtype\); got a torch\.int64 tensor\. Convert it first: `low\.float\(\)`"),
+        (lambda: R.ste_clamp(torch.zeros(2), torch.ones(3), outside="pass"), go.GradOverrideError,
+         r"ste_clamp: the tensor bounds must broadcast together; got bounds of shapes "
+         r"\[\(2,\), \(3,\)\]\."),
+        (lambda: R.ste_clamp(torch.zeros(2), "1", outside="pass"), go.GradOverrideTypeError,
+         r"ste_clamp: `high` must be a number or a floating-point tensor; got str '1'\."),
+        (lambda: R.ste_clamp(torch.zeros(3), 1.0, outside="zero")(torch.ones(2)),
+         go.GradOverrideError,
+         r"ste_clamp\(low=tensor\(\[0\., 0\., 0\.\]\), .*\): the bounds must broadcast against "
+         r"the input; got an input of shape \(2,\) and bounds of shapes \[\(3,\), \(\)\]\."),
+        (lambda: R.ste_clamp(1.0, 1.0, outside="zero", inclusive=False), go.GradOverrideError,
+         r"ste_clamp: the window \(1\.0, 1\.0\) with inclusive=\(False, False\) is empty"),
+        (lambda: R.binarize(inclusive="both"), go.GradOverrideTypeError,
+         r"binarize: `inclusive` must be True .* got str 'both'\."),
+        (lambda: R.abs_subgradient(at_zero=math.nan), go.GradOverrideError,
+         r"abs_subgradient: `at_zero` must be a finite number \(the subgradient at 0, 1\.0 as "
+         r"brevitas's abs_binary_sign_grad\); got float nan\."),
+    ],
+)
+def test_new_option_mistakes_are_errors_that_name_the_fix(
+    make: Any, error: type[Exception], message: str
+) -> None:
+    with pytest.raises(error, match=message):
+        make()
+
+
+# ---- parity with brevitas, per preset -----------------------------------------------------------
+
+
+def _brevitas() -> Any:
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            import brevitas.function.ops_ste as bv
+    except Exception:  # any failure means the peer is not usable here
+        pytest.skip("brevitas is not importable here (the `peers` extra)")
+    return bv
+
+
+@pytest.mark.filterwarnings("ignore")  # brevitas's own deprecation warnings
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_brevitas_presets_at_edges_bounds_and_neighbours(dtype: torch.dtype) -> None:
+    bv = _brevitas()
+    x = torch.cat([_edges(dtype, -1.0, 1.0, -0.5, 0.5, 2.0), _neighbours(dtype, 0.0),
+                   torch.tensor([1.5, -2.5, 1e30, -1e30], dtype=dtype)])
+    g = torch.linspace(-4, 4, x.numel(), dtype=dtype)
+    low_t = torch.tensor(-0.5, dtype=dtype)
+    high_t = torch.full(x.shape, 1.0, dtype=dtype)
+    high_t[::3] = 2.0  # per element
+    cases = [
+        ("brevitas.binary_sign_ste", R.binarize.preset("brevitas.binary_sign_ste"),
+         bv.binary_sign_ste),
+        ("brevitas.scalar_clamp_ste", R.ste_clamp.preset("brevitas.scalar_clamp_ste", -0.5, 2.0),
+         lambda t: bv.scalar_clamp_ste(t, -0.5, 2.0)),
+        ("brevitas.tensor_clamp_ste",
+         R.ste_clamp.preset("brevitas.tensor_clamp_ste", low_t, high_t),
+         lambda t: bv.tensor_clamp_ste(t, low_t, high_t)),
+        ("brevitas.abs_binary_sign_grad", R.abs_subgradient(), bv.abs_binary_sign_grad),
+    ]
+    for name, ours, theirs in cases:
+        y, gx = _grad(ours, x, g)
+        ref_y, ref_g = _grad(theirs, x, g)
+        assert y.dtype == ref_y.dtype == gx.dtype == dtype, name
+        assert torch.equal(y, ref_y), name
+        assert torch.equal(gx, ref_g), name
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("keep", ["input", "mask"])
+def test_tensor_bounds_closed_window_is_torch_clamps_x_gradient(
+    dtype: torch.dtype, keep: Any
+) -> None:
+    # torch.clamp with tensor bounds: its gradient for x is dL/dy where low <= x <= high.
+    # Bounds at 0 and at a tiny number: the input's subnormal neighbours of the bounds too.
+    tiny = torch.finfo(dtype).tiny
+    low = torch.tensor([[-1.0], [0.0], [-tiny]], dtype=dtype)
+    high = torch.tensor([[1.0], [tiny], [3.0]], dtype=dtype)
+    x = torch.cat([_edges(dtype, -1.0, 1.0, 0.0, 3.0), _neighbours(dtype, tiny, -tiny),
+                   torch.tensor([1e30, -1e30], dtype=dtype)])
+    x = x.expand(3, -1)
+    g = torch.linspace(-2, 2, x.numel(), dtype=dtype).reshape(x.shape)
+    y, gx = _grad(R.ste_clamp(low, high, outside="zero", keep=keep), x, g)
+    ref_y, ref_g = _grad(lambda t: torch.clamp(t, low, high), x, g)
+    assert torch.equal(y, ref_y) and torch.equal(gx, ref_g)
+
+
+NEW_RECIPES = [
+    R.abs_subgradient(),
+    R.abs_subgradient(at_zero=0.25),
+    R.binarize(inclusive=False),
+    R.binarize.preset("xnor_net", keep="mask"),
+    R.ste_clamp.preset("torch.nn.functional.hardtanh", -1.0, 1.0),
+    R.ste_clamp(-1.0, 1.0, outside="zero", inclusive=(True, False), keep="mask"),
+    R.ste_clamp(torch.tensor([-1.0, -0.5, 0.0, -2.0]), 1.0, outside="zero"),
+    R.ste_clamp(torch.tensor(-1.0), torch.tensor([1.0, 0.5, 2.0, 0.25]), outside="pass"),
+]
+
+
+@pytest.mark.parametrize("recipe", NEW_RECIPES, ids=repr)
+def test_new_recipes_under_vmap_module_and_autocast(recipe: Any) -> None:
+    xs = torch.tensor([[-2.0, -1.0, 0.0, 1.0], [0.5, 1.5, -0.0, 0.25]])
+    w = torch.arange(1.0, 5.0)
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return (recipe(x) * w).sum()
+
+    looped = torch.stack([func_grad(f)(x) for x in xs])
+    torch.testing.assert_close(vmap(func_grad(f))(xs), looped)
+    model = nn.Sequential(nn.Identity(), recipe.module())
+    assert repr(recipe) in repr(model)
+    leaf = xs.clone().requires_grad_()
+    (via_module,) = torch.autograd.grad((model(leaf) * w).sum(), leaf)
+    assert torch.equal(via_module, looped)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        leaf = xs.clone().requires_grad_()
+        y = recipe(leaf)
+    (under_autocast,) = torch.autograd.grad((y * w).sum(), leaf)
+    assert y.dtype == torch.float32 and torch.equal(under_autocast, looped)
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_open_clamp_bounds_rounded_to_the_dtype_alike_eager_and_inductor(
+    dtype: torch.dtype
+) -> None:
+    # 0.3 rounds up in float16 and bfloat16; Inductor computes half in float32: the rounded
+    # bound itself must stay outside the open window when compiled too.
+    recipe = R.ste_clamp(-0.3, 0.3, outside="zero", inclusive=False)
+    x = torch.tensor([0.3, -0.3, 0.2998, -0.2998, 0.5, 0.0], dtype=dtype)
+    assert_consistent(recipe, x, modes=("compile",), backend="inductor")
+    g = torch.ones(6, dtype=dtype)
+    assert _grad(recipe, x, g)[1].tolist() == [0, 0, 1, 1, 0, 1]

@@ -425,3 +425,264 @@ def test_clip_bound_rounded_to_the_dtype_under_dynamic_shapes_with_inductor() ->
     inputs = [torch.tensor(edges, dtype=torch.float16),
               torch.tensor([*edges, 1.0, -1.0, 0.25], dtype=torch.float16)]
     assert_dynamic_compile_matches_eager(st, inputs, backend="inductor")
+
+
+# ---- which ends belong to the window (`inclusive`) ---------------------------------------------
+
+
+def _window_with_ends(
+    x: torch.Tensor, g: torch.Tensor, low: float, high: float, ends: tuple[bool, bool]
+) -> torch.Tensor:
+    """The gradient the window passes, by comparisons in float64 with the bounds rounded to
+    x's dtype first (as `x <= c` rounds them): independent of the library's forms."""
+    lo = torch.tensor(low, dtype=torch.float64).to(x.dtype).double()
+    hi = torch.tensor(high, dtype=torch.float64).to(x.dtype).double()
+    v = x.double()
+    above = v >= lo if ends[0] else v > lo
+    below = v <= hi if ends[1] else v < hi
+    return torch.where(above & below, g, torch.zeros_like(g))
+
+
+ENDS_CASES = [
+    (1.0, False, (-1.0, 1.0), (False, False)),
+    ((-0.5, 1.0), False, (-0.5, 1.0), (False, False)),
+    ((-0.5, 1.0), (True, False), (-0.5, 1.0), (True, False)),
+    ((-0.5, 1.0), (False, True), (-0.5, 1.0), (False, True)),
+    (1.0, (True, False), (-1.0, 1.0), (True, False)),
+    (0.3, False, (-0.3, 0.3), (False, False)),
+    ((-math.inf, 0.0), False, (-math.inf, 0.0), (False, False)),
+]
+_ENDS_IDS = ["sym-open", "pair-open", "closed-open", "open-closed", "sym-closed-open",
+             "0.3-open", "inf-open"]
+
+
+def _neighbours(*values: float) -> list[float]:
+    out = []
+    for v in values:
+        out += [math.nextafter(v, -math.inf), v, math.nextafter(v, math.inf)]
+    return out
+
+
+@pytest.mark.parametrize("keep", ["input", "mask"])
+@pytest.mark.parametrize("clip,inclusive,window,ends", ENDS_CASES, ids=_ENDS_IDS)
+@pytest.mark.parametrize("dtype", gst.FLOAT_DTYPES, ids=str)
+def test_each_end_is_in_or_out_as_inclusive_says(
+    clip: Any, inclusive: Any, window: tuple[float, float], ends: tuple[bool, bool],
+    keep: str, dtype: torch.dtype,
+) -> None:
+    op = go.straight_through(_sign, clip=clip, inclusive=inclusive, keep=keep)
+    finite = [b for b in window if math.isfinite(b)]
+    values = [*_neighbours(*finite), -math.inf, math.inf, 0.0, -0.0, 2.0, -2.0, 0.99, -0.51]
+    x = torch.tensor(values, dtype=torch.float64).to(dtype)
+    # and each rounded bound's own neighbours in this dtype
+    rounded = torch.tensor(finite, dtype=torch.float64).to(dtype)
+    inf = torch.tensor(math.inf, dtype=dtype)
+    x = torch.cat([x, rounded, torch.nextafter(rounded, inf), torch.nextafter(rounded, -inf)])
+    g = torch.randn(x.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    g = g.to(dtype)
+    _, gx = _grad(op, x, g)
+    assert gx.dtype == dtype
+    assert torch.equal(gx, _window_with_ends(x, g, *window, ends)), (x, gx)
+
+
+@pytest.mark.parametrize("keep", ["input", "mask"])
+@pytest.mark.parametrize("clip", [1.0, (-0.5, 2.0), 0.25])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_open_window_is_torch_hardtanhs_gradient(
+    clip: Any, keep: str, dtype: torch.dtype
+) -> None:
+    # torch's own hardtanh passes the gradient where low < x < high: 0 at the bounds.
+    low, high = (-clip, clip) if isinstance(clip, float) else clip
+    op = go.straight_through(_sign, clip=clip, inclusive=False, keep=keep)
+    x = torch.tensor([*_neighbours(low, high), 0.0, -0.0, 5.0, -5.0, (low + high) / 2],
+                     dtype=dtype)
+    g = torch.linspace(-3, 3, x.numel(), dtype=dtype)
+    _, gx = _grad(op, x, g)
+    _, expected = _grad(lambda t: torch.nn.functional.hardtanh(t, low, high), x, g)
+    assert torch.equal(gx, expected)
+    # the default, inclusive=True, is not hardtanh's at the bounds
+    _, closed = _grad(go.straight_through(_sign, clip=clip, keep=keep), x, g)
+    assert not torch.equal(closed, expected)
+
+
+@pytest.mark.compile
+@_TORCH_CTX_WARNING
+@pytest.mark.parametrize("keep", ["input", "mask"])
+@pytest.mark.parametrize(
+    "clip,inclusive,window,ends", ENDS_CASES[:5], ids=_ENDS_IDS[:5]
+)
+def test_ends_compile_with_dynamic_shapes_and_match_eager(
+    clip: Any, inclusive: Any, window: tuple[float, float], ends: tuple[bool, bool], keep: str
+) -> None:
+    op = go.straight_through(_sign, clip=clip, inclusive=inclusive, keep=keep)
+    edges = _neighbours(*window)
+    inputs = [torch.tensor([*edges, -2.0, 0.0, 2.0]),
+              torch.tensor([*edges, -3.0, -0.25, 0.5, 1.5, -0.0])]
+    assert_dynamic_compile_matches_eager(op, inputs)
+    for x in inputs:
+        g = torch.randn(x.shape, generator=torch.Generator().manual_seed(0))
+        assert torch.equal(_grad(op, x, g)[1], _window_with_ends(x, g, *window, ends))
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("inclusive", [False, (True, False), (False, True)], ids=str)
+def test_open_ends_rounded_to_the_dtype_alike_eager_and_inductor(
+    dtype: torch.dtype, inclusive: Any
+) -> None:
+    # 0.3 rounds up in float16 and bfloat16: the rounded bound itself is left out of an open
+    # end in eager mode, and must be left out when compiled (where half is computed in
+    # float32) too.
+    op = go.straight_through(_sign, clip=0.3, inclusive=inclusive)
+    x = torch.tensor([0.3, -0.3, 0.2998, -0.2998, 0.5], dtype=dtype)
+    assert_consistent(op, x, modes=("compile",), backend="inductor")
+    ends = parse = (inclusive, inclusive) if isinstance(inclusive, bool) else inclusive
+    del parse
+    g = torch.ones(5, dtype=dtype)
+    assert torch.equal(_grad(op, x, g)[1], _window_with_ends(x, g, -0.3, 0.3, ends))
+
+
+def test_inclusive_shows_in_the_repr_unless_it_is_the_default() -> None:
+    closed = go.straight_through(_sign, clip=1.0)
+    opened = go.straight_through(_sign, clip=1.0, inclusive=False, keep="mask")
+    half = go.straight_through(_sign, clip=(0.0, 1.0), inclusive=(True, False))
+    assert "backward=straight_through(clip=1.0, keep='input')>" in repr(closed)
+    assert "backward=straight_through(clip=1.0, inclusive=False, keep='mask')>" in repr(opened)
+    assert "straight_through(clip=(0.0, 1.0), inclusive=(True, False), keep='input')" in (
+        repr(half)
+    )
+
+
+@pytest.mark.parametrize(
+    "options,error,message",
+    [
+        ({"inclusive": False}, go.GradOverrideError,
+         r"straight_through got inclusive=False without `clip=`; .* Add `clip=` or drop "
+         r"`inclusive`\."),
+        ({"clip": 1.0, "inclusive": "open"}, go.GradOverrideTypeError,
+         r"straight_through: `inclusive` must be True \(both ends belong to the window, low "
+         r"<= x <= high\), False \(neither: low < x < high\) or a pair of bools \(low end, "
+         r"high end\); got str 'open'\."),
+        ({"clip": 1.0, "inclusive": (True, 1)}, go.GradOverrideTypeError,
+         r"`inclusive` must be True .*; got tuple \(True, 1\)\."),
+        ({"clip": 0.0, "inclusive": False}, go.GradOverrideError,
+         r"straight_through: the window \(-0\.0, 0\.0\) with inclusive=\(False, False\) is "
+         r"empty, so no gradient would pass anywhere; widen the window or make both ends "
+         r"inclusive\."),
+        ({"clip": (1.0, 1.0), "inclusive": (True, False)}, go.GradOverrideError,
+         r"the window \(1\.0, 1\.0\) with inclusive=\(True, False\) is empty"),
+    ],
+)
+def test_inclusive_mistakes_are_errors_that_name_the_fix(
+    options: dict[str, Any], error: type[Exception], message: str
+) -> None:
+    with pytest.raises(error, match=message):
+        go.straight_through(_sign, **options)
+
+
+def test_a_closed_window_of_one_point_passes_only_there() -> None:
+    op = go.straight_through(_sign, clip=(1.0, 1.0))
+    x = torch.tensor([math.nextafter(1.0, 0.0), 1.0, math.nextafter(1.0, 2.0)],
+                     dtype=torch.float64)
+    assert _grad(op, x, torch.ones(3, dtype=torch.float64))[1].tolist() == [0, 1, 0]
+
+
+def test_inclusive_pickles_with_the_op() -> None:
+    import pickle
+
+    op = go.straight_through(torch.sign, clip=1.0, inclusive=(False, True), keep="mask")
+    again = pickle.loads(pickle.dumps(op))
+    x = torch.tensor([-1.0, 1.0, 0.5])
+    assert _grad(again, x, torch.ones(3))[1].tolist() == [0, 1, 1]
+
+
+# ---- keep="mask": the eager block-by-block form -------------------------------------------------
+#
+# Large contiguous CPU inputs take the block-by-block form (`_straight_through._BLOCK`
+# elements per block); the rest (small, strided, under a transform, with create_graph) take
+# the whole-tensor form. Each must give keep="input"'s gradient exactly.
+
+
+def _large(dtype: torch.dtype, n: int) -> torch.Tensor:
+    x = torch.randn(n, generator=torch.Generator().manual_seed(3), dtype=torch.float64) * 1.5
+    x[:8] = torch.tensor([1.0, -1.0, 0.5, 0.0, -0.0, math.inf, -math.inf, 1.0000001])
+    x[-3:] = torch.tensor([-1.0, 1.0, 2.0])
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", gst.FLOAT_DTYPES, ids=str)
+@pytest.mark.parametrize("inclusive", [True, False, (False, True)], ids=str)
+def test_mask_block_by_block_matches_keeping_the_input(dtype: torch.dtype, inclusive: Any) -> None:
+    from gradoverride._straight_through import _BLOCK
+
+    n = 2 * _BLOCK + 12345  # two whole blocks and a partial one
+    x = _large(dtype, n)
+    g = torch.randn(n, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    g[5:7] = math.inf  # an infinite upstream gradient outside the window: 0, not NaN
+    g = g.to(dtype)
+    by_mask = go.straight_through(_sign, clip=(-1.0, 1.0), inclusive=inclusive, keep="mask")
+    by_input = go.straight_through(_sign, clip=(-1.0, 1.0), inclusive=inclusive)
+    ends = (inclusive, inclusive) if isinstance(inclusive, bool) else inclusive
+    expected = _window_with_ends(x, g, -1.0, 1.0, ends)
+    for op in (by_mask, by_input):
+        gx = _grad(op, x, g)[1]
+        assert torch.equal(gx, expected)
+        assert not torch.signbit(gx[expected == 0]).any()  # +0 where zeroed, as hardtanh gives
+
+
+def test_mask_other_layouts_and_double_backward_match_keeping_the_input() -> None:
+    from gradoverride._straight_through import _BLOCK
+
+    op_mask = go.straight_through(_sign, clip=1.0, keep="mask")
+    x = _large(torch.float32, 2 * _BLOCK + 7)
+    g = torch.randn(x.shape, generator=torch.Generator().manual_seed(5))
+    expected = _window(x, g, -1.0, 1.0)
+    strided = torch.stack([x, x], 1)[:, 0]  # not contiguous
+    assert not strided.is_contiguous()
+    assert torch.equal(_grad(op_mask, strided, g)[1], expected)
+    parameter = torch.nn.Parameter(x.clone())  # a weight: an nn.Parameter subclass
+    (gp,) = torch.autograd.grad(op_mask(parameter), parameter, g)
+    assert torch.equal(gp, expected)
+    leaf = x.clone().requires_grad_()
+    up = g.clone().requires_grad_()
+    (gx,) = torch.autograd.grad(op_mask(leaf), leaf, up, create_graph=True)
+    assert torch.equal(gx.detach(), expected)
+    (gg,) = torch.autograd.grad(gx.sum(), up)  # d(gx)/d(upstream): the window itself
+    assert torch.equal(gg, _window(x, torch.ones_like(x), -1.0, 1.0))
+
+
+def test_mask_forward_makes_no_full_size_float_temporary() -> None:
+    # The window's float temporaries are made block by block: a full-size one (`x.abs()`),
+    # written to memory and read back, made keep="mask" 2.7x slower than keep="input".
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from gradoverride._straight_through import _BLOCK
+
+    class FullSizeFloats(TorchDispatchMode):
+        """Records each op that makes a new full-size floating-point tensor."""
+
+        def __init__(self, like: torch.Tensor) -> None:
+            super().__init__()
+            self.like, self.ops = like, list[str]()
+
+        def __torch_dispatch__(
+            self, func: Any, types: Any, args: Any = (), kwargs: Any = None
+        ) -> Any:
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else [out]:
+                if (
+                    isinstance(t, torch.Tensor)
+                    and t.is_floating_point()
+                    and t.numel() == self.like.numel()
+                    and t.untyped_storage().data_ptr() != self.like.untyped_storage().data_ptr()
+                ):
+                    self.ops.append(str(func))
+            return out
+
+    x = torch.randn(4 * _BLOCK, requires_grad=True)
+    for clip in (1.0, (-0.5, 1.0)):
+        op = go.straight_through(_sign, clip=clip, keep="mask")
+        op(x)  # the first call's checks done
+        with FullSizeFloats(x) as mode:
+            op(x)
+        assert mode.ops == ["aten.sign.default"], mode.ops  # only the forward's own output

@@ -190,8 +190,13 @@ _EDGES = np.array([-2.0, -1.0, -0.5, 0.0, 0.5, 1.0, 1.5], dtype=np.float32)
         {"clip": (-0.5, 1.0), "keep": "mask"},
         {"surrogate": torch.tanh},
         {"derivative": lambda x: 1 - torch.tanh(x) ** 2, "clip": 1.0},
+        {"clip": 1.0, "inclusive": False},
+        {"clip": (-0.5, 1.0), "inclusive": (True, False), "keep": "mask"},
+        {"clip": (-0.5, 1.0), "inclusive": (False, True)},
+        {"derivative": lambda x: 1 - torch.tanh(x) ** 2, "clip": 1.0, "inclusive": False},
     ],
-    ids=["identity", "clip", "clip-mask", "surrogate", "derivative-clip"],
+    ids=["identity", "clip", "clip-mask", "surrogate", "derivative-clip", "open",
+         "closed-open-mask", "open-closed", "derivative-open"],
 )
 def test_straight_through_matches_torch(options: dict[str, Any], mode: str) -> None:
     torch_op, tf_op = _straight_through_pair(**options)

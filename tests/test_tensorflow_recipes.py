@@ -33,6 +33,7 @@ from gradoverride.recipes import (
     SPIKE_PRESETS,
     SURROGATES,
     GradientTransform,
+    abs_subgradient,
     binarize,
     blackbox_solver,
     clip_grad_norm,
@@ -43,6 +44,7 @@ from gradoverride.recipes import (
     perturbed_optimizer,
     quantize,
     reverse_grad,
+    rotation_trick,
     sanitize_grad,
     scale_grad,
     spike,
@@ -155,6 +157,13 @@ STE_RECIPES = [
     binarize(),
     binarize(clip=None),
     binarize(clip=(-0.5, 2.0), keep="mask"),
+    binarize(inclusive=False),
+    binarize(clip=(-0.5, 2.0), inclusive=(True, False), keep="mask"),
+    ste_clamp(-0.5, 2.0, outside="zero", inclusive=(False, True)),
+    ste_clamp.preset("torch.nn.functional.hardtanh", -1.0, 1.0, keep="mask"),
+    abs_subgradient(),
+    abs_subgradient(at_zero=0.0),
+    abs_subgradient(at_zero=0.5),
     ternarize(),
     ternarize(delta_factor=0.05, scaled=False),
     quantize(),
@@ -169,6 +178,41 @@ STE_RECIPES = [
 @pytest.mark.parametrize("recipe", STE_RECIPES, ids=repr)
 def test_ste_parity(recipe: go.recipes.Recipe, mode: str) -> None:
     assert_parity(recipe, X, mode=mode)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize(
+    ("outside", "inclusive", "keep"),
+    [("pass", True, "input"), ("zero", True, "input"), ("zero", False, "mask"),
+     ("zero", (True, False), "input")],
+)
+@pytest.mark.parametrize("high_shape", [(6, 1), (2, 6, 8)], ids=["per-row", "wider"])
+def test_ste_clamp_tensor_bounds_parity(
+    outside: Any, inclusive: Any, keep: Any, high_shape: tuple[int, ...], mode: str
+) -> None:
+    """Tensor bounds: torch tensors for the torch recipe, TensorFlow tensors (a variable
+    for one) for the TensorFlow one, broadcast against x (the wider bound makes the output
+    wider than x: the gradient is summed back to x's shape)."""
+    high = np.linspace(-0.5, 2.0, math.prod(high_shape), dtype=np.float32).reshape(high_shape)
+    low = np.float32(-1.0)
+    torch_recipe = ste_clamp(torch.tensor(low), torch.tensor(high), outside=outside,
+                             inclusive=inclusive, keep=keep)
+    tf_recipe = ste_clamp(tf.constant(low), tf.Variable(high), outside=outside,
+                          inclusive=inclusive, keep=keep)
+
+    def call(x: Any) -> Any:
+        return torch_recipe(x) if isinstance(x, torch.Tensor) else tf_recipe(x)
+
+    assert_parity(call, X, mode=mode)
+
+
+def test_ste_clamp_bounds_of_the_other_framework_are_refused() -> None:
+    with pytest.raises(go.GradOverrideTypeError, match=r"`low` is a torch tensor, and the input "
+                       r"a TensorFlow tensor; give TensorFlow tensors \(or numbers\)"):
+        ste_clamp(torch.tensor(-1.0), 1.0, outside="pass")(tf.constant(X))
+    with pytest.raises(go.GradOverrideTypeError, match=r"`high` is a TensorFlow tensor, and the "
+                       r"input a torch tensor; give torch tensors \(or numbers\)"):
+        ste_clamp(-1.0, tf.constant(1.0), outside="pass")(torch.tensor(X))
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -272,6 +316,44 @@ SPIKES = [spike(surrogate) for surrogate in SURROGATES] + [
     spike("rectangular", alpha=0.5),  # |x| < 1
     spike("piecewise_exp", alpha=0.3, scale=0.9, at_zero=0.25),
     spike("straight_through", scale=0.5),
+    spike("rectangular", alpha=1.0, leak=0.2),  # the leak outside |x| < 0.5
+    spike("circ", alpha=0.7, scale=3.0, center=0.25),
+    spike("q_pseudo_spike", alpha=1.5, scale=2.0),
+    spike("s2nn", alpha=2.0, beta=0.5, scale=1.5, at_zero=1.0),
+    spike("squarewave_fourier", alpha=1.3, terms=3, scale=0.5),
+    spike("nonzero_sign_log_abs", alpha=2.0, scale=0.5),
+    spike("fake_numerical_gradient", alpha=0.5, scale=2.0),  # the cap ends at |x| = 2
+    spike("log_tailed_relu", leak=0.2, scale=0.5),
+    spike("leaky_relu", leak=0.1, scale=2.0, at_zero=1.0),
+    spike("leaky_relu", leak=-0.3, at_zero=0.5),
+    spike("sparse_fast_sigmoid", alpha=5.0, bound=-0.5, scale=0.4),
+]
+
+#: U[0, 1) noise for the stochastic spikes, the same in both frameworks.
+NOISE = np.random.default_rng(3).random(X.shape, dtype=np.float32)
+
+
+class _WithNoise:
+    """`recipe(x, noise=NOISE)` in either framework (the noise is not an input: it gets no
+    gradient)."""
+
+    def __init__(self, recipe: spike) -> None:
+        self.recipe = recipe
+
+    def __call__(self, x: Any) -> Any:
+        noise = torch.tensor(NOISE) if isinstance(x, torch.Tensor) else tf.constant(NOISE)
+        return self.recipe(x, noise=noise)
+
+    def __repr__(self) -> str:
+        return f"{self.recipe!r} with noise"
+
+
+STOCHASTIC_SPIKES = [
+    _WithNoise(spike("circ", alpha=1.5, sample=True)),
+    _WithNoise(spike("straight_through", sample=True)),  # p = x clipped to [0, 1]
+    _WithNoise(spike("fast_sigmoid", center=0.5, sample=True)),
+    _WithNoise(spike("q_pseudo_spike", alpha=3.0, sample=True)),
+    _WithNoise(spike("leaky_relu", leak=0.1, spread=0.4, scale=2.0)),
 ]
 
 
@@ -290,12 +372,41 @@ def test_spike_parity(recipe: spike, mode: str) -> None:
     assert_parity(recipe, X, mode=mode, atol=_spike_atol(recipe))
 
 
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("recipe", STOCHASTIC_SPIKES, ids=repr)
+def test_stochastic_spike_parity_given_the_noise(recipe: _WithNoise, mode: str) -> None:
+    assert_parity(recipe, X, mode=mode)
+
+
 @pytest.mark.parametrize("name", sorted(SPIKE_PRESETS))
 def test_spike_preset_parity(name: str) -> None:
-    """Every library preset (with its default parameter), eagerly: a preset is a `spike`,
+    """Every library preset (with its default parameters), eagerly: a preset is a `spike`,
     whose three modes are checked above."""
     recipe = spike.preset(name)
-    assert_parity(recipe, X, mode="eager", atol=_spike_atol(recipe))
+    call = _WithNoise(recipe) if recipe.stochastic else recipe
+    assert_parity(call, X, mode="eager", atol=_spike_atol(recipe))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_stochastic_spike_draws_its_own_noise(mode: str) -> None:
+    """Without `noise=`: TensorFlow's random numbers, spikes that are 0 or 1, the gradient
+    the surrogate's (a sample's backward is deterministic)."""
+    recipe = spike("circ", alpha=1.5, sample=True)
+    out, (grad,) = gradients(recipe, tf.constant(X), mode=mode)
+    assert set(np.unique(out.numpy())) <= {0.0, 1.0}
+    _, (expected,) = gradients(spike("circ", alpha=1.5), tf.constant(X), mode=mode)
+    np.testing.assert_allclose(grad.numpy(), expected.numpy(), **TOLERANCE)
+
+
+def test_stochastic_spike_mistakes_on_tensorflow() -> None:
+    x = tf.constant(X)
+    with pytest.raises(go.GradOverrideTypeError, match=r"a torch\.Generator cannot drive"):
+        spike("circ", sample=True)(x, generator=torch.Generator())
+    with pytest.raises(go.GradOverrideTypeError, match=r"got a TensorFlow float32 tensor of "
+                       r"shape \(3,\) for an input of shape \(6, 8\)"):
+        spike("circ", sample=True)(x, noise=tf.zeros(3))
+    with pytest.raises(go.GradOverrideTypeError, match="is deterministic: it takes no"):
+        spike("circ")(x, noise=tf.constant(NOISE))
 
 
 def test_every_surrogate_has_a_tensorflow_derivative() -> None:
@@ -308,6 +419,8 @@ HALF_RECIPES = [
     ste_round(),
     ste_clamp(-0.5, 2.0, outside="zero"),
     binarize(keep="mask"),
+    binarize(inclusive=False),
+    abs_subgradient(),
     ternarize(),
     quantize(bits=8),
     quantize(bits=16, symmetric=False),  # codes beyond float16's range: float32 codes
@@ -317,6 +430,10 @@ HALF_RECIPES = [
     sanitize_grad(),
     spike("fast_sigmoid"),
     spike("erf", at_zero=0.5),
+    spike("circ"),
+    spike("s2nn", beta=0.5),
+    spike("squarewave_fourier", alpha=25.0, terms=2),  # computed in float32: no overflow
+    spike("leaky_relu", leak=0.1),
 ]
 
 
@@ -592,6 +709,14 @@ def test_unsupported_recipes_say_so(recipe: Any, name: str) -> None:
         recipe(tf.constant(X))
 
 
+def test_rotation_trick_says_it_has_no_tensorflow_form() -> None:
+    with pytest.raises(go.GradOverrideTypeError,
+                       match=r"^rotation_trick supports torch tensors only; got a TensorFlow "
+                             r"EagerTensor as its input \(the discrete choices have no "
+                             r"TensorFlow form yet\)\."):
+        rotation_trick()(tf.constant(X), tf.constant(X))
+
+
 def test_supported_list_names_recipes_with_a_tensorflow_form() -> None:
     for name in tf_recipes.SUPPORTED:
         recipe_class = getattr(go.recipes, name)
@@ -631,3 +756,23 @@ def test_integer_tensorflow_inputs_are_refused_as_on_torch(recipe: Any, dtype: s
     message = rf"`x` must be a floating-point tensor.*{dtype}"
     with pytest.raises(go.GradOverrideTypeError, match=message):
         recipe(x)
+
+
+@pytest.mark.compile
+@pytest.mark.filterwarnings("ignore:.*should not be instantiated:DeprecationWarning")
+def test_ste_clamp_with_a_tensor_bound_compiles_with_tensorflow_imported() -> None:
+    # TensorFlow is imported here: asking whether the number bound is a TensorFlow tensor
+    # reads its type's module name, which dynamo cannot trace (it once broke the graph).
+    assert "tensorflow" in __import__("sys").modules
+
+    def loss(x: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
+        return ste_clamp(low, 1.0, outside="zero")(x).sum()
+
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(loss, fullgraph=True, backend="aot_eager")
+        x = torch.tensor([-2.0, 0.5, 1.0, 3.0], requires_grad=True)
+        (got,) = torch.autograd.grad(compiled(x, torch.tensor(-1.0)), x)
+    finally:
+        torch._dynamo.reset()
+    assert got.tolist() == [0.0, 1.0, 1.0, 0.0]

@@ -3,8 +3,11 @@
 For every surrogate in `gradoverride.recipes.SURROGATES` the hook draws sg(x), the gradient
 that `recipes.spike(surrogate=name)` actually sends back (autograd on a grid of inputs, not a
 formula written here), as `img/surrogates/<name>.png`, and all of them in one figure,
-`img/surrogates/overview.png`. The PNGs are made in memory and added to the site's files
-(`on_files`): nothing is written into the source tree. `docs/recipes.md` must show every
+`img/surrogates/overview.png`; and for every preset of `recipes.SPIKE_PRESETS` the gradient
+of `recipes.spike.preset(name)` at the library's defaults, as `img/presets/<name>.png` (a
+stochastic one with a seeded generator, so that a build draws the same figure). The PNGs
+are made in memory and added to the site's files (`on_files`): nothing is written into the
+source tree. `docs/recipes.md` must show every
 one of them (`on_page_markdown` checks), so a new surrogate without its entry in the
 catalogue fails the build, and so does a surrogate that cannot be drawn (an error, a
 gradient that is not finite, not shaped like its input, or zero everywhere).
@@ -29,16 +32,18 @@ if TYPE_CHECKING:
 
 #: Where the figures live on the site, relative to the docs directory.
 IMAGE_DIR = "img/surrogates"
+PRESET_DIR = "img/presets"
 #: The figure with every surrogate (not a surrogate's name: `_draw_all` checks).
 OVERVIEW = "overview"
 #: The page that must show every figure.
 CATALOGUE = "recipes.md"
 
 _X_RANGE = 2.5  # the grid: [-_X_RANGE, _X_RANGE]
+_PROBE_ALPHA = 3.0  # a second alpha, to tell an alias from formulas that meet at a default
 _POINTS = 501  # odd, so that x = 0 is on the grid
 _DPI = 100
 _SINGLE_SIZE = (3.0, 1.7)  # inches
-_OVERVIEW_SIZE = (7.6, 3.2)
+_OVERVIEW_SIZE = (7.6, 4.4)
 
 
 class Curve(NamedTuple):
@@ -48,27 +53,36 @@ class Curve(NamedTuple):
     alpha: float
     x: tuple[float, ...]
     sg: tuple[float, ...]
-    same_as: str | None  # an earlier surrogate with the same gradient (an alias)
+    same_as: str | None  # an earlier surrogate with the same gradient at any alpha (an alias)
+    uses_alpha: bool = True  # whether another alpha draws another curve
 
     @property
     def at_zero(self) -> float:
         return self.sg[len(self.sg) // 2]
 
 
-def _sample(name: str) -> tuple[float, tuple[float, ...], tuple[float, ...]]:
-    """`recipes.spike(surrogate=name)` applied to a grid with requires_grad; the gradient of
-    the sum is sg at each point. Raises PluginError if it cannot be drawn."""
+def _sample(name: str, preset: bool = False, alpha: float | None = None
+            ) -> tuple[float, tuple[float, ...], tuple[float, ...]]:
+    """`recipes.spike(surrogate=name)` (or `recipes.spike.preset(name)`) applied to a grid
+    with requires_grad; the gradient of the sum is sg at each point. Raises PluginError if
+    it cannot be drawn."""
     import torch
 
     from gradoverride import recipes
 
+    what = "preset" if preset else "surrogate"
     try:
-        spike = recipes.spike(surrogate=name)
-        x = torch.linspace(-_X_RANGE, _X_RANGE, _POINTS, dtype=torch.float64,
-                           requires_grad=True)
-        spike(x).sum().backward()  # type: ignore[no-untyped-call]
+        spike = (recipes.spike.preset(name) if preset
+                 else recipes.spike(surrogate=name, alpha=alpha))
+        # x = 0 exactly in the middle (linspace's middle point may be 4e-16 off, which a
+        # one-sided surrogate tells apart)
+        half = (_POINTS - 1) // 2
+        x = (torch.arange(-half, half + 1, dtype=torch.float64) * (_X_RANGE / half))
+        x.requires_grad_()
+        generator = torch.Generator().manual_seed(0) if spike.stochastic else None
+        spike(x, generator=generator).sum().backward()  # type: ignore[no-untyped-call]
     except Exception as error:
-        msg = f"docs_plots: the surrogate {name!r} cannot be drawn: {error!r}"
+        msg = f"docs_plots: the {what} {name!r} cannot be drawn: {error!r}"
         raise PluginError(msg) from error
     grad = x.grad
     grid = f"[-{_X_RANGE}, {_X_RANGE}]"
@@ -82,7 +96,7 @@ def _sample(name: str) -> tuple[float, tuple[float, ...], tuple[float, ...]]:
     elif not bool((grad != 0).any()):
         problem = f"its gradient is zero everywhere on {grid}"
     if problem is not None or grad is None:
-        msg = f"docs_plots: the surrogate {name!r} cannot be drawn: {problem}."
+        msg = f"docs_plots: the {what} {name!r} cannot be drawn: {problem}."
         raise PluginError(msg)
     xs = tuple(float(v) for v in x.detach().tolist())
     assert spike.alpha is not None  # spike sets its default alpha when given None
@@ -101,19 +115,35 @@ def sample_all() -> list[Curve]:
         msg = f"docs_plots: a surrogate is named {OVERVIEW!r}, the overview figure's name."
         raise PluginError(msg)
     curves: list[Curve] = []
+    probes: dict[str, tuple[float, ...]] = {}  # sg at another alpha: two formulas may meet
     for name in names:
         alpha, xs, sg = _sample(name)
+        probes[name] = _sample(name, alpha=_PROBE_ALPHA)[2]
         same_as = next(
-            (c.name for c in curves if c.same_as is None and c.sg == sg and c.alpha == alpha),
+            (c.name for c in curves if c.same_as is None and c.sg == sg and c.alpha == alpha
+             and probes[c.name] == probes[name]),
             None,
         )
-        curves.append(Curve(name, alpha, xs, sg, same_as))
+        curves.append(Curve(name, alpha, xs, sg, same_as, uses_alpha=probes[name] != sg))
     return curves
 
 
-def _style(axes: Axes) -> None:
+def sample_presets() -> list[Curve]:
+    """Every preset of `recipes.SPIKE_PRESETS`, sampled at the library's defaults."""
+    from gradoverride import recipes
+
+    curves = []
+    for name in recipes.SPIKE_PRESETS:
+        alpha, xs, sg = _sample(name, preset=True)
+        curves.append(Curve(name, alpha, xs, sg, None))
+    return curves
+
+
+def _style(axes: Axes, sg: Sequence[float] = (0.0, 1.0)) -> None:
     axes.set_xlim(-_X_RANGE, _X_RANGE)
-    axes.set_ylim(-0.08, 1.18)
+    low, high = min(0.0, *sg), max(1.0, *sg)  # from 0 to 1, or wider where sg goes
+    pad = 0.07 * (high - low)
+    axes.set_ylim(low - pad, high + pad * 2.5)
     axes.axhline(0.0, color="0.75", linewidth=0.6, zorder=0)
     axes.axvline(0.0, color="0.75", linewidth=0.6, zorder=0)
     axes.tick_params(labelsize=7, length=2)
@@ -122,8 +152,8 @@ def _style(axes: Axes) -> None:
 
 
 def _alpha_note(curve: Curve, sep: str) -> str:
-    """The default alpha, for a surrogate whose shape depends on it (not a constant sg)."""
-    if len(set(curve.sg)) == 1:
+    """The default alpha, for a surrogate whose shape depends on it."""
+    if not curve.uses_alpha:
         return ""
     return f"{sep}alpha={curve.alpha:.3g}" if sep != " " else f" (alpha={curve.alpha:.3g})"
 
@@ -140,20 +170,21 @@ def _png(figure: object) -> bytes:
     return buffer.getvalue()
 
 
-def draw_one(curve: Curve) -> bytes:
-    """sg(x) of one surrogate, with the step H(x) it stands in for, as a PNG."""
+def draw_one(curve: Curve, preset: bool = False) -> bytes:
+    """sg(x) of one surrogate (or preset), with the step H(x) it stands in for, as a PNG."""
     from matplotlib.figure import Figure
 
     figure = Figure(figsize=_SINGLE_SIZE, dpi=_DPI)
     figure.subplots_adjust(left=0.12, right=0.97, bottom=0.14, top=0.86)
     axes = figure.add_subplot()
-    _style(axes)
+    _style(axes, curve.sg)
     axes.step([-_X_RANGE, 0.0, _X_RANGE], [0.0, 1.0, 1.0], where="post", color="0.55",
               linewidth=0.9, linestyle="--", label="H(x)")
     axes.plot(curve.x, curve.sg, color="tab:blue", linewidth=1.6, label="sg(x)")
     axes.plot([0.0], [curve.at_zero], "o", color="tab:blue", markersize=3)
     alias = f" = {curve.same_as}" if curve.same_as else ""
-    axes.set_title(f"{curve.name}{alias}{_alpha_note(curve, ', ')}", fontsize=8)
+    note = "" if preset else _alpha_note(curve, ", ")
+    axes.set_title(f"{curve.name}{alias}{note}", fontsize=8)
     axes.legend(fontsize=6, loc="center right", frameon=False)
     return _png(figure)
 
@@ -166,7 +197,7 @@ def draw_overview(curves: Sequence[Curve]) -> bytes:
     figure = Figure(figsize=_OVERVIEW_SIZE, dpi=_DPI)
     figure.subplots_adjust(left=0.06, right=0.57, bottom=0.14, top=0.9)
     axes = figure.add_subplot()
-    _style(axes)
+    _style(axes, [v for curve in curves for v in curve.sg])
     aliases: dict[str, list[str]] = {}
     for curve in curves:
         if curve.same_as is not None:
@@ -190,6 +221,8 @@ def figures() -> dict[str, bytes]:
     curves = sample_all()
     drawn = {f"{IMAGE_DIR}/{curve.name}.png": draw_one(curve) for curve in curves}
     drawn[f"{IMAGE_DIR}/{OVERVIEW}.png"] = draw_overview(curves)
+    for curve in sample_presets():
+        drawn[f"{PRESET_DIR}/{curve.name}.png"] = draw_one(curve, preset=True)
     return drawn
 
 

@@ -2,8 +2,9 @@
 
 `straight_through` writes its rules in torch ops (a `hardtanh_backward` kernel for the
 window, `torch.func.vjp` for a surrogate); an op it makes keeps these TensorFlow twins for
-TensorFlow inputs, with the same meaning: the window is inclusive at both ends and compared
-in the input's dtype (TensorFlow converts the Python bound to it, as torch does), a surrogate's
+TensorFlow inputs, with the same meaning: the window includes the ends `inclusive` names
+(both by default) and is compared in the input's dtype (TensorFlow converts the Python bound
+to it, as torch does), a surrogate's
 derivative is taken by `tf.GradientTape` and so must be written in TensorFlow ops, and
 `derivative=` is called on the input as given.
 """
@@ -20,9 +21,16 @@ from .._errors import GradOverrideError
 __all__ = ["gradient", "window_mask"]
 
 
-def window_mask(x: Any, low: float, high: float) -> Any:
-    """Where `x` is outside `[low, high]` (a bool tensor, one byte per element)."""
-    return tf.logical_or(x < low, x > high)
+def window_mask(x: Any, low: float, high: float, inclusive: tuple[bool, bool]) -> Any:
+    """Where `x` is outside the window (a bool tensor, one byte per element)."""
+    return tf.logical_not(_inside(x, low, high, inclusive))
+
+
+def _inside(x: Any, low: float, high: float, inclusive: tuple[bool, bool]) -> Any:
+    """Where `x` is inside the window from `low` to `high`, each end included or not."""
+    above = x >= low if inclusive[0] else x > low
+    below = x <= high if inclusive[1] else x < high
+    return tf.logical_and(above, below)
 
 
 def gradient(
@@ -31,6 +39,7 @@ def gradient(
     *,
     first: str,
     window: tuple[float, float] | None,
+    inclusive: tuple[bool, bool],
     surrogate: Callable[..., Any] | None,
     derivative: Callable[..., Any] | None,
     op: str,
@@ -49,8 +58,7 @@ def gradient(
         grad = upstream
     if window is None:
         return grad
-    low, high = window
-    inside = tf.logical_and(x >= low, x <= high)
+    inside = _inside(x, *window, inclusive)
     return tf.where(inside, grad, tf.zeros_like(grad))
 
 

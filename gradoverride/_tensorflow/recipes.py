@@ -88,7 +88,7 @@ import torch
 
 from .._errors import GradOverrideError, GradOverrideTypeError
 from ..recipes._base import GradientTransform
-from ..recipes._discrete import gumbel_softmax, ste_argmax
+from ..recipes._discrete import gumbel_softmax, rotation_trick, ste_argmax
 from ..recipes._flow import (
     ScaledGradientModule,
     _ScaledGradient,
@@ -100,6 +100,7 @@ from ..recipes._flow import (
 from ..recipes._solvers import blackbox_solver, perturbed_optimizer
 from ..recipes._ste import (
     LearnedStepQuantizer,
+    abs_subgradient,
     binarize,
     lsq,
     quantize,
@@ -110,7 +111,7 @@ from ..recipes._ste import (
     ste_sign,
     ternarize,
 )
-from ..recipes._surrogate import _canonical, spike
+from ..recipes._surrogate import _canonical, _refuse_noise, _set, spike
 
 # TensorFlow has no type stubs: its values are typed `Any` throughout.
 tf: Any = importlib.import_module("tensorflow")
@@ -119,6 +120,7 @@ __all__ = ["SUPPORTED", "call", "transform"]
 
 #: The public recipes that take TensorFlow tensors (named in the unsupported-recipe error).
 SUPPORTED: tuple[str, ...] = (
+    "abs_subgradient",
     "binarize",
     "clip_grad_norm",
     "clip_grad_value",
@@ -193,12 +195,14 @@ def _torch_sign(x: Any) -> Any:
     return tf.where(tf.math.is_nan(x), tf.zeros_like(x), tf.sign(x))
 
 
-def _outside(x: Any, low: float, high: float) -> Any:
-    """Where `x` is outside `[low, high]` (the torch recipes' `window_outside`); the bounds
-    are rounded to x's dtype, as torch compares a tensor with a Python number."""
-    if low == -high:
-        return tf.abs(x) > tf.constant(high, x.dtype)
-    return (x < tf.constant(low, x.dtype)) | (x > tf.constant(high, x.dtype))
+def _outside(x: Any, low: Any, high: Any, inclusive: tuple[bool, bool]) -> Any:
+    """Where `x` is outside the window from `low` to `high` (each end included or not, as
+    `inclusive` says: the torch recipes' windows); the bounds are rounded to x's dtype, as
+    torch compares a tensor with a Python number (or a tensor bound cast to x's dtype)."""
+    low, high = _bound_in(low, x.dtype), _bound_in(high, x.dtype)
+    below = x < low if inclusive[0] else x <= low
+    above = x > high if inclusive[1] else x >= high
+    return below | above
 
 
 def _zero_where(mask: Any, grad: Any) -> Any:
@@ -235,12 +239,14 @@ def _straight_through(x: Any, forward: Callable[[Any], Any]) -> Any:
 def _windowed(
     x: Any,
     forward: Callable[[Any], Any],
-    window: tuple[float, float] | None,
+    window: tuple[Any, Any] | None,
     keep: str,
+    inclusive: tuple[bool, bool] = (True, True),
 ) -> Any:
-    """`forward(x)` whose gradient is the upstream gradient where low <= x <= high, else 0
-    (straight-through everywhere when `window` is None). `keep` picks what the gradient
-    function closes over (what TensorFlow keeps for it): x, or the mask of the window."""
+    """`forward(x)` whose gradient is the upstream gradient inside the window (low <= x <=
+    high, or with an end left out, as `inclusive` says), else 0 (straight-through everywhere
+    when `window` is None). `keep` picks what the gradient function closes over (what
+    TensorFlow keeps for it): x, or the mask of the window."""
     if window is None:
         return _straight_through(x, forward)
     low, high = window
@@ -248,10 +254,10 @@ def _windowed(
 
     @_custom_gradient
     def op(x: Any) -> Any:
-        kept = _outside(x, low, high) if by_mask else x
+        kept = _outside(x, low, high, inclusive) if by_mask else x
 
         def gradient(dy: Any) -> Any:
-            outside = kept if by_mask else _outside(kept, low, high)
+            outside = kept if by_mask else _outside(kept, low, high, inclusive)
             return _zero_where(outside, _dense(dy))
 
         return forward(x), gradient
@@ -278,14 +284,65 @@ def _ste_sign(recipe: ste_sign, x: Any) -> Any:
     return _straight_through(x, _torch_sign)
 
 
-def _clamp(x: Any, low: float, high: float) -> Any:
-    """`torch.clamp(x, low, high)`; NaN stays NaN (as in `tf.clip_by_value`)."""
-    return tf.clip_by_value(x, tf.constant(low, x.dtype), tf.constant(high, x.dtype))
+def _clamp(x: Any, low: Any, high: Any) -> Any:
+    """`torch.clamp(x, low, high)`, the bounds cast to x's dtype and broadcast against it;
+    NaN stays NaN, and where low > high the result is high (torch.clamp's order: max with
+    low, then min with high)."""
+    return tf.minimum(tf.maximum(x, _bound_in(low, x.dtype)), _bound_in(high, x.dtype))
+
+
+def _bound_in(bound: Any, dtype: Any) -> Any:
+    """A window bound in `dtype`: a Python number converted to it directly (rounded once,
+    as torch rounds it), a tensor cast."""
+    if isinstance(bound, (int, float)):
+        return tf.constant(bound, dtype)
+    return tf.cast(bound, dtype)
 
 
 def _ste_clamp(recipe: ste_clamp, x: Any) -> Any:
-    window = recipe._window if recipe.outside == "zero" else None
-    return _windowed(x, lambda v: _clamp(v, recipe.low, recipe.high), window, recipe.keep)
+    low = _tensorflow_bound(recipe, "low", recipe.low)
+    high = _tensorflow_bound(recipe, "high", recipe.high)
+    window = (low, high) if recipe.outside == "zero" else None
+    if recipe._window is None:  # tensor bounds: the output broadcasts x against them
+        return _windowed_broadcast(x, low, high, window, recipe.keep, recipe._ends)
+    return _windowed(x, lambda v: _clamp(v, low, high), window, recipe.keep, recipe._ends)
+
+
+def _tensorflow_bound(recipe: ste_clamp, name: str, value: Any) -> Any:
+    """A bound of `ste_clamp` for a TensorFlow input: a number, or a TensorFlow tensor (a
+    variable is read here, outside the `tf.custom_gradient` function)."""
+    if isinstance(value, torch.Tensor):
+        msg = (
+            f"{recipe!r}: `{name}` is a torch tensor, and the input a TensorFlow tensor; give "
+            "TensorFlow tensors (or numbers) as the bounds of a TensorFlow input."
+        )
+        raise GradOverrideTypeError(msg)
+    return value if isinstance(value, (int, float)) else _as_tensor(value)
+
+
+def _windowed_broadcast(
+    x: Any, low: Any, high: Any, window: tuple[Any, Any] | None, keep: str,
+    inclusive: tuple[bool, bool],
+) -> Any:
+    """`ste_clamp` with tensor bounds: the output has the broadcast shape of x and the
+    bounds, so the gradient is summed back to x's shape; the bounds get none."""
+
+    @_custom_gradient
+    def op(x: Any) -> Any:
+        y = _clamp(x, low, high)
+        by_mask = window is not None and keep == "mask"
+        kept = _outside(x, low, high, inclusive) if by_mask else x
+
+        def gradient(dy: Any) -> Any:
+            dy = _dense(dy)
+            if window is not None:
+                outside = kept if by_mask else _outside(kept, low, high, inclusive)
+                dy = _zero_where(outside, dy)
+            return _sum_to_shape(dy, x)
+
+        return y, gradient
+
+    return op(_as_tensor(x))
 
 
 def _binary_sign(x: Any) -> Any:
@@ -294,7 +351,28 @@ def _binary_sign(x: Any) -> Any:
 
 
 def _binarize(recipe: binarize, x: Any) -> Any:
-    return _windowed(x, _binary_sign, recipe._window, recipe.keep)
+    return _windowed(x, _binary_sign, recipe._window, recipe.keep, recipe._ends)
+
+
+def _abs_subgradient(recipe: abs_subgradient, x: Any) -> Any:
+    """|x|, whose gradient is dy * s(x): sign(x), and `at_zero` at ±0 (as the torch
+    recipe: at_zero = 1 is -1 below 0 and +1 elsewhere, NaN included)."""
+    at_zero = recipe.at_zero
+
+    @_custom_gradient
+    def op(x: Any) -> Any:
+        def gradient(dy: Any) -> Any:
+            dy = _dense(dy)
+            if at_zero == 1:
+                return tf.where(x < 0, -dy, dy)
+            sign = _torch_sign(x)
+            if at_zero != 0:
+                sign = sign + tf.constant(at_zero, x.dtype) * (1 - tf.abs(sign))
+            return dy * sign
+
+        return tf.abs(x), gradient
+
+    return op(_as_tensor(x))
 
 
 def _ternary(recipe: ternarize, x: Any) -> Any:
@@ -651,60 +729,160 @@ def _sanitize_transform(recipe: sanitize_grad, grad: Any) -> Any:
 
 # ---- spike and its surrogates ---------------------------------------------------------------
 #
-# Each derivative is upstream * scale * sg(x), in the same order of operations as the torch
-# recipe's (its comments give the closed forms), in x's dtype.
+# Each derivative is upstream * scale * sg(x - center), in the same order of operations as
+# the torch recipe's (its comments give the closed forms), in x's dtype. The torch recipe
+# blends with 0/1 factors where a `torch.where` would be slow on the CPU; `tf.where` gives
+# the same values.
 
 _SQRT_PI = math.sqrt(math.pi)
 
 
-def _arctan(g: Any, x: Any, a: float, s: float) -> Any:
+def _arctan(g: Any, x: Any, r: spike) -> Any:
+    a, s = _set(r.alpha), r.scale
     k = s * a / 2
     c = math.pi * a / 2
     return g / (1 / k + (c * c / k) * x * x)
 
 
-def _sigmoid(g: Any, x: Any, a: float, s: float) -> Any:
+def _sigmoid_product(g: Any, x: Any, a: float, k: float) -> Any:
     ax = x * a
-    return tf.sigmoid(ax) * tf.sigmoid(-ax) * g * (s * a)
+    return tf.sigmoid(ax) * tf.sigmoid(-ax) * g * k
 
 
-def _fast_sigmoid(g: Any, x: Any, a: float, s: float) -> Any:
+def _sigmoid(g: Any, x: Any, r: spike) -> Any:
+    a = _set(r.alpha)
+    return _sigmoid_product(g, x, a, r.scale * a)
+
+
+def _fast_sigmoid(g: Any, x: Any, r: spike) -> Any:
+    a, s = _set(r.alpha), r.scale
     k = math.sqrt(2 / (s * a))
     d = tf.abs(x) * (a * k) + k
     return g / (d * d)
 
 
-def _erf(g: Any, x: Any, a: float, s: float) -> Any:
+def _erf(g: Any, x: Any, r: spike) -> Any:
+    a, s = _set(r.alpha), r.scale
     log_k = math.log(s * a / _SQRT_PI)
     return tf.exp(log_k + (-a * a) * x * x) * g
 
 
-def _triangle(g: Any, x: Any, a: float, s: float) -> Any:
+def _triangle(g: Any, x: Any, r: spike) -> Any:
+    a, s = _set(r.alpha), r.scale
     k = s * a
     return tf.nn.relu(k - (k * a) * tf.abs(x)) * g
 
 
-def _rectangular(g: Any, x: Any, a: float, s: float) -> Any:
+def _rectangular(g: Any, x: Any, r: spike) -> Any:
+    a, s, leak = _set(r.alpha), r.scale, _set(r.leak)
     h = 0.5 / a
+    k = s * a
+    inside = tf.abs(x) < h
+    if leak:
+        # The factor in x's dtype, then times g: as the torch recipe rounds.
+        factor = tf.where(inside, tf.constant(k, x.dtype), tf.constant(s * leak, x.dtype))
+        return g * factor
     # The documented formula, |x| < h, so a NaN input gets 0 (as torch's compiled path; its
     # eager hardtanh_backward gives 0 or the upstream gradient depending on where the element
     # falls in its vectorized loop).
-    out = tf.where(tf.abs(x) < h, g, tf.zeros((), g.dtype))
-    k = s * a
+    out = tf.where(inside, g, tf.zeros((), g.dtype))
     return out if k == 1 else out * k
 
 
-def _piecewise_exp(g: Any, x: Any, a: float, s: float) -> Any:
+def _piecewise_exp(g: Any, x: Any, r: spike) -> Any:
+    a, s = _set(r.alpha), r.scale
     log_k = math.log(s * a / 2)
     return tf.exp(log_k - a * tf.abs(x)) * g
 
 
-def _straight(g: Any, x: Any, a: float, s: float) -> Any:
-    return g if s == 1 else g * s
+def _straight(g: Any, x: Any, r: spike) -> Any:
+    return g if r.scale == 1 else g * r.scale
+
+
+def _circ(g: Any, x: Any, r: spike) -> Any:
+    a, s = _set(r.alpha), r.scale
+    c = (s * a / 2) ** (-2 / 3)
+    root = tf.math.rsqrt(c + (c * a * a) * x * x)
+    return root * root * root * g
+
+
+def _q_pseudo_spike(g: Any, x: Any, r: spike) -> Any:
+    a, s = _set(r.alpha), r.scale
+    k = s ** (-1 / a)
+    d = k + (k * 2 / (a - 1)) * tf.abs(x)
+    return tf.pow(d, -a) * g
+
+
+def _s2nn(g: Any, x: Any, r: spike) -> Any:
+    a, s, b = _set(r.alpha), r.scale, _set(r.beta)
+    left = _sigmoid_product(g, x, a, s * a)
+    right = g / (tf.abs(x) + 1)
+    if s * b != 1:
+        right = right * (s * b)
+    return tf.where(x < 0, left, right)
+
+
+def _squarewave_fourier(g: Any, x: Any, r: spike) -> Any:
+    if x.dtype in _HALF:  # in float32, as the torch recipe
+        return tf.cast(_squarewave_fourier(tf.cast(g, tf.float32), tf.cast(x, tf.float32), r),
+                       g.dtype)
+    a, s, n = _set(r.alpha), r.scale, int(_set(r.terms))
+    total = tf.cos(x * a)
+    for i in range(2, n + 1):
+        total = total + tf.cos(x * ((2 * i - 1) * a))
+    return total * (s * 2 * a / math.pi) * g
+
+
+def _nonzero_sign_log_abs(g: Any, x: Any, r: spike) -> Any:
+    a, s = _set(r.alpha), r.scale
+    d = tf.abs(x)
+    if s != 1:
+        d = d * (1 / s)
+    return g / (d + 1 / (s * a))
+
+
+def _fake_numerical_gradient(g: Any, x: Any, r: spike) -> Any:
+    a, s = _set(r.alpha), r.scale
+    d = tf.maximum(tf.abs(x), tf.constant(1 / a, x.dtype))
+    if s != 1:
+        d = d * (1 / s)
+    return g / d
+
+
+def _log_tailed_relu(g: Any, x: Any, r: spike) -> Any:
+    s, leak = r.scale, _set(r.leak)
+    inverse = tf.maximum(x, tf.ones((), x.dtype))
+    if s != 1:
+        inverse = inverse * (1 / s)
+    right = (1 / inverse) * g
+    left = g * (s * leak) if leak else tf.zeros((), g.dtype)
+    return tf.where(x > 0, right, left)
+
+
+def _leaky_factor(x: Any, r: spike, silent: Any) -> Any:
+    s, z = r.scale, r.at_zero
+    fired = x >= 0 if z == 1 else x > 0
+    off = silent * s if not isinstance(silent, float) else tf.constant(s * silent, x.dtype)
+    factor = tf.where(fired, tf.constant(s, x.dtype), off)
+    if 0 < z < 1:
+        factor = tf.where(tf.equal(x, 0), off * (1 - z) + z * s, factor)
+    return factor
+
+
+def _leaky_relu(g: Any, x: Any, r: spike, noise: Any = None) -> Any:
+    leak, spread = _set(r.leak), _set(r.spread)
+    silent: Any = float(leak)
+    if noise is not None and spread:
+        silent = (leak - spread / 2) + spread * noise
+    return g * _leaky_factor(x, r, silent)
+
+
+def _sparse_fast_sigmoid(g: Any, x: Any, r: spike) -> Any:
+    return _fast_sigmoid(g, x, r) * tf.cast(x > _set(r.bound), x.dtype)
 
 
 #: The surrogate derivatives by canonical name (aliases resolve through `_canonical`).
-SURROGATE_DERIVATIVES: dict[str, Callable[[Any, Any, float, float], Any]] = {
+SURROGATE_DERIVATIVES: dict[str, Callable[[Any, Any, spike], Any]] = {
     "arctan": _arctan,
     "sigmoid": _sigmoid,
     "fast_sigmoid": _fast_sigmoid,
@@ -713,7 +891,53 @@ SURROGATE_DERIVATIVES: dict[str, Callable[[Any, Any, float, float], Any]] = {
     "rectangular": _rectangular,
     "piecewise_exp": _piecewise_exp,
     "straight_through": _straight,
+    "circ": _circ,
+    "q_pseudo_spike": _q_pseudo_spike,
+    "s2nn": _s2nn,
+    "squarewave_fourier": _squarewave_fourier,
+    "nonzero_sign_log_abs": _nonzero_sign_log_abs,
+    "fake_numerical_gradient": _fake_numerical_gradient,
+    "log_tailed_relu": _log_tailed_relu,
+    "leaky_relu": _leaky_relu,
+    "sparse_fast_sigmoid": _sparse_fast_sigmoid,
 }
+
+
+def _probability_step(x: Any, r: spike) -> Any:
+    """The spike's probability when `sample=True` (the torch recipe's `probability`), in
+    float32 for float16/bfloat16 inputs."""
+    name, a = _canonical(r.surrogate), _set(r.alpha)
+    x = tf.cast(x, _compute_dtype(x.dtype))
+    if r.center:
+        x = x - r.center
+    if name == "arctan":
+        return 0.5 + tf.atan(x * (math.pi * a / 2)) / math.pi
+    if name == "sigmoid":
+        return tf.sigmoid(x * a)
+    if name == "fast_sigmoid":
+        tail = 0.5 / (1 + a * tf.abs(x))
+        return tf.where(x < 0, tail, 1 - tail)
+    if name == "erf":
+        return 0.5 * tf.math.erfc(-a * x)
+    if name == "triangle":
+        inner = a * x - 0.5 * a * a * x * tf.abs(x) + 0.5
+        one, zero = tf.ones((), x.dtype), tf.zeros((), x.dtype)
+        return tf.where(x < -1 / a, zero, tf.where(x > 1 / a, one, inner))
+    if name == "rectangular":
+        return tf.clip_by_value(a * x + 0.5, 0, 1)
+    if name == "piecewise_exp":
+        left = 0.5 * tf.exp(a * tf.minimum(x, 0))
+        right = 1 - 0.5 * tf.exp(-a * tf.maximum(x, 0))
+        return tf.where(x < 0, left, right)
+    if name == "circ":
+        u = a * x
+        return 0.5 + 0.5 * tf.sign(u) * tf.math.rsqrt(1 + 1 / (u * u))
+    if name == "q_pseudo_spike":
+        c = 2 / (a - 1)
+        left = 0.5 * tf.pow(1 - c * tf.minimum(x, 0), 1 - a)
+        right = 1 - 0.5 * tf.pow(1 + c * tf.maximum(x, 0), 1 - a)
+        return tf.where(x < 0, left, right)
+    return tf.clip_by_value(x, 0, 1)  # straight_through: the input is the probability
 
 
 def _step(recipe: spike, x: Any) -> Any:
@@ -726,18 +950,61 @@ def _step(recipe: spike, x: Any) -> Any:
     return tf.where(tf.equal(x, 0), at_zero, tf.cast(x > 0, x.dtype))
 
 
-def _spike(recipe: spike, x: Any) -> Any:
+def _noise(recipe: spike, x: Any, noise: Any, generator: Any) -> Any:
+    """The uniform noise a stochastic spike was given, checked (or None: draw it)."""
+    if generator is not None:
+        msg = (
+            f"{recipe!r}: a torch.Generator cannot drive TensorFlow's random numbers; on "
+            "TensorFlow tensors pass `noise=` (U[0, 1) samples of x's shape, e.g. "
+            "`tf.random.uniform(tf.shape(x))`), or neither to draw with TensorFlow's own."
+        )
+        raise GradOverrideTypeError(msg)
+    if noise is None:
+        return None
+    noise = _as_tensor(noise)
+    if not noise.dtype.is_floating or not noise.shape.is_compatible_with(x.shape):
+        msg = (
+            f"{recipe!r}: `noise` must be a floating tensor of U[0, 1) samples with the "
+            f"input's shape; got a TensorFlow {noise.dtype.name} tensor of shape "
+            f"{noise.shape} for an input of shape {x.shape}. Pass "
+            "`noise=tf.random.uniform(tf.shape(x))`."
+        )
+        raise GradOverrideTypeError(msg)
+    return noise
+
+
+def _spike(recipe: spike, x: Any, noise: Any = None, generator: Any = None) -> Any:
     derivative = SURROGATE_DERIVATIVES[_canonical(recipe.surrogate)]
-    alpha, scale = recipe.alpha, recipe.scale
+    x = _as_tensor(x)
+    if not recipe.stochastic and (noise is not None or generator is not None):
+        _refuse_noise(recipe)
+    noise = _noise(recipe, x, noise, generator) if recipe.stochastic else None
+    center = recipe.center
 
     @_custom_gradient
     def op(x: Any) -> Any:
+        xc = x - center if center else x
+        if recipe.sample:
+            p = _probability_step(x, recipe)
+            u = tf.random.uniform(tf.shape(x), dtype=p.dtype) if noise is None else (
+                tf.cast(noise, p.dtype)
+            )
+            out = tf.cast(u < p, x.dtype)
+        else:
+            out = _step(recipe, x)
+
         def gradient(dy: Any) -> Any:
-            return derivative(_dense(dy), x, alpha, scale)  # type: ignore[arg-type]
+            dy = _dense(dy)
+            if recipe.spread:
+                u = tf.random.uniform(tf.shape(x), dtype=x.dtype) if noise is None else (
+                    tf.cast(noise, x.dtype)
+                )
+                return _leaky_relu(dy, xc, recipe, u)
+            return derivative(dy, xc, recipe)
 
-        return _step(recipe, x), gradient
+        return out, gradient
 
-    return op(_as_tensor(x))
+    return op(x)
 
 
 # ---- dispatch -------------------------------------------------------------------------------
@@ -752,6 +1019,7 @@ _CALLS: dict[type, Callable[..., Any]] = {
     ste_sign: _ste_sign,
     ste_clamp: _ste_clamp,
     binarize: _binarize,
+    abs_subgradient: _abs_subgradient,
     ternarize: _ternarize,
     quantize: _quantize,
     lsq: _lsq,
@@ -774,6 +1042,7 @@ _TRANSFORMS: dict[type, Callable[..., Any]] = {
 _INSTEAD: dict[type, str] = {
     ste_argmax: "its one-hot and softmax gradient have no TensorFlow form yet",
     gumbel_softmax: "its noise and softmax gradient have no TensorFlow form yet",
+    rotation_trick: "the discrete choices have no TensorFlow form yet",
     blackbox_solver: (
         "it calls a Python solver between the forward and the backward, which tf.function "
         "and XLA cannot trace"
@@ -814,7 +1083,8 @@ def _unsupported(recipe: object, x: Any, name: str | None = None) -> GradOverrid
 
 #: The recipes that exist for their backward and so refuse an input that gets no gradient.
 _FLOATING_ONLY = (
-    ste_round, ste_floor, ste_ceil, ste_sign, ste_clamp, binarize, ternarize, quantize, lsq
+    ste_round, ste_floor, ste_ceil, ste_sign, ste_clamp, binarize, ternarize, quantize, lsq,
+    abs_subgradient,
 )
 
 

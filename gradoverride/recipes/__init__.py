@@ -6,7 +6,7 @@ Every recipe is a small frozen object with a readable repr, callable on tensors,
 """
 
 from ._base import GradientTransform, Recipe, RecipeModule
-from ._discrete import gumbel_softmax, ste_argmax
+from ._discrete import gumbel_softmax, rotation_trick, ste_argmax
 from ._flow import (
     ScaledGradientModule,
     clip_grad_norm,
@@ -18,7 +18,10 @@ from ._flow import (
 )
 from ._solvers import blackbox_solver, perturbed_optimizer
 from ._ste import (
+    BINARIZE_PRESETS,
+    CLAMP_PRESETS,
     LearnedStepQuantizer,
+    abs_subgradient,
     binarize,
     lsq,
     quantize,
@@ -32,6 +35,8 @@ from ._ste import (
 from ._surrogate import SPIKE_PRESETS, SURROGATES, spike
 
 __all__ = [
+    "BINARIZE_PRESETS",
+    "CLAMP_PRESETS",
     "SPIKE_PRESETS",
     "SURROGATES",
     "GradientTransform",
@@ -39,6 +44,7 @@ __all__ = [
     "Recipe",
     "RecipeModule",
     "ScaledGradientModule",
+    "abs_subgradient",
     "binarize",
     "blackbox_solver",
     "clip_grad_norm",
@@ -49,6 +55,7 @@ __all__ = [
     "perturbed_optimizer",
     "quantize",
     "reverse_grad",
+    "rotation_trick",
     "sanitize_grad",
     "scale_grad",
     "spike",

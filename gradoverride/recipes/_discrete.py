@@ -1,5 +1,5 @@
-"""Discrete choices with straight-through gradients: argmax as a one-hot, and the
-straight-through Gumbel-softmax.
+"""Discrete choices with straight-through gradients: argmax as a one-hot, the
+straight-through Gumbel-softmax, and the rotation trick for vector quantization.
 
 The forward is a hard one-hot (in the input's dtype); the backward is the gradient of a
 softmax at a temperature, which is what the `y_hard - y_soft.detach() + y_soft` idiom gives,
@@ -19,7 +19,7 @@ from .._errors import GradOverrideError, GradOverrideTypeError
 from .._frameworks import is_tensorflow
 from ._base import Recipe, positive_number, tensorflow_call
 
-__all__ = ["gumbel_softmax", "ste_argmax"]
+__all__ = ["gumbel_softmax", "rotation_trick", "ste_argmax"]
 
 
 def _softmax_grad(grad: Tensor, soft: Tensor, dim: int, temperature: float) -> Tensor:
@@ -168,23 +168,29 @@ def gumbel_noise(
 
 @custom_backward(residuals=("soft",))
 def _gumbel_softmax(
-    x: Tensor, recipe: gumbel_softmax, generator: torch.Generator | None
+    x: Tensor, recipe: gumbel_softmax, generator: torch.Generator | None, noise: Tensor | None
 ) -> Any:
     dim = recipe.dim
     work = _compute_dtype(x.dtype)
-    scores = x.to(work) + gumbel_noise(x.shape, dtype=work, device=x.device, generator=generator)
+    if noise is None:
+        noise = gumbel_noise(x.shape, dtype=work, device=x.device, generator=generator)
+    scores = x.to(work) + noise.to(work)
     # Shifted so the largest score is 0 before dividing by T: a tiny T then gives -inf and 0,
-    # never inf - inf.
-    shifted = scores - scores.amax(dim, keepdim=True)
-    soft = torch.softmax(shifted / recipe.temperature, dim)
+    # never inf - inf. In place: `scores` is this function's own.
+    shifted = scores.sub_(scores.amax(dim, keepdim=True))
+    if recipe.temperature != 1:
+        shifted = shifted.div_(recipe.temperature)
+    soft = torch.softmax(shifted, dim)
     # A fresh tensor for the soft output: the residual itself is not differentiable.
     out = _one_hot_argmax(soft, dim, x.dtype) if recipe.hard else soft.to(x.dtype, copy=True)
     return out, {"soft": soft}
 
 
 @_gumbel_softmax.backward
-def _(grad: Tensor, *, soft: Tensor, recipe: gumbel_softmax) -> Any:
-    return _softmax_grad(grad, soft, recipe.dim, recipe.temperature), None, None
+def _(grad: Tensor, *, soft: Tensor, recipe: gumbel_softmax, needs_grad: Any) -> Any:
+    grad_x = _softmax_grad(grad, soft, recipe.dim, recipe.temperature)
+    # The scores are x + noise, so given noise gets x's gradient (in its own dtype).
+    return grad_x, None, None, grad_x if needs_grad["noise"] else None
 
 
 @dataclass(frozen=True, repr=False)
@@ -198,12 +204,20 @@ class gumbel_softmax(Recipe):
     As `torch.nn.functional.gumbel_softmax`, but: the temperature is checked (positive and
     finite); the noise and softmax are computed in float32 for float16/bfloat16 inputs, the
     noise is always finite and the scores are shifted before dividing by T, so no NaN
-    appears in float16 or at tiny temperatures; `generator=` makes the noise reproducible.
-    Keeps y_soft (float32 for half inputs) for backward. Under `torch.compile`, leave
-    `generator` unset and seed with `torch.manual_seed`: dynamo cannot trace an explicit
+    appears in float16 or at tiny temperatures. Keeps y_soft (float32 for half inputs) for
+    backward.
+
+    The noise G: drawn by the recipe (`-log(-log(u))`, u uniform and clamped so that G is
+    finite), from `generator=` when given; or given as `noise=`, a floating-point tensor of
+    x's shape holding the draws, so that a run can be reproduced and compared exactly (with
+    `torch.nn.functional.gumbel_softmax`, whose draws are `-log(Exponential(1))`, say).
+    Given noise gets the same gradient as x (the scores are x + G); it is used as given,
+    in float32 for half inputs. Under `torch.compile`, leave `generator` unset and seed with
+    `torch.manual_seed`, or pass `noise=`: dynamo cannot trace an explicit
     `torch.Generator`. Example::
 
         sample = go.recipes.gumbel_softmax(temperature=0.5)(logits, generator=g)
+        same = go.recipes.gumbel_softmax(temperature=0.5)(logits, noise=draws)
     """
 
     temperature: float = 1.0
@@ -217,15 +231,166 @@ class gumbel_softmax(Recipe):
         )
 
     def __call__(
-        self, x: Tensor, *, generator: torch.Generator | None = None
+        self,
+        x: Tensor,
+        *,
+        generator: torch.Generator | None = None,
+        noise: Tensor | None = None,
     ) -> Tensor:
         if not isinstance(x, Tensor) and is_tensorflow(x):
-            return tensorflow_call(self, x, generator=generator)
+            return tensorflow_call(self, x, generator=generator, noise=noise)
         if generator is not None and not isinstance(generator, torch.Generator):
             msg = (
                 f"{self!r}: `generator` must be a torch.Generator (or None); got "
                 f"{type(generator).__name__} {generator!r}."
             )
             raise GradOverrideTypeError(msg)
-        result: Tensor = _gumbel_softmax(_check_input(self, x), self, generator)
+        x = _check_input(self, x)
+        if noise is not None:
+            self._check_noise(x, noise, generator)
+        result: Tensor = _gumbel_softmax(x, self, generator, noise)
+        return result
+
+    def _check_noise(
+        self, x: Tensor, noise: object, generator: torch.Generator | None
+    ) -> None:
+        if generator is not None:
+            msg = (
+                f"{self!r} got both `generator=` and `noise=`; pass one: `generator` draws "
+                "the noise, `noise` gives the draws."
+            )
+            raise GradOverrideError(msg)
+        if not isinstance(noise, Tensor) or not noise.is_floating_point():
+            got = f"a {noise.dtype} tensor" if isinstance(noise, Tensor) else (
+                f"{type(noise).__name__} {noise!r}"
+            )
+            msg = (
+                f"{self!r}: `noise` must be a floating-point tensor of Gumbel draws shaped "
+                f"like the scores; got {got}."
+            )
+            raise GradOverrideTypeError(msg)
+        if noise.shape != x.shape or noise.device != x.device:
+            msg = (
+                f"{self!r}: `noise` must have the scores' shape and device, "
+                f"{tuple(x.shape)} on {x.device}; got {tuple(noise.shape)} on "
+                f"{noise.device}. Draw one value per score, e.g. "
+                "`-torch.log(-torch.log(torch.rand_like(scores)))`."
+            )
+            raise GradOverrideError(msg)
+
+
+# ---- the rotation trick (vector quantization) ------------------------------------------------
+
+
+def _norm(v: Tensor, dim: int, squares_fit: bool) -> Tensor:
+    """The 2-norm of each vector along `dim` (keepdim), as `vector_norm` computes it (so that
+    u and v are bit for bit vector-quantize-pytorch's: where x and q are nearly opposite, w
+    is the direction of their rounding), except where the squares overflow (a float32 x of
+    1e20): there it is taken on the vector scaled by its largest magnitude. `squares_fit`:
+    v is a float16 input in float32, whose squares cannot overflow."""
+    norm: Tensor = torch.linalg.vector_norm(v, dim=dim, keepdim=True)
+    if squares_fit:
+        return norm
+    scale = v.abs().amax(dim, keepdim=True)
+    scaled = torch.linalg.vector_norm(v / torch.where(scale > 0, scale, 1), dim=dim,
+                                      keepdim=True) * scale
+    return torch.where(torch.isinf(norm), scaled, norm)
+
+
+@custom_backward
+def _rotation_trick(x: Tensor, q: Tensor, recipe: rotation_trick) -> Tensor:
+    # A fresh tensor: the output replaces x in the network, where an in-place op may follow
+    # (a view of q would refuse it).
+    return q.to(x.dtype, copy=True)
+
+
+@_rotation_trick.backward
+def _(grad: Tensor, *, x: Tensor, q: Tensor, recipe: rotation_trick) -> Any:
+    return recipe.gradient(grad, x, q), None, None
+
+
+@dataclass(frozen=True, repr=False)
+class rotation_trick(Recipe):
+    """The rotation trick for vector quantization (Fifty et al., 2024, "Restructuring Vector
+    Quantization with the Rotation Trick"): `rotation_trick()(x, q)`, with x the encoder's
+    output and q its codebook vector (the same shape; vectors along `dim`).
+
+    Forward: y = q, exactly, in x's dtype (a new tensor, so an in-place op may follow).
+    Backward: q is treated as `lambda * R x` with the rotation R and the scale lambda held
+    constant, so dL/dx = lambda * R^T dL/dy, where, along `dim`, u = x / max(|x|, eps),
+    v = q / max(|q|, eps), w = (u + v) / max(|u + v|, eps), R = I - 2 w w^T + 2 v u^T (the
+    rotation taking u to v) and lambda = |q| / max(|x|, eps):
+    dL/dx = lambda * (g - 2 (g . w) w + 2 (g . v) u), g = dL/dy.
+    q gets no gradient (the codebook learns from its own loss, as in the paper). Where x and
+    q point the same way R is the identity and this is the plain straight-through
+    `x + (q - x).detach()` times lambda; where they are opposite, u + v = 0, w = 0 and R is
+    the reflection I - 2 v v^T; at x = 0, lambda = |q| / eps. The gradient is computed in
+    float32 for float16/bfloat16 inputs and returned in x's dtype; the norms are taken on
+    each vector scaled by its largest entry, so they do not overflow where they are finite
+    (a float32 x of 1e20). It is finite wherever the formula is, up to the dtype's range:
+    lambda = |q| / |x| for a small x can exceed float16's.
+
+    The defaults are vector-quantize-pytorch's `rotate_to(x, q)` (`eps=1e-6` in its norms
+    and divisions, vectors along the last dimension): the same gradient; its forward
+    computes `lambda * R x`, which is q up to rounding where |x| >= eps but not below (0 at
+    x = 0), where this recipe gives q.
+    Example::
+
+        y = go.recipes.rotation_trick()(z_e, codebook[indices])
+    """
+
+    dim: int = -1
+    eps: float = 1e-6
+
+    def __post_init__(self) -> None:
+        _check_dim("rotation_trick", self.dim)
+        object.__setattr__(
+            self, "eps", positive_number(
+                "rotation_trick", "eps", self.eps,
+                "It floors the norms it divides by (vector-quantize-pytorch uses 1e-6).",
+            ),
+        )
+
+    def gradient(self, grad: Tensor, x: Tensor, q: Tensor) -> Tensor:
+        """dL/dx given dL/dy = `grad` (the formula above), in x's dtype."""
+        work = _compute_dtype(x.dtype)
+        g, x_, q_ = grad.to(work), x.to(work), q.to(work)
+        dim, eps = self.dim, self.eps
+        x_norm = _norm(x_, dim, x.dtype == torch.float16).clamp_min(eps)
+        q_norm = _norm(q_, dim, q.dtype == torch.float16)
+        u = x_ / x_norm
+        v = q_ / q_norm.clamp_min(eps)
+        w = u + v
+        w = w / torch.linalg.vector_norm(w, dim=dim, keepdim=True).clamp_min(eps)
+        g_w = (g * w).sum(dim, keepdim=True)
+        g_v = (g * v).sum(dim, keepdim=True)
+        rotated = g - 2 * g_w * w + 2 * g_v * u  # R^T g
+        result: Tensor = (rotated * (q_norm / x_norm)).to(x.dtype)
+        return result
+
+    def __call__(self, x: Tensor, q: Tensor) -> Tensor:
+        if not isinstance(x, Tensor) and is_tensorflow(x):
+            return tensorflow_call(self, x, q)
+        for name, value in (("x", x), ("q", q)):
+            if not isinstance(value, Tensor) or not value.is_floating_point():
+                got = f"a {value.dtype} tensor" if isinstance(value, Tensor) else (
+                    type(value).__name__
+                )
+                msg = f"{self!r}: `{name}` must be a floating-point tensor; got {got}."
+                raise GradOverrideTypeError(msg)
+        if x.shape != q.shape:
+            msg = (
+                f"{self!r}: `x` and its codebook vector `q` must have the same shape; got "
+                f"{tuple(x.shape)} and {tuple(q.shape)}. Gather one code per vector first "
+                "(`codebook[indices]`)."
+            )
+            raise GradOverrideError(msg)
+        if x.dim() == 0 or not -x.dim() <= self.dim < x.dim():
+            msg = (
+                f"{self!r} got tensors of shape {tuple(x.shape)}, with no dimension "
+                f"{self.dim} to hold the vectors; pass a dim in [{-max(x.dim(), 1)}, "
+                f"{max(x.dim() - 1, 0)}]."
+            )
+            raise GradOverrideError(msg)
+        result: Tensor = _rotation_trick(x, q, self)
         return result

@@ -11,9 +11,11 @@ element (`keep="mask"`); see `go.straight_through`.
 
 from __future__ import annotations
 
+import itertools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any, Literal, Protocol
 
 import torch
@@ -25,10 +27,14 @@ from .._frameworks import is_tensorflow
 from .._jit import refuse_scripting
 from .._straight_through import (
     DEFAULT_KEEP,
+    Inclusive,
     Keep,
     WindowBounds,
+    check_window,
     masked_gradient,
     parse_clip,
+    parse_inclusive,
+    rounded,
     straight_through,
     window_bounds,
     window_gradient,
@@ -37,7 +43,10 @@ from .._straight_through import (
 from ._base import Recipe, positive_number, tensorflow_call
 
 __all__ = [
+    "BINARIZE_PRESETS",
+    "CLAMP_PRESETS",
     "LearnedStepQuantizer",
+    "abs_subgradient",
     "binarize",
     "lsq",
     "quantize",
@@ -242,28 +251,151 @@ class ste_sign(Recipe):
 
 # ---- clamp and binarize --------------------------------------------------------------------
 
+Bound = float | Tensor
+"""A bound of `ste_clamp`: a number, or a tensor broadcast against the input."""
 
-@dataclass(frozen=True, repr=False)
+
+def _check_ends(recipe: str, inclusive: object) -> Inclusive:
+    return parse_inclusive(inclusive, recipe)
+
+
+def _check_tensor_bound(name: str, value: Tensor) -> None:
+    if not value.dtype.is_floating_point:
+        msg = (
+            f"ste_clamp: `{name}` as a tensor must be floating-point (it is compared with the "
+            f"input in the input's dtype); got a {value.dtype} tensor. Convert it first: "
+            f"`{name}.float()`."
+        )
+        raise GradOverrideTypeError(msg)
+
+
+def _same(a: object, b: object) -> bool:
+    """Equality of recipe fields, tensors by identity (their `==` is elementwise)."""
+    if isinstance(a, Tensor) or isinstance(b, Tensor):
+        return a is b
+    return a == b
+
+
+@custom_backward
+def _clamp_pass(x: Tensor, low: Tensor, high: Tensor, recipe: ste_clamp) -> Tensor:
+    """Clamp to tensor bounds; backward the upstream gradient (the bounds get none)."""
+    return torch.clamp(x, low, high)
+
+
+@_clamp_pass.backward
+def _(grad: Tensor) -> Any:
+    return grad, None, None, None
+
+
+@custom_backward
+def _clamp_zero(x: Tensor, low: Tensor, high: Tensor, recipe: ste_clamp) -> Tensor:
+    """Clamp to tensor bounds; backward the gradient inside them (keeps x and the bounds)."""
+    return torch.clamp(x, low, high)
+
+
+@_clamp_zero.backward
+def _(grad: Tensor, *, x: Tensor, low: Tensor, high: Tensor, recipe: ste_clamp) -> Any:
+    inside = _inside_tensor_bounds(x, low, high, recipe._ends)
+    if torch.compiler.is_compiling():
+        return grad * inside, None, None, None
+    return torch.where(inside, grad, 0), None, None, None
+
+
+@custom_backward
+def _clamp_zero_closed(x: Tensor, low: Tensor, high: Tensor, recipe: ste_clamp) -> Tensor:
+    """`_clamp_zero` with both ends inclusive: x is inside exactly where the clamp left it
+    unchanged, so the rule needs x and the output only."""
+    return torch.clamp(x, low, high)
+
+
+@_clamp_zero_closed.backward
+def _(grad: Tensor, *, x: Tensor, output: Tensor) -> Any:
+    # output - x is 0 exactly where x is inside (a float difference is 0 only between equal
+    # numbers); hardtanh_backward passes the gradient where it is strictly between the
+    # nearest nonzero numbers, ±(the smallest subnormal): ~8x faster than comparing with
+    # both bounds (bool kernels) and `where`.
+    moved = output - x
+    if torch.compiler.is_compiling() or moved.dtype not in _SMALLEST:
+        return grad * (1 - torch.sign(moved.abs())), None, None, None
+    tiny = _SMALLEST[moved.dtype]
+    return torch.ops.aten.hardtanh_backward(grad, moved, -tiny, tiny), None, None, None
+
+
+#: The smallest positive (subnormal) number of each floating dtype.
+_SMALLEST = {
+    dtype: float(torch.nextafter(torch.zeros((), dtype=dtype), torch.ones((), dtype=dtype)))
+    for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+}
+
+
+@custom_backward(residuals=("mask",))
+def _clamp_zero_mask(x: Tensor, low: Tensor, high: Tensor, recipe: ste_clamp) -> Any:
+    """As `_clamp_zero`, keeping a one-byte mask of the window instead."""
+    inside = _inside_tensor_bounds(x, low, high, recipe._ends)
+    y = torch.clamp(x, low, high)
+    return y, {"mask": inside.to(torch.uint8)}
+
+
+@_clamp_zero_mask.backward
+def _(grad: Tensor, *, mask: Tensor) -> Any:
+    return masked_gradient(grad, mask), None, None, None
+
+
+def _inside_tensor_bounds(x: Tensor, low: Tensor, high: Tensor, ends: Inclusive) -> Tensor:
+    """Where x is inside the window between tensor bounds: bool eagerly; 1.0 or 0.0 in x's
+    dtype while compiling, written as arithmetic (see `_inside` in go.straight_through's
+    module): each `sign(...)` is -1, 0 or 1 at a difference below, at or above 0."""
+    if not torch.compiler.is_compiling():
+        above = x >= low if ends[0] else x > low
+        below = x <= high if ends[1] else x < high
+        return above & below
+    to_high = torch.sign(x - high)
+    below = torch.sign(1 - to_high) if ends[1] else torch.relu(-to_high)
+    to_low = torch.sign(x - low)
+    above = torch.sign(to_low + 1) if ends[0] else torch.relu(to_low)
+    return below * above
+
+
+@dataclass(frozen=True, repr=False, eq=False)
 class ste_clamp(Recipe):
     """Clamp to `[low, high]`, with the gradient outside the range chosen explicitly.
 
-    Formula: y = min(max(x, low), high);
-    `outside="pass"`: dL/dx = dL/dy everywhere (brevitas `scalar_clamp_ste`);
-    `outside="zero"`: dL/dx = dL/dy where low <= x <= high, else 0 (the true gradient of
-    `torch.clamp`, bounds included). There is no default for `outside`: libraries disagree
-    and have changed it, so the choice is written at the call. Example::
+    Formula: y = min(max(x, low), high) (`torch.clamp`);
+    `outside="pass"`: dL/dx = dL/dy everywhere (brevitas `scalar_clamp_ste`, and
+    `tensor_clamp_ste` with tensor bounds);
+    `outside="zero"`: dL/dx = dL/dy inside the window, else 0. With `inclusive=True` (the
+    default) the window is low <= x <= high, the true gradient of `torch.clamp`, bounds
+    included; with `inclusive=False` it is low < x < high, the gradient of
+    `torch.nn.functional.hardtanh(x, low, high)` (0 at the bounds); a pair `(low_end,
+    high_end)` chooses each end. There is no default for `outside`: libraries disagree and
+    have changed it, so the choice is written at the call. `ste_clamp.preset(name, low,
+    high)` gives each library's convention (see `CLAMP_PRESETS`). Example::
 
         clip = go.recipes.ste_clamp(-1.0, 1.0, outside="zero")
+
+    Bounds may be tensors (per channel, say), broadcast against the input as `torch.clamp`
+    broadcasts them and compared in the input's dtype (rounded to it, as number bounds are):
+    `ste_clamp(low_t, high_t, outside="pass")(x)` is brevitas's `tensor_clamp_ste(x, low_t,
+    high_t)`. The bounds get no gradient, as in brevitas (for the gradients `torch.clamp`
+    gives tensor bounds, call `torch.clamp` itself). Where a tensor `low` exceeds `high` the
+    output is `high`, as `torch.clamp` gives (brevitas gives `low`). Recipes with tensor
+    bounds compare equal only when they hold the same tensor objects.
     """
 
-    low: float
-    high: float
+    low: Bound
+    high: Bound
     outside: Literal["pass", "zero"]
+    inclusive: bool | tuple[bool, bool] = True
     keep: Keep = DEFAULT_KEEP
-    _window: tuple[float, float] = field(init=False, repr=False, compare=False)
+    _ends: Inclusive = field(init=False, repr=False, compare=False)
+    _window: tuple[float, float] | None = field(init=False, repr=False, compare=False)
     _bounds: WindowBounds | None = field(init=False, repr=False, compare=False)
+    _hardtanh: dict[torch.dtype, tuple[float, float]] | None = field(
+        init=False, repr=False, compare=False
+    )
 
     def __post_init__(self) -> None:
+        _set(self, "_hardtanh", None)
         if self.outside not in ("pass", "zero"):
             msg = (
                 f"ste_clamp: `outside` must be 'pass' (the gradient passes outside the range) "
@@ -271,17 +403,176 @@ class ste_clamp(Recipe):
             )
             raise GradOverrideError(msg)
         _check_keep(self, self.keep)
-        _set(self, "_window", parse_clip((self.low, self.high), "ste_clamp", "(low, high)"))
-        _set(self, "_bounds", window_bounds(self._window) if self.outside == "zero" else None)
+        ends = _check_ends("ste_clamp", self.inclusive)
+        if isinstance(self.inclusive, list):  # hashable, as the recipe is
+            _set(self, "inclusive", tuple(self.inclusive))
+        _set(self, "_ends", ends)
+        if _is_tensor(self.low) or _is_tensor(self.high):
+            self._check_tensor_bounds()
+            _set(self, "_window", None)
+            _set(self, "_bounds", None)
+            return
+        window = parse_clip((self.low, self.high), "ste_clamp", "(low, high)")
+        if self.outside == "zero":
+            check_window(window, ends, "ste_clamp")
+        _set(self, "_window", window)
+        _set(self, "_bounds", window_bounds(window, ends) if self.outside == "zero" else None)
+        if self.outside == "zero" and ends == (False, False) and self.keep == "input":
+            # Exactly torch's hardtanh, forward and backward: its own op is the fastest form
+            # (no Function around it), given the bounds rounded to the input's dtype.
+            _set(self, "_hardtanh", {
+                dtype: (rounded(window[0], dtype), rounded(window[1], dtype))
+                for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+            })
+
+    def _check_tensor_bounds(self) -> None:
+        shapes = []
+        for name in ("low", "high"):
+            value = getattr(self, name)
+            if isinstance(value, Tensor):
+                _check_tensor_bound(name, value)
+                shapes.append(value.shape)
+            elif _is_tensor(value):  # a TensorFlow tensor: checked when called
+                shapes.append(torch.Size(value.shape))
+            elif not _is_number(value) or math.isnan(value):
+                msg = (
+                    f"ste_clamp: `{name}` must be a number or a floating-point tensor; got "
+                    f"{type(value).__name__} {value!r}."
+                )
+                raise GradOverrideTypeError(msg)
+        if not _broadcastable(*shapes):
+            msg = (
+                "ste_clamp: the tensor bounds must broadcast together; got bounds of shapes "
+                f"{[tuple(shape) for shape in shapes]}."
+            )
+            raise GradOverrideError(msg)
+
+    def __eq__(self, other: object) -> bool:
+        if type(other) is not type(self):
+            return NotImplemented
+        return all(
+            _same(getattr(self, name), getattr(other, name))
+            for name in ("low", "high", "outside", "inclusive", "keep")
+        )
+
+    def __hash__(self) -> int:
+        return hash((type(self), self.low, self.high, self.outside, self.inclusive, self.keep))
+
+    @classmethod
+    def preset(
+        cls, name: str, /, low: Bound, high: Bound, *, keep: Keep = DEFAULT_KEEP
+    ) -> ste_clamp:
+        """The `ste_clamp` with a library's gradient at and beyond the bounds:
+        `ste_clamp.preset("torch.nn.functional.hardtanh", -1.0, 1.0)`. See `CLAMP_PRESETS`."""
+        options = _lookup_preset("ste_clamp", _CLAMP_PRESETS, name)[0]
+        return cls(low, high, keep=keep, **options)
 
     def _forward(self, x: Tensor) -> Tensor:
-        return torch.clamp(x, self.low, self.high)
+        return torch.clamp(x, self.low, self.high)  # type: ignore[arg-type]
 
     def __call__(self, x: Tensor) -> Tensor:
         if not isinstance(x, Tensor) and is_tensorflow(x):
             return tensorflow_call(self, x)
         _check_input(self, x)
+        if self._window is None:
+            return self._clamp_tensor_bounds(x)
+        if self._hardtanh is not None and x.dtype in self._hardtanh:
+            return nn.functional.hardtanh(x, *self._hardtanh[x.dtype])
         return _windowed(x, self)
+
+    def _clamp_tensor_bounds(self, x: Tensor) -> Tensor:
+        low, high = self._bound_for("low", x), self._bound_for("high", x)
+        shapes = [low.shape, high.shape]
+        if not _broadcastable(x.shape, *shapes):
+            msg = (
+                f"{self!r}: the bounds must broadcast against the input; got an input of shape "
+                f"{tuple(x.shape)} and bounds of shapes {[tuple(s) for s in shapes]}."
+            )
+            raise GradOverrideError(msg)
+        if self.outside == "pass":
+            op = _clamp_pass
+        elif self.keep == "mask":
+            op = _clamp_zero_mask
+        else:
+            op = _clamp_zero_closed if self._ends == (True, True) else _clamp_zero
+        result: Tensor = op(x, low, high, self)
+        return result
+
+    def _bound_for(self, name: str, x: Tensor) -> Tensor:
+        """A bound as a tensor in x's dtype (rounded to it) on x's device: a number too, so
+        that a compiled float16 window compares with the rounded bound, as eager does."""
+        value = getattr(self, name)
+        if isinstance(value, Tensor):
+            return value.to(device=x.device, dtype=x.dtype)
+        if _is_number(value):
+            return torch.full((), value, dtype=x.dtype, device=x.device)
+        # What is left is a TensorFlow tensor (anything else was refused when made).
+        msg = (
+            f"{self!r}: `{name}` is a TensorFlow tensor, and the input a torch tensor; "
+            f"give torch tensors (or numbers) as the bounds of a torch input."
+        )
+        raise GradOverrideTypeError(msg)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _broadcastable(*shapes: Sequence[int]) -> bool:
+    """Whether the shapes broadcast together (each size, from the right, 1 or shared)."""
+    for sizes in itertools.zip_longest(*(reversed(shape) for shape in shapes), fillvalue=1):
+        if len({size for size in sizes if size != 1}) > 1:
+            return False
+    return True
+
+
+def _is_tensor(value: object) -> bool:
+    """A torch or TensorFlow tensor (a bound given as a tensor). A number is decided first:
+    `is_tensorflow` reads the type's module name, which dynamo cannot trace."""
+    if isinstance(value, Tensor):
+        return True
+    return not _is_number(value) and is_tensorflow(value)
+
+
+#: ste_clamp's presets: name -> (the options, what the library's clamp does).
+_CLAMP_PRESETS: dict[str, tuple[dict[str, Any], str]] = {
+    "torch.clamp": (
+        {"outside": "zero", "inclusive": True},
+        "torch.clamp(x, low, high): dL/dx = dL/dy where low <= x <= high, else 0",
+    ),
+    "torch.nn.functional.hardtanh": (
+        {"outside": "zero", "inclusive": False},
+        "torch.nn.functional.hardtanh(x, low, high): dL/dx = dL/dy where low < x < high, "
+        "else 0",
+    ),
+    "brevitas.scalar_clamp_ste": (
+        {"outside": "pass"},
+        "brevitas.function.ops_ste.scalar_clamp_ste(x, low, high): dL/dx = dL/dy",
+    ),
+    "brevitas.tensor_clamp_ste": (
+        {"outside": "pass"},
+        "brevitas.function.ops_ste.tensor_clamp_ste(x, low, high), tensor bounds: dL/dx = "
+        "dL/dy, no gradient to the bounds",
+    ),
+}
+
+#: Each `ste_clamp.preset` name, with what the library's clamp does.
+CLAMP_PRESETS: Mapping[str, str] = MappingProxyType(
+    {name: entry[1] for name, entry in _CLAMP_PRESETS.items()}
+)
+
+
+def _lookup_preset(
+    recipe: str, presets: dict[str, tuple[dict[str, Any], str]], name: object
+) -> tuple[dict[str, Any], str]:
+    entry = presets.get(name) if isinstance(name, str) else None
+    if entry is None:
+        msg = (
+            f"{recipe}.preset: unknown preset {name!r}; the presets are "
+            f"{', '.join(repr(n) for n in presets)}."
+        )
+        raise GradOverrideError(msg)
+    return entry
 
 
 def _binary_sign(x: Tensor) -> Tensor:
@@ -297,25 +588,45 @@ class binarize(Recipe):
 
     Formula: y = -1 if x < 0 else +1 (0 and NaN -> +1; BinaryConnect's deterministic
     binarization);
-    dL/dx = dL/dy where |x| <= clip, else 0, both ends included, as in Courbariaux et al.
-    (2016) and XNOR-Net (Rastegari et al., 2016; the scaling factor is not applied). This is
-    hardtanh's gradient inside the window; at exactly ±clip torch's `hardtanh` gives 0 and
-    this recipe passes the gradient.
-    `clip=None` passes the gradient everywhere (brevitas `binary_sign_ste`). Example::
+    dL/dx = dL/dy inside the window, else 0. With the defaults, `clip=1.0, inclusive=True`,
+    the window is -1 <= x <= 1, both ends included: the `1{|x| <= 1}` of Courbariaux et al.
+    (2016) and larq's `ste_sign`. `inclusive=False` leaves the ends out, -1 < x < 1: the
+    gradient of torch's `hardtanh` (0 at exactly ±1) and XNOR-Net's code (Rastegari et
+    al., 2016; the scaling factor is not applied); a pair `(low_end, high_end)` chooses each
+    end. `clip` is a bound c (the window [-c, c]) or a pair (low, high); `clip=None` passes
+    the gradient everywhere (brevitas `binary_sign_ste`). `binarize.preset(name)` gives each
+    library's convention (see `BINARIZE_PRESETS`). Example::
 
         w_b = go.recipes.binarize()(weight)
     """
 
-    clip: float | None = 1.0
+    clip: float | tuple[float, float] | None = 1.0
+    inclusive: bool | tuple[bool, bool] = True
     keep: Keep = DEFAULT_KEEP
+    _ends: Inclusive = field(init=False, repr=False, compare=False)
     _window: tuple[float, float] | None = field(init=False, repr=False, compare=False)
     _bounds: WindowBounds | None = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         _check_keep(self, self.keep)
+        ends = _check_ends("binarize", self.inclusive)
+        if isinstance(self.inclusive, list):  # hashable, as the recipe is
+            _set(self, "inclusive", tuple(self.inclusive))
+        if isinstance(self.clip, list):
+            _set(self, "clip", tuple(self.clip))
+        _set(self, "_ends", ends)
         window = None if self.clip is None else parse_clip(self.clip, "binarize")
+        if window is not None:
+            check_window(window, ends, "binarize")
         _set(self, "_window", window)
-        _set(self, "_bounds", None if window is None else window_bounds(window))
+        _set(self, "_bounds", None if window is None else window_bounds(window, ends))
+
+    @classmethod
+    def preset(cls, name: str, /, *, keep: Keep = DEFAULT_KEEP) -> binarize:
+        """The `binarize` with a library's window: `binarize.preset("xnor_net")`. See
+        `BINARIZE_PRESETS`."""
+        options = _lookup_preset("binarize", _BINARIZE_PRESETS, name)[0]
+        return cls(keep=keep, **options)
 
     def __call__(self, x: Tensor) -> Tensor:
         if not isinstance(x, Tensor) and is_tensorflow(x):
@@ -325,6 +636,89 @@ class binarize(Recipe):
 
     def _forward(self, x: Tensor) -> Tensor:
         return _binary_sign(x)
+
+
+#: binarize's presets: name -> (the options, what the library's binarization does).
+_BINARIZE_PRESETS: dict[str, tuple[dict[str, Any], str]] = {
+    "binarynet": (
+        {"clip": 1.0, "inclusive": True},
+        "Courbariaux et al. (2016), BinaryNet: y = +1 if x >= 0 else -1; dL/dx = dL/dy "
+        "where |x| <= 1",
+    ),
+    "larq.ste_sign": (
+        {"clip": 1.0, "inclusive": True},
+        "larq.quantizers.ste_sign(clip_value=1.0): y = +1 if x >= 0 else -1; dL/dx = dL/dy "
+        "where |x| <= 1",
+    ),
+    "xnor_net": (
+        {"clip": 1.0, "inclusive": False},
+        "XNOR-Net (Rastegari et al. 2016), its PyTorch code's BinActive: dL/dx = dL/dy "
+        "where |x| < 1 (its forward, torch.sign, gives 0 at 0; binarize gives +1)",
+    ),
+    "brevitas.binary_sign_ste": (
+        {"clip": None},
+        "brevitas.function.ops_ste.binary_sign_ste: y = +1 if x >= 0 else -1; dL/dx = dL/dy",
+    ),
+}
+
+#: Each `binarize.preset` name, with what the library's binarization does.
+BINARIZE_PRESETS: Mapping[str, str] = MappingProxyType(
+    {name: entry[1] for name, entry in _BINARIZE_PRESETS.items()}
+)
+
+
+# ---- abs with a chosen subgradient at 0 ----------------------------------------------------
+
+
+@custom_backward
+def _abs(x: Tensor, recipe: abs_subgradient) -> Tensor:
+    return torch.abs(x)
+
+
+@_abs.backward
+def _(grad: Tensor, *, x: Tensor, recipe: abs_subgradient) -> Tensor:
+    return grad * recipe._slope(x)
+
+
+@dataclass(frozen=True, repr=False)
+class abs_subgradient(Recipe):
+    """Absolute value with a chosen subgradient at 0.
+
+    Formula: y = |x|; dL/dx = dL/dy * s(x) with s(x) = sign(x) for x != 0 and
+    s(0) = s(-0) = `at_zero`. The default, `at_zero=1.0`, is brevitas's
+    `abs_binary_sign_grad` (the binary sign, +1 at 0, so a scale or weight at exactly 0
+    still gets a gradient); `at_zero=0.0` is torch's own `abs`. The gradient at a NaN input
+    is not specified. Keeps the input for backward (as torch's `abs` does). Example::
+
+        magnitude = go.recipes.abs_subgradient()(scale)
+    """
+
+    at_zero: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not _is_number(self.at_zero) or not math.isfinite(self.at_zero):
+            msg = (
+                "abs_subgradient: `at_zero` must be a finite number (the subgradient at 0, "
+                f"1.0 as brevitas's abs_binary_sign_grad); got {type(self.at_zero).__name__} "
+                f"{self.at_zero!r}."
+            )
+            raise GradOverrideError(msg)
+
+    def _slope(self, x: Tensor) -> Tensor:
+        """s(x): sign(x), `at_zero` at ±0, in x's dtype."""
+        if self.at_zero == 1:
+            return _binary_sign(x)
+        sign = torch.sign(x)
+        if self.at_zero == 0:
+            return sign
+        return sign + self.at_zero * (1 - sign.abs())
+
+    def __call__(self, x: Tensor) -> Tensor:
+        if not isinstance(x, Tensor) and is_tensorflow(x):
+            return tensorflow_call(self, x)
+        _check_input(self, x)
+        result: Tensor = _abs(x, self)
+        return result
 
 
 # ---- ternarize -----------------------------------------------------------------------------

@@ -7,12 +7,19 @@ One convention for the whole catalogue, so that names mean one formula:
   (default 0: a neuron spikes when its input *exceeds* the threshold, as in snnTorch and
   norse; SpikingJelly uses 1). Subtract the threshold first: `spike(v - v_th)`. The output
   has the input's dtype;
-* the backward is `scale * sg(x)`, where sg is the derivative of a smooth step from 0 to 1
-  (so it integrates to 1) whose sharpness is `alpha`. Each default alpha puts the peak at
-  sg(0) = 1: right at the threshold the gradient passes unchanged, as a straight-through
-  estimator's does;
+* the backward is `scale * sg(x - center)`, where sg is the derivative of a smooth step from
+  0 to 1 (so it integrates to 1) whose sharpness is `alpha`. Each default alpha puts the
+  peak at sg(0) = 1: right at the threshold the gradient passes unchanged, as a
+  straight-through estimator's does. The surrogates whose formula cannot follow this (a
+  one-sided, leaky, periodic or heavy-tailed gradient from a paper or a library) say so in
+  the table;
 * where the formula is finite, so is the gradient (no `exp` overflow turning into NaN at
-  large |x|, in float16 as in float32).
+  large |x|, no cancellation into 0 or noise in float16 and bfloat16).
+
+Stochastic spikes take their uniform noise as an argument (`noise=`) or draw it from a
+`generator`: deterministic given either. `sample=True` draws the forward from Bernoulli(p)
+with p the surrogate's smooth step; `leaky_relu` with a `spread` gives the silent side a
+random gradient.
 
 The libraries' conventions, with their own parameter names and defaults, are presets:
 `spike.preset("snntorch.fast_sigmoid", slope=25)` returns the `spike` whose forward and
@@ -23,9 +30,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 from types import MappingProxyType
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -39,13 +46,14 @@ from ._base import Recipe, positive_number, tensorflow_call
 __all__ = ["SPIKE_PRESETS", "SURROGATES", "spike"]
 
 _SQRT_PI = math.sqrt(math.pi)
+_HALF = (torch.float16, torch.bfloat16)
 
 
 # ---- the surrogates: derivative (fast backward) and proxy (its smooth step) -------------------
 #
-# Each derivative takes the upstream gradient and returns upstream * scale * sg(x) in as few
-# passes over memory as the formula allows, out of place (so a rule stays differentiable
-# again), with no intermediate that can overflow into NaN.
+# Each derivative takes the upstream gradient, the (centred) input and the recipe, and returns
+# upstream * scale * sg(x) in as few passes over memory as the formula allows, out of place
+# (so a rule stays differentiable again), with no intermediate that can overflow into NaN.
 
 
 def _in_place() -> bool:
@@ -62,110 +70,450 @@ def _times(t: Tensor, g: Tensor | float) -> Tensor:
     return t.mul_(g) if _in_place() else t * g
 
 
-def _arctan(g: Tensor, x: Tensor, a: float, s: float) -> Tensor:
+def _divide(g: Tensor, d: Tensor) -> Tensor:
+    """g / d, written into the temporary d when that is safe."""
+    if g.dtype == d.dtype and _in_place():
+        return torch.div(g, d, out=d)
+    return g / d
+
+
+def _scalar(x: Tensor, value: float) -> Tensor:
+    """`value` as a 0-d tensor of x's dtype and device: an operand of torch's fused ops."""
+    return x.new_full((), value)
+
+
+def _indicator(compare: Callable[..., Tensor], a: Tensor, b: Tensor | float) -> Tensor:
+    """compare(a, b) as 1 or 0 in a's dtype, written straight into a tensor of that dtype:
+    one pass, where `(a > b).to(a.dtype)` takes two and its bool-to-float copy is the slow
+    one (and `torch.where` on the CPU is slower still, so the formulas blend with these
+    0/1 factors instead)."""
+    if torch.compiler.is_compiling() or transforms_active():
+        return compare(a, b).to(a.dtype)  # no out= there; the compiler fuses it anyway
+    return compare(a, b, out=torch.empty_like(a))
+
+
+def _blend(mask: Tensor, on: Tensor | float, off: Tensor | float) -> Tensor:
+    """on where mask is 1, off where it is 0: mask * on + (1 - mask) * off, exact (one of
+    the two terms is 0) while on and off are finite. `mask` is the caller's temporary (an
+    `_indicator`): it is reused for the result when that is safe."""
+    rest = 1 - mask
+    first = mask if isinstance(on, float) and on == 1 else _times(mask, on)
+    if isinstance(off, float):
+        if _in_place():
+            return torch.add(first, rest, alpha=off, out=first)
+        return torch.add(first, rest, alpha=off)
+    rest = _times(rest, off)
+    return first.add_(rest) if _in_place() else first + rest
+
+
+def _apply(t: Tensor, name: str) -> Tensor:
+    """t.name() (exp, relu, ...), in place on the temporary t when that is safe."""
+    result: Tensor = getattr(t, f"{name}_")() if _in_place() else getattr(t, name)()
+    return result
+
+
+def _minus(k: float, t: Tensor, alpha: float) -> Tensor:
+    """k - alpha * t in one fused pass, written into the temporary t when that is safe."""
+    if _in_place():
+        return torch.sub(_scalar(t, k), t, alpha=alpha, out=t)
+    return torch.sub(_scalar(t, k), t, alpha=alpha)
+
+
+def _set(value: float | None) -> float:
+    """A surrogate parameter `spike` has resolved (it is None only for the surrogates that do
+    not take it)."""
+    assert value is not None
+    return value
+
+
+def _arctan(g: Tensor, x: Tensor, r: spike) -> Tensor:
     # s * (a/2) / (1 + (pi*a*x/2)^2) = g / (k0 + k1 * x^2)
+    a, s = _set(r.alpha), r.scale
     k = s * a / 2
     c = math.pi * a / 2
-    return g / torch.addcmul(x.new_full((), 1 / k), x, x, value=c * c / k)
+    return _divide(g, torch.addcmul(_scalar(x, 1 / k), x, x, value=c * c / k))
 
 
-def _sigmoid(g: Tensor, x: Tensor, a: float, s: float) -> Tensor:
-    # s * a * sigmoid(a x) * (1 - sigmoid(a x)), written sigmoid(a x) * sigmoid(-a x): the
-    # same value without the cancellation of t - t^2 near t = 1 (bfloat16 gave 0 for x > 1.4).
-    ax = x * a
-    return _times(_times(torch.sigmoid(ax) * torch.sigmoid(-ax), g), s * a)
+#: Where sigmoid(t) rounds to 1 in each dtype while exp(t) is still finite: above it
+#: softplus_backward passes its gradient unchanged (float16 and bfloat16: 10).
+_SATURATION = {torch.float64: 40.0, torch.float32: 20.0}
 
 
-def _fast_sigmoid(g: Tensor, x: Tensor, a: float, s: float) -> Tensor:
+def _sigmoid_product(g: Tensor, x: Tensor, a: float, k: float) -> Tensor:
+    """k * g * sigmoid(a x) * sigmoid(-a x), each factor relative-accurate everywhere (no
+    1 - sigmoid cancelling to 0 in bfloat16 for x > 1.4, as 1 - tanh^2 does too).
+
+    softplus_backward(g, x, beta, t) is g * sigmoid(beta x) in one fused pass (exp(beta x)
+    stays finite below the threshold t, above which sigmoid is 1 in the dtype), so the
+    product takes two passes where sigmoid, its mirror and the products take five."""
+    if g.dtype == x.dtype:
+        threshold = _SATURATION.get(x.dtype, 10.0)
+        once = torch.ops.aten.softplus_backward(g, x, a, threshold)
+        out = torch.ops.aten.softplus_backward(once, x, -a, threshold)
+    else:
+        ax = x * a
+        out = torch.sigmoid(ax) * torch.sigmoid(-ax) * g
+    return out if k == 1 else _times(out, k)
+
+
+def _sigmoid(g: Tensor, x: Tensor, r: spike) -> Tensor:
+    a = _set(r.alpha)
+    return _sigmoid_product(g, x, a, r.scale * a)
+
+
+def _fast_sigmoid(g: Tensor, x: Tensor, r: spike) -> Tensor:
     # s * (a/2) / (1 + a|x|)^2 = g / d^2 with d = k (1 + a|x|), k = sqrt(2 / (s a))
+    a, s = _set(r.alpha), r.scale
     k = math.sqrt(2 / (s * a))
     d = torch.abs(x).mul_(a * k).add_(k)
-    return g / (d * d)
+    return _divide(g, d.square_() if _in_place() else d * d)
 
 
-def _erf(g: Tensor, x: Tensor, a: float, s: float) -> Tensor:
+def _erf(g: Tensor, x: Tensor, r: spike) -> Tensor:
     # s * a / sqrt(pi) * exp(-(a x)^2) = exp(log(s a / sqrt(pi)) - a^2 x^2)
+    a, s = _set(r.alpha), r.scale
     log_k = math.log(s * a / _SQRT_PI)
-    return _times(torch.exp(torch.addcmul(x.new_full((), log_k), x, x, value=-a * a)), g)
+    return _times(_apply(torch.addcmul(_scalar(x, log_k), x, x, value=-a * a), "exp"), g)
 
 
-def _triangle(g: Tensor, x: Tensor, a: float, s: float) -> Tensor:
+def _triangle(g: Tensor, x: Tensor, r: spike) -> Tensor:
     # s * max(0, a - a^2 |x|)
+    a, s = _set(r.alpha), r.scale
     k = s * a
-    return _times(torch.relu(torch.sub(x.new_full((), k), torch.abs(x), alpha=k * a)), g)
+    return _times(_apply(_minus(k, torch.abs(x), k * a), "relu"), g)
 
 
-def _rectangular(g: Tensor, x: Tensor, a: float, s: float) -> Tensor:
-    # s * a where |x| < 1/(2a), else 0 (strict): one fused kernel, as for clip windows
+def _rectangular(g: Tensor, x: Tensor, r: spike) -> Tensor:
+    # s * a where |x| < 1/(2a), else s * leak (strict): one fused kernel without a leak, as
+    # for clip windows
+    a, s, leak = _set(r.alpha), r.scale, _set(r.leak)
     h = 0.5 / a
+    k = s * a
+    if leak != 0:
+        inside = _indicator(torch.lt, torch.abs(x), h)  # NaN: outside, as SpikingJelly's
+        return _times(_blend(inside, k, s * leak), g)
     if g.dtype == x.dtype and not torch.compiler.is_compiling():
         out = torch.ops.aten.hardtanh_backward(g, x, -h, h)
     else:
         out = torch.where(x.abs() < h, g, 0)
-    k = s * a
     return out if k == 1 else _times(out, k)
 
 
-def _piecewise_exp(g: Tensor, x: Tensor, a: float, s: float) -> Tensor:
+def _piecewise_exp(g: Tensor, x: Tensor, r: spike) -> Tensor:
     # s * (a/2) * exp(-a|x|) = exp(log(s a / 2) - a|x|)
+    a, s = _set(r.alpha), r.scale
     log_k = math.log(s * a / 2)
-    return _times(torch.exp(torch.sub(x.new_full((), log_k), torch.abs(x), alpha=a)), g)
+    return _times(_apply(_minus(log_k, torch.abs(x), a), "exp"), g)
 
 
-def _straight(g: Tensor, x: Tensor, a: float, s: float) -> Tensor:
+def _straight(g: Tensor, x: Tensor, r: spike) -> Tensor:
+    s = r.scale
     return g if s == 1 else g * s
 
 
-def _proxy_arctan(x: Tensor, a: float) -> Tensor:
+def _circ(g: Tensor, x: Tensor, r: spike) -> Tensor:
+    # s (a/2) (1 + (a x)^2)^(-3/2) = g * rsqrt(d)^3 with d = c (1 + a^2 x^2) and
+    # c = (s a / 2)^(-2/3). The root comes first: d may overflow to inf (giving 0), its cube
+    # is never formed (in float16 it would overflow from |a x| = 40 on).
+    a, s = _set(r.alpha), r.scale
+    # c as exp(log): dynamo's guard on a float ** float of the recipe's numbers fails
+    c = math.exp(math.log(s * a / 2) * (-2 / 3))
+    d = torch.addcmul(_scalar(x, c), x, x, value=c * a * a)
+    if _in_place():
+        return d.rsqrt_().pow_(3).mul_(g)
+    return torch.rsqrt(d).pow(3) * g
+
+
+def _q_pseudo_spike(g: Tensor, x: Tensor, r: spike) -> Tensor:
+    # s (1 + 2|x| / (a - 1))^(-a) = g * d^(-a), d = k + k c |x|, c = 2/(a-1), k = s^(-1/a)
+    a, s = _set(r.alpha), r.scale
+    k = math.exp(-math.log(s) / a)  # s ** (-1/a), written so that dynamo's guard holds
+    d = _minus(k, torch.abs(x), -k * 2 / (a - 1))
+    return _times(d.pow_(-a) if _in_place() else d.pow(-a), g)
+
+
+def _s2nn(g: Tensor, x: Tensor, r: spike) -> Tensor:
+    # x < 0: s a sigmoid(a x) sigmoid(-a x), the sigmoid surrogate; x >= 0: s b / (1 + x),
+    # written with |x| so that the side not taken is finite too (no inf at x = -1, which the
+    # 0/1 blend, or a second derivative, would turn into NaN)
+    a, s, b = _set(r.alpha), r.scale, _set(r.beta)
+    negative = _indicator(torch.lt, x, 0.0)
+    left = _sigmoid_product(g, x, a, s * a)
+    if b == 0:
+        return _times(left, negative)
+    right = _divide(g, torch.abs(x).add_(1))
+    if s * b != 1:
+        right = _times(right, s * b)
+    return _blend(negative, left, right)
+
+
+def _squarewave_fourier(g: Tensor, x: Tensor, r: spike) -> Tensor:
+    # s (2a/pi) sum_{i=1..terms} cos((2i - 1) a x), the sum first, then the constant, then g
+    # (SpikingJelly's order, so its preset rounds as it does). A float16/bfloat16 input is
+    # computed in float32: a harmonic's argument would overflow float16 (|x| 1e4, a = 25) or
+    # lose the phase in bfloat16's 8 bits.
+    if x.dtype in _HALF:
+        return _squarewave_fourier(g.float(), x.float(), r).to(g.dtype)
+    a, s, n = _set(r.alpha), r.scale, int(_set(r.terms))
+    total = _cosine(x, a)
+    for i in range(2, n + 1):
+        term = _cosine(x, (2 * i - 1) * a)
+        total = total.add_(term) if _in_place() else total + term
+    return _times(_times(total, s * 2 * a / math.pi), g)
+
+
+def _cosine(x: Tensor, frequency: float) -> Tensor:
+    term = x * frequency
+    return term.cos_() if _in_place() else term.cos()
+
+
+def _nonzero_sign_log_abs(g: Tensor, x: Tensor, r: spike) -> Tensor:
+    # s a / (1 + a|x|) = g / d, d = |x| / s + 1 / (s a)
+    a, s = _set(r.alpha), r.scale
+    d = torch.abs(x)
+    if s != 1:
+        d = _times(d, 1 / s)
+    d = d.add_(1 / (s * a)) if _in_place() else d + 1 / (s * a)
+    return _divide(g, d)
+
+
+def _fake_numerical_gradient(g: Tensor, x: Tensor, r: spike) -> Tensor:
+    # s min(a, 1/|x|) = g / d, d = max(|x|, 1/a) / s: a at x = 0 and at x = -0 (where
+    # sign(x)/x, as SpikingJelly writes it, is -inf)
+    a, s = _set(r.alpha), r.scale
+    d = torch.abs(x)
+    d = d.clamp_min_(1 / a) if _in_place() else d.clamp(min=1 / a)
+    if s != 1:
+        d = _times(d, 1 / s)
+    return _divide(g, d)
+
+
+def _log_tailed_relu(g: Tensor, x: Tensor, r: spike) -> Tensor:
+    # s * (leak where x <= 0; 1 where 0 < x <= 1; 1/x where x > 1): 1/max(x, 1) on the right
+    s, leak = r.scale, _set(r.leak)
+    inverse = x.clamp(min=1)
+    if s != 1:
+        inverse = _times(inverse, 1 / s)
+    inverse = inverse.reciprocal_() if _in_place() else inverse.reciprocal()
+    right = _times(inverse, g)  # finite for every x but NaN, so the blend is exact
+    positive = _indicator(torch.gt, x, 0.0)
+    if leak == 0:
+        return _times(right, positive)
+    return _blend(positive, right, g * (s * leak))
+
+
+def _leaky_factor(x: Tensor, r: spike, silent: float | Tensor) -> Tensor:
+    """scale * (1 where the step fires, `silent` where it does not), and at x == 0 with a
+    fractional `at_zero` the blend at_zero * 1 + (1 - at_zero) * silent."""
+    s, z = r.scale, r.at_zero
+    fired = _indicator(torch.ge if z == 1 else torch.gt, x, 0.0)
+    off = s * silent if isinstance(silent, float) else _times(silent, s)
+    if isinstance(off, float) and off == 0:
+        factor = fired if s == 1 else _times(fired, s)
+    else:
+        factor = _blend(fired, s, off)
+    if 0 < z < 1:
+        factor = torch.where(x == 0, off * (1 - z) + z * s, factor)
+    return factor
+
+
+def _leaky_relu(g: Tensor, x: Tensor, r: spike, noise: Tensor | None = None) -> Tensor:
+    # s * (1 where the step fires; leak + spread (u - 1/2) where it does not, u ~ U[0, 1))
+    leak, spread = _set(r.leak), _set(r.spread)
+    silent: float | Tensor = leak
+    if noise is not None and spread != 0:
+        silent = torch.add(_scalar(noise, leak - spread / 2), noise, alpha=spread)
+    return _times(_leaky_factor(x, r, silent), g)
+
+
+def _sparse_fast_sigmoid(g: Tensor, x: Tensor, r: spike) -> Tensor:
+    # the fast sigmoid's where x > bound, else 0 (a product, so a NaN input stays NaN)
+    return _times(_fast_sigmoid(g, x, r), _indicator(torch.gt, x, _set(r.bound)))
+
+
+# ---- proxies: the smooth function whose derivative is sg (autograd checks the backward) -------
+
+
+def _proxy_arctan(x: Tensor, r: spike) -> Tensor:
+    a = _set(r.alpha)
     return 0.5 + torch.atan(x * (math.pi * a / 2)) / math.pi
 
 
-def _proxy_sigmoid(x: Tensor, a: float) -> Tensor:
-    return torch.sigmoid(x * a)
+def _proxy_sigmoid(x: Tensor, r: spike) -> Tensor:
+    return torch.sigmoid(x * _set(r.alpha))
 
 
-def _proxy_fast_sigmoid(x: Tensor, a: float) -> Tensor:
+def _proxy_fast_sigmoid(x: Tensor, r: spike) -> Tensor:
+    a = _set(r.alpha)
     return 0.5 + 0.5 * (a * x) / (1 + a * x.abs())
 
 
-def _proxy_erf(x: Tensor, a: float) -> Tensor:
-    return 0.5 + 0.5 * torch.erf(a * x)
+def _proxy_erf(x: Tensor, r: spike) -> Tensor:
+    return 0.5 + 0.5 * torch.erf(_set(r.alpha) * x)
 
 
-def _proxy_triangle(x: Tensor, a: float) -> Tensor:
+def _proxy_triangle(x: Tensor, r: spike) -> Tensor:
+    a = _set(r.alpha)
     inner = a * x - 0.5 * a * a * x * x.abs() + 0.5
     return torch.where(x < -1 / a, 0.0, torch.where(x > 1 / a, 1.0, inner))
 
 
-def _proxy_rectangular(x: Tensor, a: float) -> Tensor:
-    return torch.clamp(a * x + 0.5, 0, 1)
+def _proxy_rectangular(x: Tensor, r: spike) -> Tensor:
+    a, leak = _set(r.alpha), _set(r.leak)
+    h = 0.5 / a
+    return torch.clamp(a * x + 0.5, 0, 1) + leak * (x - x.clamp(-h, h))
 
 
-def _proxy_piecewise_exp(x: Tensor, a: float) -> Tensor:
+def _proxy_piecewise_exp(x: Tensor, r: spike) -> Tensor:
     # Each branch clamped to its side, so autograd gives a/2 at 0 (not |x|'s 0) and the
     # branch not taken never overflows.
+    a = _set(r.alpha)
     left = 0.5 * torch.exp(a * x.clamp(max=0))
     right = 1 - 0.5 * torch.exp(-a * x.clamp(min=0))
     return torch.where(x < 0, left, right)
 
 
-def _proxy_straight(x: Tensor, a: float) -> Tensor:
+def _proxy_straight(x: Tensor, r: spike) -> Tensor:
     return x
 
 
-_Derivative = Callable[[Tensor, Tensor, float, float], Tensor]
-_Proxy = Callable[[Tensor, float], Tensor]
+def _proxy_circ(x: Tensor, r: spike) -> Tensor:
+    u = _set(r.alpha) * x
+    return 0.5 + 0.5 * u / torch.sqrt(1 + u * u)
 
-# name -> (derivative, proxy, default alpha (peak 1), formula of sg at scale 1)
-_SHAPES: dict[str, tuple[_Derivative, _Proxy, float, str]] = {
-    "arctan": (_arctan, _proxy_arctan, 2.0, "(a/2) / (1 + (pi a x / 2)^2)"),
-    "sigmoid": (_sigmoid, _proxy_sigmoid, 4.0, "a sigmoid(a x) (1 - sigmoid(a x))"),
-    "fast_sigmoid": (_fast_sigmoid, _proxy_fast_sigmoid, 2.0, "(a/2) / (1 + a|x|)^2"),
-    "erf": (_erf, _proxy_erf, _SQRT_PI, "(a / sqrt(pi)) exp(-(a x)^2)"),
-    "triangle": (_triangle, _proxy_triangle, 1.0, "max(0, a - a^2 |x|)"),
-    "rectangular": (_rectangular, _proxy_rectangular, 1.0, "a if |x| < 1/(2a) else 0"),
-    "piecewise_exp": (_piecewise_exp, _proxy_piecewise_exp, 2.0, "(a/2) exp(-a|x|)"),
-    "straight_through": (_straight, _proxy_straight, 1.0, "1"),
+
+def _proxy_q_pseudo_spike(x: Tensor, r: spike) -> Tensor:
+    a = _set(r.alpha)
+    c = 2 / (a - 1)
+    left = 0.5 * (1 - c * x.clamp(max=0)) ** (1 - a)
+    right = 1 - 0.5 * (1 + c * x.clamp(min=0)) ** (1 - a)
+    return torch.where(x < 0, left, right)
+
+
+def _proxy_s2nn(x: Tensor, r: spike) -> Tensor:
+    a, b = _set(r.alpha), _set(r.beta)
+    left = torch.sigmoid(a * x.clamp(max=0))
+    right = 0.5 + b * torch.log1p(x.clamp(min=0))
+    return torch.where(x < 0, left, right)
+
+
+def _proxy_squarewave_fourier(x: Tensor, r: spike) -> Tensor:
+    a, n = _set(r.alpha), int(_set(r.terms))
+    total = sum(torch.sin((2 * i - 1) * a * x) / (2 * i - 1) for i in range(1, n + 1))
+    return 0.5 + (2 / math.pi) * total  # type: ignore[return-value]
+
+
+def _proxy_nonzero_sign_log_abs(x: Tensor, r: spike) -> Tensor:
+    a = _set(r.alpha)
+    left = -torch.log1p(-a * x.clamp(max=0))
+    right = torch.log1p(a * x.clamp(min=0))
+    return torch.where(x < 0, left, right)
+
+
+def _proxy_fake_numerical_gradient(x: Tensor, r: spike) -> Tensor:
+    a = _set(r.alpha)
+    m = 1 / a
+    tail = torch.sign(x) * (1 + torch.log(a * x.abs().clamp(min=m)))  # clamped: finite at 0
+    return torch.where(x.abs() <= m, a * x, tail)
+
+
+def _proxy_log_tailed_relu(x: Tensor, r: spike) -> Tensor:
+    leak = _set(r.leak)
+    tail = 1 + torch.log(x.clamp(min=1))
+    return torch.where(x <= 0, leak * x, torch.where(x <= 1, x, tail))
+
+
+def _proxy_leaky_relu(x: Tensor, r: spike) -> Tensor:
+    # x times the piecewise-constant sg (without noise: its mean, leak): autograd gives sg,
+    # at x == 0 too
+    leak = _set(r.leak)
+    sg = torch.where(x > 0, _scalar(x, 1.0), _scalar(x, leak))
+    sg = torch.where(x == 0, _scalar(x, r.at_zero + (1 - r.at_zero) * leak), sg)
+    return x * sg
+
+
+def _proxy_sparse_fast_sigmoid(x: Tensor, r: spike) -> Tensor:
+    bound = _set(r.bound)
+    step = _proxy_fast_sigmoid(x, r) - _proxy_fast_sigmoid(x.new_full((), bound), r)
+    return torch.where(x > bound, step, 0.0)
+
+
+# ---- the probability of a sampled spike (sample=True): the smooth step, finite everywhere -----
+
+
+def _probability_fast_sigmoid(x: Tensor, r: spike) -> Tensor:
+    tail = 0.5 / (1 + _set(r.alpha) * x.abs())  # a x / (1 + a|x|) would be inf / inf at inf
+    return torch.where(x < 0, tail, 1 - tail)
+
+
+def _probability_erf(x: Tensor, r: spike) -> Tensor:
+    return 0.5 * torch.erfc(-_set(r.alpha) * x)
+
+
+def _probability_circ(x: Tensor, r: spike) -> Tensor:
+    u = _set(r.alpha) * x  # u / sqrt(1 + u^2) written so that no u^2 overflows
+    return 0.5 + 0.5 * torch.sign(u) * torch.rsqrt(1 + 1 / (u * u))
+
+
+def _probability_straight(x: Tensor, r: spike) -> Tensor:
+    return x.clamp(0, 1)  # the input is the probability, as SpikingJelly's PoissonPass takes
+
+
+_Derivative = Callable[[Tensor, Tensor, "spike"], Tensor]
+_Proxy = Callable[[Tensor, "spike"], Tensor]
+
+
+class _Surrogate(NamedTuple):
+    derivative: _Derivative
+    proxy: _Proxy
+    alpha: float | None  # the default alpha (sg(0) = 1 where the formula allows); None: unused
+    formula: str  # sg(x) at scale 1
+    params: tuple[str, ...] = ()  # its parameters besides alpha
+    probability: _Proxy | None = None  # its step from 0 to 1, for sample=True
+    alpha_above: float = 0.0  # alpha must exceed this
+
+
+_SHAPES: dict[str, _Surrogate] = {
+    "arctan": _Surrogate(_arctan, _proxy_arctan, 2.0, "(a/2) / (1 + (pi a x / 2)^2)",
+                         probability=_proxy_arctan),
+    "sigmoid": _Surrogate(_sigmoid, _proxy_sigmoid, 4.0, "a sigmoid(a x) (1 - sigmoid(a x))",
+                          probability=_proxy_sigmoid),
+    "fast_sigmoid": _Surrogate(_fast_sigmoid, _proxy_fast_sigmoid, 2.0, "(a/2) / (1 + a|x|)^2",
+                               probability=_probability_fast_sigmoid),
+    "erf": _Surrogate(_erf, _proxy_erf, _SQRT_PI, "(a / sqrt(pi)) exp(-(a x)^2)",
+                      probability=_probability_erf),
+    "triangle": _Surrogate(_triangle, _proxy_triangle, 1.0, "max(0, a - a^2 |x|)",
+                           probability=_proxy_triangle),
+    "rectangular": _Surrogate(_rectangular, _proxy_rectangular, 1.0,
+                              "a if |x| < 1/(2a) else leak", ("leak",),
+                              probability=_proxy_rectangular),
+    "piecewise_exp": _Surrogate(_piecewise_exp, _proxy_piecewise_exp, 2.0, "(a/2) exp(-a|x|)",
+                                probability=_proxy_piecewise_exp),
+    "straight_through": _Surrogate(_straight, _proxy_straight, 1.0, "1",
+                                   probability=_probability_straight),
+    "circ": _Surrogate(_circ, _proxy_circ, 2.0, "(a/2) / (1 + (a x)^2)^(3/2)",
+                       probability=_probability_circ),
+    "q_pseudo_spike": _Surrogate(_q_pseudo_spike, _proxy_q_pseudo_spike, 2.0,
+                                 "(1 + 2|x| / (a - 1))^(-a)", probability=_proxy_q_pseudo_spike,
+                                 alpha_above=1.0),
+    "s2nn": _Surrogate(_s2nn, _proxy_s2nn, 4.0,
+                       "a sigmoid(a x) (1 - sigmoid(a x)) if x < 0 else beta / (1 + x)",
+                       ("beta",)),
+    "squarewave_fourier": _Surrogate(_squarewave_fourier, _proxy_squarewave_fourier,
+                                     math.pi / 2, "(2a/pi) sum_{i=1..terms} cos((2i - 1) a x)",
+                                     ("terms",)),
+    "nonzero_sign_log_abs": _Surrogate(_nonzero_sign_log_abs, _proxy_nonzero_sign_log_abs, 1.0,
+                                       "a / (1 + a|x|)"),
+    "fake_numerical_gradient": _Surrogate(_fake_numerical_gradient,
+                                          _proxy_fake_numerical_gradient, 1.0,
+                                          "min(a, 1/|x|)"),
+    "log_tailed_relu": _Surrogate(_log_tailed_relu, _proxy_log_tailed_relu, None,
+                                  "leak if x <= 0, 1 if x <= 1, else 1/x", ("leak",)),
+    "leaky_relu": _Surrogate(_leaky_relu, _proxy_leaky_relu, None,
+                             "1 where the step fires, else leak + spread (u - 1/2)",
+                             ("leak", "spread")),
+    "sparse_fast_sigmoid": _Surrogate(_sparse_fast_sigmoid, _proxy_sparse_fast_sigmoid, 2.0,
+                                      "(a/2) / (1 + a|x|)^2 if x > bound else 0", ("bound",)),
 }
 
 #: Other names for the same formula: SuperSpike's surrogate (Zenke & Ganguli, 2018) is the
@@ -190,7 +538,36 @@ SURROGATES: tuple[str, ...] = (
     "rectangular",
     "piecewise_exp",
     "straight_through",
+    "circ",
+    "q_pseudo_spike",
+    "s2nn",
+    "squarewave_fourier",
+    "nonzero_sign_log_abs",
+    "fake_numerical_gradient",
+    "log_tailed_relu",
+    "leaky_relu",
+    "sparse_fast_sigmoid",
 )
+
+#: The parameters some surrogates take besides alpha: (default, what it must be).
+_PARAMETERS: dict[str, tuple[float, str]] = {
+    "beta": (1.0, "non-negative"),
+    "leak": (0.0, "finite"),
+    "spread": (0.0, "non-negative"),
+    "terms": (1, "integer"),
+    "bound": (1.0, "finite"),
+}
+
+
+def _canonical(surrogate: str) -> str:
+    return _ALIASES.get(surrogate, surrogate)
+
+
+def _shape(recipe: spike) -> _Surrogate:
+    return _SHAPES[_canonical(recipe.surrogate)]
+
+
+# ---- the ops ----------------------------------------------------------------------------------
 
 
 @custom_backward
@@ -200,12 +577,74 @@ def _spike(x: Tensor, recipe: spike) -> Tensor:
 
 @_spike.backward
 def _(grad: Tensor, *, x: Tensor, recipe: spike) -> Tensor:
-    derivative = _SHAPES[_canonical(recipe.surrogate)][0]
-    return derivative(grad, x, recipe.alpha, recipe.scale)  # type: ignore[arg-type]
+    return _shape(recipe).derivative(grad, recipe._centred(x), recipe)
 
 
-def _canonical(surrogate: str) -> str:
-    return _ALIASES.get(surrogate, surrogate)
+@custom_backward
+def _spike_noisy_gradient(
+    x: Tensor, recipe: spike, noise: Tensor | None, generator: torch.Generator | None
+) -> Tensor:
+    return recipe.step(x)
+
+
+@_spike_noisy_gradient.backward
+def _(grad: Tensor, *, x: Tensor, recipe: spike, noise: Tensor | None,
+      generator: torch.Generator | None) -> tuple[Tensor, None, None, None]:
+    # Drawn here, in the backward, when not given: as snnTorch's SSO draws it.
+    u = noise if noise is not None else _uniform(x, generator, x.dtype)
+    return _leaky_relu(grad, recipe._centred(x), recipe, u), None, None, None
+
+
+@custom_backward
+def _spike_sampled(
+    x: Tensor, recipe: spike, noise: Tensor | None, generator: torch.Generator | None
+) -> Tensor:
+    return recipe._sample(x, noise, generator)
+
+
+@_spike_sampled.backward
+def _(grad: Tensor, *, x: Tensor, recipe: spike) -> tuple[Tensor, None, None, None]:
+    return _shape(recipe).derivative(grad, recipe._centred(x), recipe), None, None, None
+
+
+def _uniform(like: Tensor, generator: torch.Generator | None, dtype: torch.dtype) -> Tensor:
+    """U[0, 1) noise of like's shape, from `generator` or torch's default one: the numbers
+    `torch.rand_like` draws (and, on the CPU in float32 and float64, `torch.bernoulli`)."""
+    return torch.rand(like.shape, generator=generator, dtype=dtype, device=like.device)
+
+
+def _compute_dtype(x: Tensor) -> torch.dtype:
+    return torch.float32 if x.dtype in _HALF else x.dtype
+
+
+# ---- the recipe -------------------------------------------------------------------------------
+
+
+def _number(owner: str, name: str, value: object, kind: str) -> float:
+    """`value` as a float if it is a number of the `kind` `_PARAMETERS` names."""
+    ok = (
+        isinstance(value, (int, float))
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and {
+            "positive": value > 0,
+            "non-negative": value >= 0,
+            "finite": True,
+            "integer": float(value).is_integer() and value >= 1,
+            "integer >= 2": float(value).is_integer() and value >= 2,
+        }[kind]
+    )
+    if not ok:
+        what = {
+            "positive": "a positive finite number",
+            "non-negative": "a finite number >= 0",
+            "finite": "a finite number",
+            "integer": "an integer >= 1",
+            "integer >= 2": "an integer >= 2",
+        }[kind]
+        msg = f"{owner}: `{name}` must be {what}; got {type(value).__name__} {value!r}."
+        raise GradOverrideError(msg)
+    return float(value)  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True, repr=False)
@@ -213,37 +652,95 @@ class spike(Recipe):
     """A Heaviside spike whose backward is a surrogate gradient.
 
     Forward: H(x) = 1 where x > 0, 0 where x < 0, `at_zero` where x == 0, in x's dtype.
-    Backward: dL/dx = dL/dy * scale * sg(x), with sg (a = `alpha`; default alpha gives
-    sg(0) = 1; every sg integrates to 1, except straight-through):
+    Backward: dL/dx = dL/dy * scale * sg(x - center), with sg below (a = `alpha`, the
+    column its default). The rows down to q_pseudo_spike are a smooth step's derivative:
+    they integrate to 1, and their default alpha gives sg(0) = 1.
 
-    ===================  ==================================  =======  ========================
-    surrogate            sg(x)                               alpha    matches
-    ===================  ==================================  =======  ========================
-    arctan (default)     (a/2) / (1 + (pi a x / 2)^2)        2        Fang et al. 2021
-    sigmoid              a sigmoid(a x) (1 - sigmoid(a x))   4        SpikingJelly Sigmoid
-    fast_sigmoid         (a/2) / (1 + a|x|)^2                2        SpikingJelly SoftSign
-    super_spike          the fast sigmoid's                  2        Zenke & Ganguli 2018
-    soft_sign            the fast sigmoid's                  2        SpikingJelly SoftSign
-    erf                  (a / sqrt(pi)) exp(-(a x)^2)        sqrt(pi) SpikingJelly Erf
-    triangle             max(0, a - a^2 |x|)                 1        Esser et al. 2016
-    piecewise_quadratic  the triangle's                      1        SpikingJelly
-    rectangular          a where |x| < 1/(2a), else 0        1        SpikingJelly Rect
-    piecewise_exp        (a/2) exp(-a|x|)                    2        SpikingJelly PiecewiseExp
-    straight_through     1                                   (unused) snnTorch STE
-    ===================  ==================================  =======  ========================
+    =======================  ==============================================  ========  =====
+    surrogate                sg(x)                                           alpha     sg(0)
+    =======================  ==============================================  ========  =====
+    arctan (default)         (a/2) / (1 + (pi a x / 2)^2)                    2         1
+    sigmoid                  a sigmoid(a x) (1 - sigmoid(a x))               4         1
+    fast_sigmoid             (a/2) / (1 + a|x|)^2                            2         1
+    super_spike, soft_sign   the fast sigmoid's                              2         1
+    erf                      (a / sqrt(pi)) exp(-(a x)^2)                    sqrt(pi)  1
+    triangle                 max(0, a - a^2 |x|)                             1         1
+    piecewise_quadratic      the triangle's                                  1         1
+    rectangular              a where |x| < 1/(2a), else leak (default 0)     1         1
+    piecewise_exp            (a/2) exp(-a|x|)                                2         1
+    circ                     (a/2) / (1 + (a x)^2)^(3/2)                     2         1
+    q_pseudo_spike           (1 + 2|x| / (a - 1))^(-a), a > 1: the tail     2         1
+    straight_through         1                                               unused    1
+    s2nn                     a s(a x) s(-a x) for x < 0, beta / (1 + x)      4         beta
+    squarewave_fourier       (2a/pi) sum_{i<=terms} cos((2i - 1) a x)        pi/2      1*
+    nonzero_sign_log_abs     a / (1 + a|x|)                                  1         a
+    fake_numerical_gradient  min(a, 1/|x|)                                   1         a
+    log_tailed_relu          leak for x <= 0, 1 up to x = 1, then 1/x        unused    leak
+    leaky_relu               1 where the step fires, leak where it does not  unused    **
+    sparse_fast_sigmoid      the fast sigmoid's where x > bound, else 0      2         0
+    =======================  ==============================================  ========  =====
+
+    (s = sigmoid; * 2a terms / pi; ** at_zero + (1 - at_zero) * leak.) straight_through is
+    the constant 1, and from s2nn down the formula cannot follow the convention: their
+    gradients do not integrate to 1 (a 1/x or constant tail, a periodic sum) or are
+    one-sided by design; their columns give what alpha and sg(0) are instead.
+
+    Parameters besides alpha, each taken only by the surrogates that use it (None: the
+    surrogate's default, as for alpha; the repr shows those that differ from it):
+
+    * `leak` (rectangular, log_tailed_relu, leaky_relu; default 0): the gradient, before
+      `scale`, outside the window or on the silent side;
+    * `spread` (leaky_relu; default 0): noise on the silent side: leak + spread * (u - 1/2)
+      with u ~ U[0, 1) per element, drawn in the backward (`noise=` gives u);
+    * `beta` (s2nn; default 1): the height of its right branch, beta / (1 + x);
+    * `terms` (squarewave_fourier; default 1): how many odd harmonics;
+    * `bound` (sparse_fast_sigmoid; default 1): the gradient flows only where x > bound.
+
+    And for every surrogate: `center` (default 0) moves the surrogate, not the step: the
+    gradient is scale * sg(x - center); `sample=True` draws the forward from Bernoulli(p)
+    with p the surrogate's smooth step from 0 to 1 (`recipe.probability(x)`; the input
+    itself, clipped to [0, 1], for straight_through) instead of H(x): `at_zero` does not
+    apply, and the backward is the same scale * sg.
+
+    Where the formulas come from: arctan, Fang et al. 2021 (snnTorch `atan`, SpikingJelly
+    `ATan`); sigmoid, SpikingJelly `Sigmoid`, snnTorch `sigmoid`, norse `tanh`; fast
+    sigmoid, Zenke & Ganguli 2018 (SuperSpike; SpikingJelly `SoftSign`); erf, SpikingJelly
+    `Erf`, norse `heavi_erfc`; triangle, Esser et al. 2016; rectangular, SpikingJelly `Rect`
+    and, with a leak, `PiecewiseLeakyReLU` (Wu et al. 2018); circ, norse `circ`, the step
+    1/2 + x / (2 sqrt(x^2 + (1/a)^2)); q_pseudo_spike, Herranz-Celotti & Rouat 2022;
+    s2nn, Suetake et al. 2022; squarewave_fourier, nonzero_sign_log_abs and
+    fake_numerical_gradient, SpikingJelly; log_tailed_relu, Cai et al. 2017 (HWGQ);
+    leaky_relu, snnTorch `LSO`/`SSO`/`heaviside` and SpikingJelly `LeakyKReLU`;
+    sparse_fast_sigmoid, snnTorch `SFS` (after Perez-Nieves & Goodman 2021, whose window
+    is |x| < bound instead).
 
     `spike.preset(name, **params)` gives each library's convention (see `SPIKE_PRESETS`).
-    `recipe.proxy(x)` is the smooth step whose derivative (times `scale`) is the
-    surrogate. Example::
+    `recipe.gradient(x)` is scale * sg(x - center); `recipe.proxy(x)` is the function whose
+    derivative (times `scale`) it is: a smooth step from 0 to 1 for the top rows. Example::
 
         spk = go.recipes.spike()                      # arctan, alpha=2, H(0) = 0
         out = spk(v - 1.0)                            # spikes where v > 1
+
+    A stochastic spike (`sample=True`, or leaky_relu with a spread) takes `noise=` (U[0, 1)
+    samples of x's shape: the spike is noise < p; for the spread, the u above) or
+    `generator=` (a torch.Generator); with neither it draws from torch's default generator
+    as `torch.rand_like` does (on the CPU in float32 and float64 also what `torch.bernoulli`
+    draws), so a seed reproduces a peer's run. Under `torch.compile` and `torch.func` pass
+    `noise=`: a compiled graph draws its own numbers, and `vmap` refuses random draws.
     """
 
     surrogate: str = "arctan"
     alpha: float | None = None
     scale: float = 1.0
     at_zero: float = 0.0
+    _: KW_ONLY
+    leak: float | None = None
+    spread: float | None = None
+    beta: float | None = None
+    terms: int | None = None
+    bound: float | None = None
+    center: float = 0.0
+    sample: bool = False
 
     def __post_init__(self) -> None:
         name = _canonical(self.surrogate) if isinstance(self.surrogate, str) else None
@@ -253,10 +750,18 @@ class spike(Recipe):
                 f"{', '.join(repr(s) for s in SURROGATES)}."
             )
             raise GradOverrideError(msg)
-        default = _SHAPES[name][2]
+        shape = _SHAPES[name]
+        owner = f"spike(surrogate={self.surrogate!r})"
+        default = shape.alpha if shape.alpha is not None else 1.0
         alpha = default if self.alpha is None else self.alpha
         for arg, value in (("alpha", alpha), ("scale", self.scale)):
-            positive_number(f"spike(surrogate={self.surrogate!r})", arg, value)
+            positive_number(owner, arg, value)
+        if alpha <= shape.alpha_above:
+            msg = (
+                f"{owner}: `alpha` must be greater than {shape.alpha_above:g} (the formula "
+                f"divides by a - {shape.alpha_above:g}); got {alpha!r}."
+            )
+            raise GradOverrideError(msg)
         at_zero = self.at_zero
         if (
             not isinstance(at_zero, (int, float))
@@ -271,30 +776,133 @@ class spike(Recipe):
         object.__setattr__(self, "alpha", float(alpha))
         object.__setattr__(self, "scale", float(self.scale))
         object.__setattr__(self, "at_zero", float(at_zero))
+        object.__setattr__(self, "center", _number(owner, "center", self.center, "finite"))
+        self._resolve_parameters(name, shape, owner)
+        self._check_sample(name, shape, owner)
+
+    def _resolve_parameters(self, name: str, shape: _Surrogate, owner: str) -> None:
+        for param, (default, kind) in _PARAMETERS.items():
+            value = getattr(self, param)
+            if param not in shape.params:
+                if value is not None:
+                    takers = [s for s, entry in _SHAPES.items() if param in entry.params]
+                    msg = (
+                        f"{owner} takes no `{param}`: it is a parameter of "
+                        f"{', '.join(repr(s) for s in takers)}."
+                    )
+                    raise GradOverrideTypeError(msg)
+                continue
+            number = _number(owner, param, default if value is None else value, kind)
+            object.__setattr__(self, param, int(number) if param == "terms" else number)
+
+    def _check_sample(self, name: str, shape: _Surrogate, owner: str) -> None:
+        if not isinstance(self.sample, bool):
+            msg = f"{owner}: `sample` must be True or False; got {self.sample!r}."
+            raise GradOverrideTypeError(msg)
+        if not self.sample:
+            return
+        sampled = [s for s in SURROGATES if _SHAPES[_canonical(s)].probability is not None]
+        problem = None
+        if shape.probability is None or (name == "rectangular" and self.leak != 0):
+            problem = (
+                "its proxy is not a step from 0 to 1, so it is no probability; sample with "
+                f"one of {', '.join(repr(s) for s in sampled)} (rectangular without a leak)"
+            )
+        elif self.at_zero != 0:
+            problem = "a sampled spike has no value at 0 (`at_zero` does not apply); leave it 0"
+        if problem is not None:
+            msg = f"{owner}, sample=True: {problem}."
+            raise GradOverrideError(msg)
+
+    def __repr__(self) -> str:
+        fields = [f"surrogate={self.surrogate!r}", f"alpha={self.alpha!r}",
+                  f"scale={self.scale!r}", f"at_zero={self.at_zero!r}"]
+        fields += [
+            f"{p}={getattr(self, p)!r}"
+            for p in _shape(self).params
+            if getattr(self, p) != _PARAMETERS[p][0]
+        ]
+        if self.center != 0:
+            fields.append(f"center={self.center!r}")
+        if self.sample:
+            fields.append("sample=True")
+        return f"spike({', '.join(fields)})"
+
+    @property
+    def stochastic(self) -> bool:
+        """Whether calls draw noise: a sampled forward, or a leaky_relu spread."""
+        return self.sample or bool(self.spread)
+
+    def _centred(self, x: Tensor) -> Tensor:
+        return x if self.center == 0 else x - self.center
 
     def step(self, x: Tensor) -> Tensor:
-        """The forward: H(x) with H(0) = `at_zero`, in x's dtype (no gradient)."""
+        """H(x) with H(0) = `at_zero`, in x's dtype (no gradient): the forward, unless
+        `sample=True`."""
         if self.at_zero == 0:
-            return (x > 0).to(x.dtype)
+            return _indicator(torch.gt, x, 0)
         if self.at_zero == 1:
-            return (x >= 0).to(x.dtype)
+            return _indicator(torch.ge, x, 0)
         return torch.where(x == 0, self.at_zero, (x > 0).to(x.dtype)).to(x.dtype)
 
-    def gradient(self, x: Tensor) -> Tensor:
-        """The surrogate gradient scale * sg(x), what the backward multiplies into."""
-        derivative = _SHAPES[_canonical(self.surrogate)][0]
-        return derivative(torch.ones_like(x), x, self.alpha, self.scale)  # type: ignore[arg-type]
+    def probability(self, x: Tensor) -> Tensor:
+        """The probability of a spike when `sample=True`: the surrogate's smooth step from 0
+        to 1 at x - center (the input clipped to [0, 1] for straight_through), computed in
+        float32 for float16/bfloat16 inputs, finite everywhere."""
+        shape = _shape(self)
+        if shape.probability is None:
+            msg = (
+                f"{self!r}.probability: the surrogate {self.surrogate!r} has no step from 0 "
+                "to 1 to sample from."
+            )
+            raise GradOverrideError(msg)
+        xc = self._centred(x.detach().to(_compute_dtype(x)))
+        return shape.probability(xc, self)
+
+    def _sample(self, x: Tensor, noise: Tensor | None, generator: torch.Generator | None
+                ) -> Tensor:
+        p = self.probability(x)
+        u = _uniform(p, generator, p.dtype) if noise is None else noise.to(p.dtype)
+        return _indicator(torch.lt, u, p).to(x.dtype)
+
+    def gradient(self, x: Tensor, *, noise: Tensor | None = None,
+                 generator: torch.Generator | None = None) -> Tensor:
+        """The surrogate gradient scale * sg(x - center), what the backward multiplies into
+        (for leaky_relu with a spread, with the noise `noise=` or `generator=` gives)."""
+        ones = torch.ones_like(x)
+        xc = self._centred(x)
+        if self.spread:
+            u = _uniform(x, generator, x.dtype) if noise is None else _check_noise(self, x, noise)
+            return _leaky_relu(ones, xc, self, u)
+        return _shape(self).derivative(ones, xc, self)
 
     def proxy(self, x: Tensor) -> Tensor:
-        """The smooth step whose derivative is sg (from 0 to 1; identity for
-        straight-through), times `scale`: `torch.func.grad` of it equals `gradient`."""
-        proxy = _SHAPES[_canonical(self.surrogate)][1]
-        return proxy(x, self.alpha) * self.scale  # type: ignore[arg-type]
+        """The function whose derivative is sg (a smooth step from 0 to 1 for the surrogates
+        that integrate to 1; the identity for straight-through), times `scale`:
+        `torch.func.grad` of it equals `gradient` (for leaky_relu, at its mean leak)."""
+        return _shape(self).proxy(self._centred(x), self) * self.scale
 
-    def __call__(self, x: Tensor) -> Tensor:
+    def __call__(self, x: Tensor, *, noise: Tensor | None = None,
+                 generator: torch.Generator | None = None) -> Tensor:
         if not isinstance(x, Tensor) and is_tensorflow(x):
-            return tensorflow_call(self, x)
-        return _spike(x, self)
+            return tensorflow_call(self, x, noise=noise, generator=generator)
+        if not (self.sample or self.spread):
+            if noise is not None or generator is not None:
+                _refuse_noise(self)
+            return _spike(x, self)
+        if noise is not None:
+            noise = _check_noise(self, x, noise)
+        if generator is not None and not isinstance(generator, torch.Generator):
+            msg = (
+                f"{self!r}: `generator` must be a torch.Generator (or None); got "
+                f"{type(generator).__name__} {generator!r}."
+            )
+            raise GradOverrideTypeError(msg)
+        if self.sample:
+            result: Tensor = _spike_sampled(x, self, noise, generator)
+        else:
+            result = _spike_noisy_gradient(x, self, noise, generator)
+        return result
 
     @classmethod
     def preset(cls, name: str, /, **params: float) -> spike:
@@ -308,102 +916,336 @@ class spike(Recipe):
                 f"{', '.join(repr(n) for n in _PRESETS)}."
             )
             raise GradOverrideError(msg)
-        param, default, build, _ = entry
-        unknown = sorted(set(params) - ({param} if param else set()))
+        unknown = sorted(set(params) - set(entry.params))
         if unknown:
-            takes = f"takes `{param}` (default {default})" if param else "takes no parameter"
+            if entry.params:
+                listed = ", ".join(f"`{p}` (default {d[0]})" for p, d in entry.params.items())
+                takes = f"takes {listed}"
+            else:
+                takes = "takes no parameter"
             msg = f"spike.preset({name!r}) {takes}; got {', '.join(unknown)}."
             raise GradOverrideTypeError(msg)
-        value = float(params.get(param, default)) if param else 0.0
-        if param and not (math.isfinite(value) and value > 0):
-            msg = (
-                f"spike.preset({name!r}): `{param}` must be a positive finite number; got "
-                f"{params.get(param)!r}."
-            )
-            raise GradOverrideError(msg)
-        return cls(**build(value))
+        values = {
+            p: _number(f"spike.preset({name!r})", p, params.get(p, default), kind)
+            for p, (default, kind) in entry.params.items()
+        }
+        try:
+            return cls(**entry.build(*values.values()))
+        except GradOverrideError as error:
+            given = ", ".join(f"{p}={v!r}" for p, v in values.items())
+            msg = f"spike.preset({name!r}, {given}) has no spike equal to it: {error}"
+            raise GradOverrideError(msg) from None
 
 
-_Build = Callable[[float], dict[str, Any]]
+def _check_noise(recipe: spike, x: Tensor, noise: object) -> Tensor:
+    """`noise` if it is a floating tensor of x's shape on x's device."""
+    problem = None
+    if not isinstance(noise, Tensor):
+        problem = f"got {type(noise).__name__}"
+    elif not noise.is_floating_point():
+        problem = f"got a {noise.dtype} tensor"
+    elif noise.shape != x.shape or noise.device != x.device:
+        problem = (
+            f"got shape {tuple(noise.shape)} on {noise.device} for an input of shape "
+            f"{tuple(x.shape)} on {x.device}"
+        )
+    if problem is not None:
+        msg = (
+            f"{recipe!r}: `noise` must be a floating tensor of U[0, 1) samples with the "
+            f"input's shape and device; {problem}. Pass `noise=torch.rand_like(x)`."
+        )
+        raise GradOverrideTypeError(msg)
+    assert isinstance(noise, Tensor)
+    return noise
 
-# name -> (the library's parameter, its default, spike fields from it, what it matches)
-_PRESETS: dict[str, tuple[str | None, float, _Build, str]] = {
-    "snntorch.atan": (
-        "alpha", 2.0, lambda a: {"surrogate": "arctan", "alpha": a},
+
+def _refuse_noise(recipe: spike) -> None:
+    msg = (
+        f"{recipe!r} is deterministic: it takes no `noise` or `generator`. A stochastic "
+        "spike is `sample=True` (a Bernoulli forward) or surrogate='leaky_relu' with a "
+        "`spread` (a noisy gradient)."
+    )
+    raise GradOverrideTypeError(msg)
+
+
+# ---- presets: the libraries' functions, in their own names and defaults ------------------------
+
+
+class _Preset(NamedTuple):
+    library: str  # the library's call with its defaults
+    params: dict[str, tuple[float, str]]  # its parameters: default, what each must be
+    build: Callable[..., dict[str, Any]]  # spike's fields from them, in their order
+    formula: str  # what it reproduces
+
+
+_SJ = "spikingjelly.activation_based.surrogate"
+_NORSE = "norse.torch.functional.threshold"
+_NORSE_ALPHA = 100.0  # norse's LIFParameters.alpha, what its neurons pass to `threshold`
+
+
+def _norse_circ(k: float) -> dict[str, Any]:
+    # alpha^3 / (alpha^2 + x^2)^(3/2) = 2 alpha * (a/2) / (1 + (a x)^2)^(3/2), a = 1/alpha
+    return {"surrogate": "circ", "alpha": 1 / k, "scale": 2 * k}
+
+
+def _norse_tanh(k: float) -> dict[str, Any]:
+    # 1 - tanh(k x)^2 = 4 sigmoid(2 k x) sigmoid(-2 k x): the sigmoid at 2k, times 2/k
+    return {"surrogate": "sigmoid", "alpha": 2 * k, "scale": 2 / k}
+
+
+def _norse_erfc(k: float) -> dict[str, Any]:
+    return {"surrogate": "erf", "alpha": k, "scale": 2 / k}
+
+
+def _spike_rate_escape(beta: float, slope: float) -> dict[str, Any]:
+    # slope exp(-beta |x - 1|) = (2 slope / beta) * (beta/2) exp(-beta |x - 1|)
+    if beta == 0:
+        return {"surrogate": "straight_through", "scale": slope}
+    return {"surrogate": "piecewise_exp", "alpha": beta, "scale": 2 * slope / beta,
+            "center": 1.0}
+
+
+def _piecewise_leaky_relu(w: float, c: float) -> dict[str, Any]:
+    return {"surrogate": "rectangular", "alpha": 1 / (2 * w), "leak": c, "at_zero": 1.0}
+
+
+_PRESETS: dict[str, _Preset] = {
+    # snnTorch: H(0) = 0, the output always float32 there (here: the input's dtype)
+    "snntorch.atan": _Preset(
+        "snntorch.surrogate.atan(alpha=2.0)", {"alpha": (2.0, "positive")},
+        lambda alpha: {"surrogate": "arctan", "alpha": alpha},
         "snntorch.surrogate.atan(alpha): alpha/2 / (1 + (pi/2 alpha x)^2); H(0) = 0",
     ),
-    "snntorch.sigmoid": (
-        "slope", 25.0, lambda k: {"surrogate": "sigmoid", "alpha": k},
+    "snntorch.sigmoid": _Preset(
+        "snntorch.surrogate.sigmoid(slope=25)", {"slope": (25.0, "positive")},
+        lambda slope: {"surrogate": "sigmoid", "alpha": slope},
         "snntorch.surrogate.sigmoid(slope): k e^(-kx) / (e^(-kx) + 1)^2, finite here at "
         "large -x where snnTorch's gives NaN; H(0) = 0",
     ),
-    "snntorch.fast_sigmoid": (
-        "slope", 25.0,
-        lambda k: {"surrogate": "fast_sigmoid", "alpha": k, "scale": 2 / k},
+    "snntorch.fast_sigmoid": _Preset(
+        "snntorch.surrogate.fast_sigmoid(slope=25)", {"slope": (25.0, "positive")},
+        lambda slope: {"surrogate": "fast_sigmoid", "alpha": slope, "scale": 2 / slope},
         "snntorch.surrogate.fast_sigmoid(slope): 1 / (1 + k|x|)^2; H(0) = 0",
     ),
-    "snntorch.straight_through_estimator": (
-        None, 0.0, lambda _: {"surrogate": "straight_through"},
+    "snntorch.straight_through_estimator": _Preset(
+        "snntorch.surrogate.straight_through_estimator()", {},
+        lambda: {"surrogate": "straight_through"},
         "snntorch.surrogate.straight_through_estimator(): 1; H(0) = 0",
     ),
-    "spikingjelly.ATan": (
-        "alpha", 2.0, lambda a: {"surrogate": "arctan", "alpha": a, "at_zero": 1.0},
+    "snntorch.heaviside": _Preset(
+        "snntorch.surrogate.heaviside()", {},
+        lambda: {"surrogate": "leaky_relu"},
+        "snntorch.surrogate.heaviside(): 1 where the spike fired (x > 0), else 0; H(0) = 0",
+    ),
+    "snntorch.spike_rate_escape": _Preset(
+        "snntorch.surrogate.spike_rate_escape(beta=1, slope=25)",
+        {"beta": (1.0, "non-negative"), "slope": (25.0, "positive")},
+        _spike_rate_escape,
+        "snntorch.surrogate.spike_rate_escape(beta, slope): slope exp(-beta |x - 1|), "
+        "centred at x = 1 as snnTorch writes it; H(0) = 0",
+    ),
+    "snntorch.SSO": _Preset(
+        "snntorch.surrogate.SSO(mean=0, variance=0.2)",
+        {"mean": (0.0, "finite"), "variance": (0.2, "non-negative")},
+        lambda mean, variance: {"surrogate": "leaky_relu", "leak": mean * variance,
+                                "spread": variance},
+        "snntorch.surrogate.SSO(mean, variance): 1 where the spike fired, else "
+        "(u - 0.5 + mean) * variance with u ~ U[0, 1) drawn per element; H(0) = 0",
+    ),
+    "snntorch.LSO": _Preset(
+        "snntorch.surrogate.LSO(slope=0.1)", {"slope": (0.1, "finite")},
+        lambda slope: {"surrogate": "leaky_relu", "leak": slope},
+        "snntorch.surrogate.LSO(slope): 1 where the spike fired, else slope (snnTorch 1.0's "
+        "LSO() itself raises a TypeError; this is its LeakySpikeOperator); H(0) = 0",
+    ),
+    "snntorch.SFS": _Preset(
+        "snntorch.surrogate.SFS(slope=25, B=1)",
+        {"slope": (25.0, "positive"), "B": (1.0, "finite")},
+        lambda slope, B: {"surrogate": "sparse_fast_sigmoid", "alpha": slope,
+                          "scale": 2 / slope, "bound": B},
+        "snntorch.surrogate.SFS(slope, B): 1 / (1 + k|x|)^2 where x > B, else 0; H(0) = 0",
+    ),
+    # SpikingJelly: H(0) = 1 (x >= 0 spikes)
+    "spikingjelly.ATan": _Preset(
+        f"{_SJ}.ATan(alpha=2.0)", {"alpha": (2.0, "positive")},
+        lambda alpha: {"surrogate": "arctan", "alpha": alpha, "at_zero": 1.0},
         "spikingjelly surrogate.ATan(alpha): alpha/2 / (1 + (pi/2 alpha x)^2); H(0) = 1",
     ),
-    "spikingjelly.Sigmoid": (
-        "alpha", 4.0, lambda a: {"surrogate": "sigmoid", "alpha": a, "at_zero": 1.0},
+    "spikingjelly.Sigmoid": _Preset(
+        f"{_SJ}.Sigmoid(alpha=4.0)", {"alpha": (4.0, "positive")},
+        lambda alpha: {"surrogate": "sigmoid", "alpha": alpha, "at_zero": 1.0},
         "spikingjelly surrogate.Sigmoid(alpha): alpha s(ax)(1 - s(ax)); H(0) = 1",
     ),
-    "spikingjelly.SoftSign": (
-        "alpha", 2.0, lambda a: {"surrogate": "soft_sign", "alpha": a, "at_zero": 1.0},
+    "spikingjelly.SoftSign": _Preset(
+        f"{_SJ}.SoftSign(alpha=2.0)", {"alpha": (2.0, "positive")},
+        lambda alpha: {"surrogate": "soft_sign", "alpha": alpha, "at_zero": 1.0},
         "spikingjelly surrogate.SoftSign(alpha): 1 / (2 alpha (1/alpha + |x|)^2); H(0) = 1",
     ),
-    "spikingjelly.SuperSpike": (
-        "alpha", 1.0,
-        lambda a: {"surrogate": "super_spike", "alpha": 1.0, "scale": 2 * a, "at_zero": 1.0},
+    "spikingjelly.SuperSpike": _Preset(
+        f"{_SJ}.SuperSpike(alpha=1.0)", {"alpha": (1.0, "positive")},
+        lambda alpha: {"surrogate": "super_spike", "alpha": 1.0, "scale": 2 * alpha,
+                       "at_zero": 1.0},
         "spikingjelly surrogate.SuperSpike(alpha): alpha / (|x| + 1)^2; H(0) = 1",
     ),
-    "spikingjelly.Erf": (
-        "alpha", 2.0, lambda a: {"surrogate": "erf", "alpha": a, "at_zero": 1.0},
+    "spikingjelly.Erf": _Preset(
+        f"{_SJ}.Erf(alpha=2.0)", {"alpha": (2.0, "positive")},
+        lambda alpha: {"surrogate": "erf", "alpha": alpha, "at_zero": 1.0},
         "spikingjelly surrogate.Erf(alpha): alpha/sqrt(pi) exp(-(alpha x)^2); H(0) = 1",
     ),
-    "spikingjelly.PiecewiseQuadratic": (
-        "alpha", 1.0,
-        lambda a: {"surrogate": "piecewise_quadratic", "alpha": a, "at_zero": 1.0},
+    "spikingjelly.PiecewiseQuadratic": _Preset(
+        f"{_SJ}.PiecewiseQuadratic(alpha=1.0)", {"alpha": (1.0, "positive")},
+        lambda alpha: {"surrogate": "piecewise_quadratic", "alpha": alpha, "at_zero": 1.0},
         "spikingjelly surrogate.PiecewiseQuadratic(alpha): max(0, alpha - alpha^2 |x|); "
         "H(0) = 1",
     ),
-    "spikingjelly.PiecewiseExp": (
-        "alpha", 1.0, lambda a: {"surrogate": "piecewise_exp", "alpha": a, "at_zero": 1.0},
+    "spikingjelly.PiecewiseExp": _Preset(
+        f"{_SJ}.PiecewiseExp(alpha=1.0)", {"alpha": (1.0, "positive")},
+        lambda alpha: {"surrogate": "piecewise_exp", "alpha": alpha, "at_zero": 1.0},
         "spikingjelly surrogate.PiecewiseExp(alpha): alpha/2 exp(-alpha |x|); H(0) = 1",
     ),
-    "spikingjelly.Rect": (
-        "alpha", 1.0, lambda a: {"surrogate": "rectangular", "alpha": a, "at_zero": 1.0},
+    "spikingjelly.Rect": _Preset(
+        f"{_SJ}.Rect(alpha=1.0)", {"alpha": (1.0, "positive")},
+        lambda alpha: {"surrogate": "rectangular", "alpha": alpha, "at_zero": 1.0},
         "spikingjelly surrogate.Rect(alpha): alpha where |x| < 1/(2 alpha); H(0) = 1",
     ),
-    "norse.super": (
-        "alpha", 100.0,
-        lambda _: {"surrogate": "super_spike", "alpha": 1.0, "scale": 2.0},
+    "spikingjelly.QPseudoSpike": _Preset(
+        f"{_SJ}.QPseudoSpike(alpha=2.0)", {"alpha": (2.0, "positive")},
+        lambda alpha: {"surrogate": "q_pseudo_spike", "alpha": alpha, "at_zero": 1.0},
+        "spikingjelly surrogate.QPseudoSpike(alpha): (1 + 2|x| / (alpha - 1))^(-alpha), "
+        "alpha > 1; H(0) = 1",
+    ),
+    "spikingjelly.S2NN": _Preset(
+        f"{_SJ}.S2NN(alpha=4.0, beta=1.0)",
+        {"alpha": (4.0, "positive"), "beta": (1.0, "non-negative")},
+        lambda alpha, beta: {"surrogate": "s2nn", "alpha": alpha, "beta": beta, "at_zero": 1.0},
+        "spikingjelly surrogate.S2NN(alpha, beta): alpha s(ax)(1 - s(ax)) for x < 0, "
+        "beta / (x + 1) for x >= 0; H(0) = 1",
+    ),
+    "spikingjelly.SquarewaveFourierSeries": _Preset(
+        f"{_SJ}.SquarewaveFourierSeries(n=2, T_period=8)",
+        {"n": (2, "integer >= 2"), "T_period": (8.0, "positive")},
+        lambda n, T_period: {"surrogate": "squarewave_fourier",
+                             "alpha": math.pi * 2.0 / T_period, "terms": int(n) - 1,
+                             "at_zero": 1.0},
+        "spikingjelly surrogate.SquarewaveFourierSeries(n, T_period): (4/T) sum_{i=1..n-1} "
+        "cos((2i - 1) 2 pi x / T); H(0) = 1",
+    ),
+    "spikingjelly.NonzeroSignLogAbs": _Preset(
+        f"{_SJ}.NonzeroSignLogAbs(alpha=1.0)", {"alpha": (1.0, "positive")},
+        lambda alpha: {"surrogate": "nonzero_sign_log_abs", "alpha": alpha, "at_zero": 1.0},
+        "spikingjelly surrogate.NonzeroSignLogAbs(alpha): 1 / (1/alpha + |x|); H(0) = 1",
+    ),
+    "spikingjelly.FakeNumericalGradient": _Preset(
+        f"{_SJ}.FakeNumericalGradient(alpha=0.3)", {"alpha": (0.3, "positive")},
+        lambda alpha: {"surrogate": "fake_numerical_gradient", "alpha": alpha,
+                       "at_zero": 1.0},
+        "spikingjelly surrogate.FakeNumericalGradient(alpha): min(sign(x)/x, alpha), "
+        "alpha at x = -0 too (SpikingJelly gives -inf there); H(0) = 1",
+    ),
+    "spikingjelly.LogTailedReLU": _Preset(
+        f"{_SJ}.LogTailedReLU(alpha=0.0)", {"alpha": (0.0, "finite")},
+        lambda alpha: {"surrogate": "log_tailed_relu", "leak": alpha, "at_zero": 1.0},
+        "spikingjelly surrogate.LogTailedReLU(alpha): alpha for x <= 0, 1 for 0 < x <= 1, "
+        "1/x for x > 1; H(0) = 1",
+    ),
+    "spikingjelly.LeakyKReLU": _Preset(
+        f"{_SJ}.LeakyKReLU(leak=0.0, k=1.0)",
+        {"leak": (0.0, "finite"), "k": (1.0, "positive")},
+        lambda leak, k: {"surrogate": "leaky_relu", "scale": k, "leak": leak / k,
+                         "at_zero": 1.0},
+        "spikingjelly surrogate.LeakyKReLU(leak, k): k for x >= 0, leak for x < 0; H(0) = 1",
+    ),
+    "spikingjelly.PiecewiseLeakyReLU": _Preset(
+        f"{_SJ}.PiecewiseLeakyReLU(w=1.0, c=0.01)",
+        {"w": (1.0, "positive"), "c": (0.01, "finite")},
+        _piecewise_leaky_relu,
+        "spikingjelly surrogate.PiecewiseLeakyReLU(w, c): 1/(2w) where |x| < w, else c; "
+        "H(0) = 1",
+    ),
+    "spikingjelly.DeterministicPass": _Preset(
+        f"{_SJ}.DeterministicPass()", {},
+        lambda: {"surrogate": "straight_through", "at_zero": 1.0},
+        "spikingjelly surrogate.DeterministicPass(): 1; H(0) = 1",
+    ),
+    "spikingjelly.PoissonPass": _Preset(
+        f"{_SJ}.PoissonPass()", {},
+        lambda: {"surrogate": "straight_through", "sample": True},
+        "spikingjelly surrogate.PoissonPass(): spikes drawn from Bernoulli(x) (x clipped to "
+        "[0, 1] here; SpikingJelly raises outside), gradient 1",
+    ),
+    # norse: H(0) = 0; `threshold(x, method, alpha)` and the functions it calls
+    "norse.super": _Preset(
+        f'{_NORSE}.threshold(x, "super", alpha=100.0)', {"alpha": (_NORSE_ALPHA, "positive")},
+        lambda alpha: {"surrogate": "super_spike", "alpha": 1.0, "scale": 2.0},
         "norse superspike_fn / threshold(method='super'): 1 / (1 + |x|)^2 (norse does not "
         "use alpha in this formula); H(0) = 0",
     ),
-    "norse.triangle": (
-        "alpha", 100.0, lambda a: {"surrogate": "triangle", "alpha": 1.0, "scale": a},
+    "norse.triangle": _Preset(
+        f'{_NORSE}.threshold(x, "triangle", alpha=100.0)',
+        {"alpha": (_NORSE_ALPHA, "positive")},
+        lambda alpha: {"surrogate": "triangle", "alpha": 1.0, "scale": alpha},
         "norse threshold(method='triangle'): alpha * max(0, 1 - |x|); H(0) = 0",
     ),
-    "norse.heavi_erfc": (
-        "alpha", 100.0, lambda k: {"surrogate": "erf", "alpha": k, "scale": 2 / k},
+    "norse.heavi_erfc": _Preset(
+        f'{_NORSE}.threshold(x, "heavi_erfc", alpha=100.0)',
+        {"alpha": (_NORSE_ALPHA, "positive")},
+        _norse_erfc,
         "norse threshold(method='heavi_erfc'): 2/sqrt(pi) exp(-(alpha x)^2); H(0) = 0",
     ),
-    "norse.tanh": (
-        "alpha", 100.0, lambda k: {"surrogate": "sigmoid", "alpha": 2 * k, "scale": 2 / k},
+    "norse.tanh": _Preset(
+        f'{_NORSE}.threshold(x, "tanh", alpha=100.0)', {"alpha": (_NORSE_ALPHA, "positive")},
+        _norse_tanh,
         "norse threshold(method='tanh'): 1 - tanh(alpha x)^2; H(0) = 0",
+    ),
+    "norse.circ": _Preset(
+        f'{_NORSE}.threshold(x, "circ", alpha=100.0)', {"alpha": (_NORSE_ALPHA, "positive")},
+        _norse_circ,
+        "norse threshold(method='circ'): alpha^3 / (alpha^2 + x^2)^(3/2), finite here at "
+        "|x| > 1e19 (float32) where norse's gives NaN; H(0) = 0",
+    ),
+    "norse.super_fn": _Preset(
+        f"{_NORSE}.super_fn(x, alpha=100.0)", {"alpha": (_NORSE_ALPHA, "positive")},
+        lambda alpha: {"surrogate": "super_spike", "alpha": 1.0, "scale": 2.0},
+        "norse super_fn(x, alpha): 1 / (1 + |x|)^2 (alpha unused); H(0) = 0",
+    ),
+    "norse.triangle_fn": _Preset(
+        f"{_NORSE}.triangle_fn(x, alpha=0.3)", {"alpha": (0.3, "positive")},
+        lambda alpha: {"surrogate": "triangle", "alpha": 1.0, "scale": alpha},
+        "norse triangle_fn(x, alpha): alpha * max(0, 1 - |x|); H(0) = 0",
+    ),
+    "norse.heavi_erfc_fn": _Preset(
+        f"{_NORSE}.heavi_erfc_fn(x, k=100.0)", {"k": (_NORSE_ALPHA, "positive")},
+        _norse_erfc,
+        "norse heavi_erfc_fn(x, k): 2/sqrt(pi) exp(-(k x)^2); H(0) = 0",
+    ),
+    "norse.heavi_tanh_fn": _Preset(
+        f"{_NORSE}.heavi_tanh_fn(x, k=100.0)", {"k": (_NORSE_ALPHA, "positive")},
+        _norse_tanh,
+        "norse heavi_tanh_fn(x, k): 1 - tanh(k x)^2; H(0) = 0",
+    ),
+    "norse.heavi_circ_fn": _Preset(
+        f"{_NORSE}.heavi_circ_fn(x, k=100.0)", {"k": (_NORSE_ALPHA, "positive")},
+        _norse_circ,
+        "norse heavi_circ_fn(x, k): k^3 / (k^2 + x^2)^(3/2); H(0) = 0",
+    ),
+    "norse.circ_dist_fn": _Preset(
+        f"{_NORSE}.circ_dist_fn(x, k=100.0)", {"k": (_NORSE_ALPHA, "positive")},
+        lambda k: {**_norse_circ(k), "sample": True},
+        "norse circ_dist_fn(x, k): spikes drawn from Bernoulli(1/2 + x / (2 sqrt(x^2 + "
+        "k^2))), gradient k^3 / (k^2 + x^2)^(3/2)",
+    ),
+    "norse.logistic_fn": _Preset(
+        f"{_NORSE}.logistic_fn(x, k=100.0)", {"k": (_NORSE_ALPHA, "positive")},
+        lambda k: {**_norse_tanh(k), "sample": True},
+        "norse logistic_fn(x, k): spikes drawn from Bernoulli(1/2 + tanh(k x) / 2), "
+        "gradient 1 - tanh(k x)^2",
     ),
 }
 
 #: Each preset's name and the library formula it reproduces, with the library's parameter
-#: names (norse's default alpha is `LIFParameters`'s, 100). Not offered: snnTorch's
-#: `triangular`, whose gradient is ±threshold (the sign flips at 0), not a triangle.
+#: names (norse's default alpha or k is `LIFParameters`'s, 100: its functions have none).
+#: Not offered: snnTorch's `triangular`, whose gradient is ±threshold (the sign flips at 0),
+#: not a triangle, and SpikingJelly's `MultiLevelSpikeCount`, a clamped round, not a spike.
 SPIKE_PRESETS: Mapping[str, str] = MappingProxyType(
-    {name: entry[3] for name, entry in _PRESETS.items()}
+    {name: entry.formula for name, entry in _PRESETS.items()}
 )
