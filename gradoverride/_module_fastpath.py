@@ -56,6 +56,9 @@ MISS: Any = object()
 
 _CONTAINERS = (tuple, list, dict)
 
+#: The first item of a record the twin's forward leaves for its backward.
+_TWIN: Any = object()
+
 
 def _builtins() -> dict[str, Any]:
     return {
@@ -241,7 +244,11 @@ def generate_twin(
     note = f"(raised in backward rule `{rule_label}` of `{label}`)"
 
     def differentiable(v: str) -> str:
-        return f"_go_isinstance({v}, _go_Tensor) and ({v}.is_floating_point() or {v}.is_complex())"
+        # (A tensor that requires grad is floating-point or complex: read first, cheapest.)
+        return (
+            f"_go_isinstance({v}, _go_Tensor) and ({v}.requires_grad or {v}.is_floating_point() "
+            f"or {v}.is_complex())"
+        )
 
     # forward ------------------------------------------------------------------------------
     lines = [
@@ -280,10 +287,11 @@ def generate_twin(
     lines += [
         f"    _go_ac = _go_autocast_state({_tuple(flat)}) if _go_any_autocast_enabled() "
         "else None",
-        # One flat tuple (its first item the module, where the core's general record has
-        # its CallState).
+        # One flat tuple, its first item this twin's mark (the core's general record has its
+        # CallState there).
         "    ctx.gradoverride = "
-        + _tuple(["_go_module", "_go_ids", "_go_ac", *(f"_go_m{i}" for i in range(n)), *statics]),
+        + _tuple(["_go_TWIN", "_go_module", "_go_ids", "_go_ac",
+                  *(f"_go_m{i}" for i in range(n)), *statics]),
         "    return _go_out",
     ]
 
@@ -297,10 +305,10 @@ def generate_twin(
         "",
         "def backward(ctx, _go_g0, *_go_rest):",
         "    _go_record = ctx.gradoverride",
-        "    if _go_type(_go_record[0]) is _go_CallState:  # recorded by the core's general setup",
+        "    if _go_record[0] is not _go_TWIN:  # recorded by the core's general setup",
         "        return _go_backward_general(ctx, (_go_g0, *_go_rest))",
         "    "
-        + ", ".join(["_go_module", "_go_ids", "_go_ac", *(f"_go_m{i}" for i in range(n)),
+        + ", ".join(["_go_mark", "_go_module", "_go_ids", "_go_ac", *(f"_go_m{i}" for i in range(n)),
                      *(f"_go_t{i}" for i in req_inputs)])
         + " = _go_record",
         "    try:",
@@ -395,7 +403,7 @@ def generate_twin(
     space = {f"_go_{key}": value for key, value in namespace.items()}
     space.update(_builtins())
     space.update(
-        _go_forward=forward, _go_as_output=as_output, _go_CallState=CallState,
+        _go_forward=forward, _go_as_output=as_output, _go_CallState=CallState, _go_TWIN=_TWIN,
         _go_shape_output=shape_output, _go_setup_general=setup_general,
         _go_backward_general=backward_general, _go_autocast_state=autocast_state,
         _go_any_autocast_enabled=any_autocast_enabled, _go_saved_for=saved_for,
