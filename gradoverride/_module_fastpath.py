@@ -308,8 +308,8 @@ def generate_twin(
         "    if _go_record[0] is not _go_TWIN:  # recorded by the core's general setup",
         "        return _go_backward_general(ctx, (_go_g0, *_go_rest))",
         "    "
-        + ", ".join(["_go_mark", "_go_module", "_go_ids", "_go_ac", *(f"_go_m{i}" for i in range(n)),
-                     *(f"_go_t{i}" for i in req_inputs)])
+        + ", ".join(["_go_mark", "_go_module", "_go_ids", "_go_ac",
+                     *(f"_go_m{i}" for i in range(n)), *(f"_go_t{i}" for i in req_inputs)])
         + " = _go_record",
         "    try:",
         f"        {_tuple(saved_names)} = ctx.saved_tensors",
