@@ -3,7 +3,8 @@ cheapest hand-written way to do the same, forward+backward at (1, 256), where th
 work is all there is to measure.
 
 * `go.Module` (`x * weights`, its rule giving both gradients) against the same layer
-  calling a hand-made autograd.Function, with the default ownership and with `owns=`;
+  calling a hand-made autograd.Function, with the default ownership, with `owns=`, and
+  with the rule naming `weights` as a keyword instead of reading `self.weights`;
 * `go.override_backward` on an `nn.Linear(256, 256)`, a rule giving the input, weight and
   bias gradients, against a module calling a hand-made Function for the same three;
 * `go.grad_hook` reversing the gradient (`-g`) at an `nn.Linear`'s inputs, outputs and
@@ -52,6 +53,16 @@ class Scale(go.Module):
 class ScaleOwning(Scale, owns=("x", "weights")):
     def backward(self, grad: torch.Tensor, *, x: torch.Tensor) -> dict[str, torch.Tensor]:
         return {"x": grad * self.weights, "weights": (grad * x).sum(0)}
+
+
+class ScaleNaming(Scale):
+    """The rule receives the parameter as a keyword, as the hand-made Function's backward
+    has its saved tensor (`self.weights` is a call of nn.Module's Python `__getattr__`)."""
+
+    def backward(  # type: ignore[override]
+        self, grad: torch.Tensor, *, x: torch.Tensor, weights: torch.Tensor
+    ) -> dict[str, torch.Tensor]:
+        return {"x": grad * weights, "weights": (grad * x).sum(0)}
 
 
 class ScaleFunction(torch.autograd.Function):
@@ -138,13 +149,16 @@ def main() -> None:
 
     # go.Module --------------------------------------------------------------------------
     torch.manual_seed(0)
-    layer, owning, by_hand = (m.to(device) for m in (Scale(N), ScaleOwning(N), ScaleByHand(N)))
+    layer, owning, naming, by_hand = (
+        m.to(device) for m in (Scale(N), ScaleOwning(N), ScaleNaming(N), ScaleByHand(N))
+    )
     report(
         "go.Module: x * weights, its rule giving both gradients, forward+backward:",
         {
             "hand-made Function module": step(by_hand),
             "go.Module": step(layer),
             "go.Module, owns=('x', 'weights')": step(owning),
+            "go.Module, rule naming `weights`": step(naming),
         },
         ["hand-made Function module"],
     )

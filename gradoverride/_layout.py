@@ -24,6 +24,11 @@ The layout holds no tensors and no modules (ids only, so no memory is kept alive
 no reference cycle is made); the values used by a call are read from the module at that
 call. What is not structure is read per call too: whether a buffer is floating-point, the
 module's `inplace` attribute.
+
+For a module without submodules, the layout also holds its owner's generated *entry*
+(`_module_fastpath.generate_entry`), which checks the same structure from the same dicts
+itself, written out for it, and covers the common call; the key is read only when the entry
+does not cover a call.
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ from typing import Any
 from torch import Tensor, nn
 from torch.nn.parameter import UninitializedParameter
 
-__all__ = ["Layout", "snapshot"]
+__all__ = ["KEY", "Layout", "make_layout", "snapshot"]
 
 #: Where a layout is kept (a key of the module's `__dict__`, or of an override's cache).
 KEY = "_gradoverride_layout"

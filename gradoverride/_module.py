@@ -364,7 +364,8 @@ class _ModuleRule:
     ) -> Any:
         """A call of `module` with this rule. `cache` keeps the module's layout between calls
         (see `_layout`): the module's `__dict__` for a `go.Module`, the override's own dict
-        for `override_backward`. The callers try the layout's entry first (`enter`)."""
+        for `override_backward`. Its callers (go.Module's forward, an override's) try the
+        layout's generated entry first, which covers the common call."""
         if not torch.is_grad_enabled():
             # No gradient is computed, so the rule cannot matter: the module's own forward,
             # without a Function around it (also the dry run that lazy modules need).

@@ -56,6 +56,9 @@ MISS: Any = object()
 
 _CONTAINERS = (tuple, list, dict)
 
+#: The first item of a record the twin's forward leaves for its backward.
+_TWIN: Any = object()
+
 
 def _builtins() -> dict[str, Any]:
     return {
@@ -64,6 +67,12 @@ def _builtins() -> dict[str, Any]:
         "_go_KeyError": KeyError, "_go_RuntimeError": RuntimeError,
         "_go_Exception": Exception, "_go_GradOverrideError": GradOverrideError,
     }
+
+
+def _other_device(g: str, t: str) -> str:
+    """Source: whether tensor `g` is on another device than tensor `t`. Reading `.device`
+    makes two device objects; for a CPU tensor, `is_cpu` says it without them."""
+    return f"((not {g}.is_cpu) if {t}.is_cpu else {g}.device != {t}.device)"
 
 
 def _tuple(items: list[str]) -> str:
@@ -136,7 +145,7 @@ def _rule_body(
     for g, name, p in zip(pg, names, params, strict=True):
         body += [
             f"        if {g} is not None and (not _go_isinstance({g}, _go_Tensor) or "
-            f"{g}.shape != {p}.shape or {g}.dtype is not {p}.dtype or {g}.device != {p}.device):",
+            f"{g}.shape != {p}.shape or {g}.dtype is not {p}.dtype or {_other_device(g, p)}):",
             f"            {g} = _go_check_gradient({g}, ({p}.shape, {p}.dtype, {p}.device), "
             f"{label!r}, {name!r})",
         ]
@@ -235,7 +244,11 @@ def generate_twin(
     note = f"(raised in backward rule `{rule_label}` of `{label}`)"
 
     def differentiable(v: str) -> str:
-        return f"_go_isinstance({v}, _go_Tensor) and ({v}.is_floating_point() or {v}.is_complex())"
+        # (A tensor that requires grad is floating-point or complex: read first, cheapest.)
+        return (
+            f"_go_isinstance({v}, _go_Tensor) and ({v}.requires_grad or {v}.is_floating_point() "
+            f"or {v}.is_complex())"
+        )
 
     # forward ------------------------------------------------------------------------------
     lines = [
@@ -274,10 +287,11 @@ def generate_twin(
     lines += [
         f"    _go_ac = _go_autocast_state({_tuple(flat)}) if _go_any_autocast_enabled() "
         "else None",
-        # One flat tuple (its first item the module, where the core's general record has
-        # its CallState).
+        # One flat tuple, its first item this twin's mark (the core's general record has its
+        # CallState there).
         "    ctx.gradoverride = "
-        + _tuple(["_go_module", "_go_ids", "_go_ac", *(f"_go_m{i}" for i in range(n)), *statics]),
+        + _tuple(["_go_TWIN", "_go_module", "_go_ids", "_go_ac",
+                  *(f"_go_m{i}" for i in range(n)), *statics]),
         "    return _go_out",
     ]
 
@@ -291,11 +305,11 @@ def generate_twin(
         "",
         "def backward(ctx, _go_g0, *_go_rest):",
         "    _go_record = ctx.gradoverride",
-        "    if _go_type(_go_record[0]) is _go_CallState:  # recorded by the core's general setup",
+        "    if _go_record[0] is not _go_TWIN:  # recorded by the core's general setup",
         "        return _go_backward_general(ctx, (_go_g0, *_go_rest))",
         "    "
-        + ", ".join(["_go_module", "_go_ids", "_go_ac", *(f"_go_m{i}" for i in range(n)),
-                     *(f"_go_t{i}" for i in req_inputs)])
+        + ", ".join(["_go_mark", "_go_module", "_go_ids", "_go_ac",
+                     *(f"_go_m{i}" for i in range(n)), *(f"_go_t{i}" for i in req_inputs)])
         + " = _go_record",
         "    try:",
         f"        {_tuple(saved_names)} = ctx.saved_tensors",
@@ -337,7 +351,7 @@ def generate_twin(
                 f"{g}.shape != {meta}[0] or {g}.dtype is not {meta}[1] or {g}.device != {meta}[2]"
                 if i not in req_inputs else
                 f"{g}.shape != _go_k{i}.shape or {g}.dtype is not _go_k{i}.dtype or "
-                f"{g}.device != _go_k{i}.device"
+                f"{_other_device(g, f'_go_k{i}')}"
             )
             out += [
                 f"if {g} is not None:",
@@ -389,7 +403,7 @@ def generate_twin(
     space = {f"_go_{key}": value for key, value in namespace.items()}
     space.update(_builtins())
     space.update(
-        _go_forward=forward, _go_as_output=as_output, _go_CallState=CallState,
+        _go_forward=forward, _go_as_output=as_output, _go_CallState=CallState, _go_TWIN=_TWIN,
         _go_shape_output=shape_output, _go_setup_general=setup_general,
         _go_backward_general=backward_general, _go_autocast_state=autocast_state,
         _go_any_autocast_enabled=any_autocast_enabled, _go_saved_for=saved_for,
