@@ -53,6 +53,7 @@ def arm_all() -> None:
         op._arm_audit()
 
 
+@autograph_artifact
 class CustomBackward(Generic[P, R]):
     """A forward function whose backward is a rule you wrote. Made by `custom_backward`.
 
@@ -249,6 +250,9 @@ class CustomBackward(Generic[P, R]):
             self._name, module, self._signature, spec, self._residuals, self._run_tensorflow,
             track_inplace=self._tracks_inplace, labels=self._labels,
         )
+        # The op's `__call__` (AutoGraph converts a callable object's `__call__` unless the
+        # function itself is marked).
+        autograph_artifact(self._run)
         self._rule = spec
         # Calls then go straight to the generated entry point: `op(x)` looks `__call__` up on
         # the type, so a per-op subclass whose `__call__` is that entry point saves a Python
@@ -561,6 +565,7 @@ def custom_backward(
     return decorate(fn)
 
 
+@autograph_artifact
 def _first_call(op: CustomBackward[..., Any], *args: Any, **kwargs: Any) -> Any:
     """`__call__` until an eager call with grad enabled has been checked (see `_audit`)."""
     run = op._run

@@ -27,6 +27,8 @@ def autograph_artifact(fn: F) -> F:
     mark = frozenset(("autograph_artifact",))
     if isinstance(fn, type):
         for value in vars(fn).values():
+            if isinstance(value, (classmethod, staticmethod)):
+                value = value.__func__
             if callable(value) and not isinstance(value, type):
                 value.autograph_info__ = mark
     fn.autograph_info__ = mark  # type: ignore[attr-defined]

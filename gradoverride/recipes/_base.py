@@ -30,7 +30,7 @@ from torch import Tensor, nn
 from .._backends import backend
 from .._decorators import custom_backward
 from .._errors import GradOverrideError
-from .._frameworks import is_tensorflow
+from .._frameworks import autograph_artifact, is_tensorflow
 from .._jit import refuse_scripting
 from .._passthrough import passthrough
 
@@ -43,6 +43,12 @@ class Recipe:
     # Called from a `tf.function`, a recipe runs as plain Python rather than being rewritten
     # by AutoGraph (see the same mark on `CustomBackward`).
     autograph_info__ = frozenset(("autograph_artifact",))
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        # Its methods too (`spike.preset(...)` in a tf.function): AutoGraph looks at the
+        # function behind a bound method, not at the class.
+        autograph_artifact(cls)
 
     def __call__(self, x: Tensor, /, *args: Any, **kwargs: Any) -> Any:
         raise NotImplementedError
