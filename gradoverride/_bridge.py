@@ -31,6 +31,7 @@ from torch import Tensor
 from torch.utils import _pytree as pytree
 from typing_extensions import ParamSpec
 
+from ._backends import backend
 from ._decorators import CustomBackward, custom_backward
 from ._errors import GradOverrideError, GradOverrideTypeError
 from ._frameworks import any_tensorflow, autograph_artifact
@@ -756,9 +757,7 @@ class Bridge(Generic[P]):
             if transforms_active():
                 self._refuse_batched(args, kwargs)
             if any_tensorflow(args, kwargs):
-                from ._tensorflow._bridge import call
-
-                return call(self, args, kwargs, self.outputs)
+                return backend("tensorflow").bridge_call(self, args, kwargs, self.outputs)
             return op(*args, **kwargs)
 
         run.__name__ = run.__qualname__ = f"bridge({self._name})"

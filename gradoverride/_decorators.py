@@ -12,6 +12,7 @@ import torch
 from torch.compiler import is_dynamo_compiling
 from typing_extensions import ParamSpec
 
+from ._backends import backend
 from ._errors import GradOverrideError, GradOverrideTypeError
 from ._frameworks import any_tensorflow, autograph_artifact
 from ._function import build_call
@@ -274,10 +275,8 @@ class CustomBackward(Generic[P, R]):
         """A call with TensorFlow tensors: the same rule contract on `tf.custom_gradient`."""
         call = self._tensorflow_call
         if call is None:
-            from ._tensorflow._backend import TensorFlowCall
-
             assert self._rule is not None  # calls reach here only after registration
-            call = self._tensorflow_call = TensorFlowCall(
+            call = self._tensorflow_call = backend("tensorflow").TensorFlowCall(
                 self._name,
                 self._signature,
                 self._rule,
@@ -295,9 +294,7 @@ class CustomBackward(Generic[P, R]):
         # `tf.function` replaces an argument (or a default argument, `def step(x, f=op)`)
         # that has `__wrapped__` by the wrapped function, which would silently drop the
         # custom gradient; declaring our own trace type keeps the op itself.
-        from ._tensorflow._tracing import OpTraceType
-
-        return OpTraceType(self)
+        return backend("tensorflow").OpTraceType(self)
 
     @property
     def rule(self) -> Callable[..., Any] | None:

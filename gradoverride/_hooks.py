@@ -27,6 +27,7 @@ from torch.compiler import is_dynamo_compiling
 from torch.utils import _pytree as pytree
 from torch.utils.hooks import RemovableHandle
 
+from ._backends import backend
 from ._errors import GradOverrideError, GradOverrideTypeError
 from ._frameworks import autograph_artifact, is_keras_layer
 from ._internals import add_tensor_hook, is_tracing, tracing_state, transforms_active
@@ -194,14 +195,23 @@ def grad_hook(
 ) -> HookHandle:
     """Transform the gradient flowing at a module's inputs, outputs or parameters.
 
-    Example::
+    ```python
+    import torch
+    from torch import nn
+    import gradoverride as go
 
-        encoder = nn.Sequential(nn.Linear(8, 8), nn.ReLU(inplace=True))
-        handle = go.grad_hook(encoder[0], lambda g: g.clamp(-1, 1), at="inputs")
-        handle = go.grad_hook(encoder[0], go.recipes.reverse_grad(), at="outputs")
+    encoder = nn.Sequential(nn.Linear(8, 8), nn.ReLU(inplace=True))
+    clip = go.grad_hook(encoder[0], lambda g: g.clamp(-0.01, 0.01), at="inputs")
+    reverse = go.grad_hook(encoder[0], go.recipes.reverse_grad(), at="outputs")
+    x = torch.randn(4, 8, requires_grad=True)
+    encoder(x).sum().backward()
+    print(bool(x.grad.abs().max() <= 0.01))
+    #> True
+    ```
 
     Args:
-        module: any `nn.Module` instance.
+        module: any `nn.Module` instance, or a Keras 3 layer (`at="variables"` there for
+            its variables; a `gradoverride.keras.LayerHandle` is returned).
         fn: `fn(grad) -> grad` (returning None keeps the gradient), or a gradient recipe
             (`GradientTransform`), whose `transform` is used.
         at: `"outputs"` — the gradient with respect to what the module returned, before it
@@ -215,9 +225,8 @@ def grad_hook(
     """
     if not isinstance(module, nn.Module):
         if is_keras_layer(module):
-            from ._tensorflow._keras_modules import hook_layer
-
-            return hook_layer(module, fn, at)  # the Keras layer's handle (LayerHandle)
+            # The Keras layer's handle (a LayerHandle).
+            return backend("tensorflow").hook_layer(module, fn, at)
         msg = (
             f"grad_hook needs an nn.Module instance, got {type(module).__name__} {module!r}; "
             "for a tensor, use `tensor.register_hook(fn)`."

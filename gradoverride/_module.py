@@ -764,18 +764,27 @@ def _close_names(cls: type, target: str) -> list[str]:
 class Module(nn.Module, metaclass=_ModuleMeta):
     """An `nn.Module` whose subclass defines `backward` next to `forward`.
 
-    Example::
+    ```python
+    import torch
+    from torch import nn
+    import gradoverride as go
 
-        class LayerWithCustomGrad(go.Module):
-            def __init__(self):
-                super().__init__()
-                self.weights = nn.Parameter(torch.randn(200))
+    class LayerWithCustomGrad(go.Module):
+        def __init__(self):
+            super().__init__()
+            self.weights = nn.Parameter(torch.ones(3))
 
-            def forward(self, x):
-                return x * self.weights
+        def forward(self, x):
+            return x * self.weights
 
-            def backward(self, grad, *, x):      # names what it needs: here the input x
-                return {"x": grad * self.weights, "weights": grad * x}
+        def backward(self, grad, *, x):  # names what it needs: here the input x
+            return {"x": grad * self.weights, "weights": grad * x}
+
+    layer = LayerWithCustomGrad()
+    layer(torch.tensor([1.0, 2.0, 3.0])).sum().backward()
+    print(layer.weights.grad)
+    #> tensor([1., 2., 3.])
+    ```
 
     `backward(self, *upstream_grads, *, names...)` follows the `custom_backward` contract; it
     returns gradients for inputs and parameters by name (`named_parameters()` names). By
@@ -798,7 +807,7 @@ class Module(nn.Module, metaclass=_ModuleMeta):
     (`torch.jit.script`, `torch.jit.trace`) cannot keep the rule and raises
     `GradOverrideError`; `torch.compile` keeps it.
 
-    What `backward` may return:
+    What backward may return:
         - a dict by name: forward parameters (`"x"`) and the module's parameters as
           `named_parameters()` names them (`"weights"`, `"inner.weight"`), every owned one
           that holds a tensor present (None for no gradient);

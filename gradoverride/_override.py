@@ -16,6 +16,7 @@ from typing import Any
 from torch import nn
 from torch.compiler import is_dynamo_compiling
 
+from ._backends import backend
 from ._errors import GradOverrideError, GradOverrideTypeError
 from ._frameworks import autograph_artifact, is_keras_layer
 from ._jit import RefuseScripting
@@ -165,16 +166,22 @@ def override_backward(
 ) -> OverrideHandle:
     """Give an existing module instance a backward rule, in place.
 
-    Example::
+    ```python
+    import torch
+    from torch import nn
+    import gradoverride as go
 
-        linear = nn.Linear(4, 3)
+    linear = nn.Linear(4, 3)
 
-        def rule(grad, *, input, module):           # `input`: nn.Linear.forward's parameter
-            return {"input": grad @ module.weight, "weight": grad.T @ input, "bias": None}
+    def rule(grad, *, input, module):  # `input`: nn.Linear.forward's parameter
+        return {"input": grad @ module.weight, "weight": grad.T @ input, "bias": None}
 
-        handle = go.override_backward(linear, rule)
-        ...
-        handle.remove()                               # back to the ordinary backward
+    handle = go.override_backward(linear, rule)
+    linear(torch.ones(2, 4)).sum().backward()
+    print(linear.bias.grad)  # the rule gave the bias no gradient
+    #> None
+    handle.remove()  # back to the ordinary backward
+    ```
 
     The module keeps its identity, class, parameters and `state_dict` keys: only calls to it
     change. The rule follows the `custom_backward` contract with the names of the module's
@@ -192,7 +199,8 @@ def override_backward(
     `torch.jit.script` and `torch.jit.trace` raise `GradOverrideError`.
 
     Args:
-        module: the `nn.Module` instance.
+        module: the `nn.Module` instance, or a Keras 3 layer (a `LayerHandle` is returned
+            then; see the TensorFlow and Keras docs page).
         rule: `rule(*upstream_grads, *, names...)`.
         owns: as for `custom_backward`, naming inputs and parameters (default: all).
         once_differentiable: as for `custom_backward`.
@@ -211,9 +219,8 @@ def override_backward(
     """
     if not isinstance(module, nn.Module):
         if is_keras_layer(module):
-            from ._tensorflow._keras_modules import override_layer
-
-            return override_layer(  # the Keras layer's handle (LayerHandle)
+            # The Keras layer's handle (a LayerHandle).
+            return backend("tensorflow").override_layer(
                 module, rule, owns=owns, once_differentiable=once_differentiable,
                 materialize_grads=materialize_grads,
             )

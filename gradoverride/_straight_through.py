@@ -34,6 +34,7 @@ import torch
 from torch import Tensor
 from typing_extensions import ParamSpec
 
+from ._backends import backend
 from ._decorators import CustomBackward, custom_backward
 from ._errors import GradOverrideError, GradOverrideTypeError
 from ._frameworks import autograph_artifact
@@ -584,9 +585,7 @@ def _tensorflow_rule(
     rest = (None,) * (n_params - 1)
 
     def rule(upstream: Any, /, **saved: Any) -> Any:
-        from ._tensorflow._straight_through import gradient
-
-        grad = gradient(
+        grad = backend("tensorflow").straight_through_gradient(
             upstream, saved, first=first, window=window, inclusive=inclusive,
             surrogate=surrogate, derivative=derivative, op=op,
         )
@@ -607,9 +606,7 @@ def _build_mask(
         if isinstance(x, Tensor):
             mask = window_mask(x, bounds)
         else:  # a TensorFlow tensor: only then is the TensorFlow side imported
-            from ._tensorflow._straight_through import window_mask as tensorflow_window_mask
-
-            mask = tensorflow_window_mask(x, *window, inclusive)
+            mask = backend("tensorflow").window_mask(x, *window, inclusive)
         return fn(*args, **kwargs), {"mask": mask}
 
     op: CustomBackward[..., Any] = custom_backward(forward, residuals=("mask",))
@@ -667,19 +664,31 @@ def straight_through(
 ) -> Any:
     """Keep a non-differentiable forward; choose its backward.
 
-    Example::
+    ```python
+    import torch
+    import gradoverride as go
 
-        @go.straight_through                      # backward: the upstream gradient
-        def binarize(x):
-            return torch.sign(x)
+    @go.straight_through  # backward: the upstream gradient
+    def binarize(x):
+        return torch.sign(x)
 
-        @go.straight_through(clip=1.0)            # grad where |x| <= 1, else 0
-        def binarize_clipped(x):
-            return torch.sign(x)
+    @go.straight_through(clip=1.0)  # grad where |x| <= 1, else 0
+    def binarize_clipped(x):
+        return torch.sign(x)
 
-        @go.straight_through(surrogate=torch.tanh)  # grad * tanh'(x), by autograd
-        def spike(x):
-            return (x > 0).to(x.dtype)
+    @go.straight_through(surrogate=torch.tanh)  # grad * tanh'(x), by autograd
+    def spike(x):
+        return (x > 0).to(x.dtype)
+
+    x = torch.tensor([-2.0, 0.5], requires_grad=True)
+    for op in (binarize, binarize_clipped, spike):
+        x.grad = None
+        op(x).sum().backward()
+        print(op.__name__, [round(g, 3) for g in x.grad.tolist()])
+        #> binarize [1.0, 1.0]
+        #> binarize_clipped [0.0, 1.0]
+        #> spike [0.071, 0.786]
+    ```
 
     The gradient goes to the first argument; further arguments (a bit width, a threshold)
     are passed to the forward and get no gradient. The result is a `custom_backward` op:

@@ -17,9 +17,13 @@ from pathlib import Path
 import pytest
 from pytest_examples import CodeExample, EvalExample, find_examples
 
+import gradoverride
+
 ROOT = Path(__file__).resolve().parent.parent
+# The package being tested (the installed one, where the source tree is not importable).
+PACKAGE = Path(gradoverride.__file__).resolve().parent
 # The docs pages, the README, and the docstrings (the API reference renders their blocks).
-PAGES = [ROOT / "README.md", ROOT / "docs", ROOT / "gradoverride"]
+PAGES = [ROOT / "README.md", ROOT / "docs", PACKAGE]
 EXAMPLES = list(find_examples(*PAGES))
 
 _NO_TENSORFLOW = (
@@ -29,12 +33,17 @@ _NO_TENSORFLOW = (
 _TENSORFLOW_MARKERS = ("import tensorflow", "gradoverride.keras", "import keras")
 
 
+def _relative(path: Path) -> str:
+    base = ROOT if path.is_relative_to(ROOT) else PACKAGE.parent
+    return path.relative_to(base).as_posix()
+
+
 def _id(example: CodeExample) -> str:
-    return f"{example.path.relative_to(ROOT)}:{example.start_line}"
+    return f"{_relative(example.path)}:{example.start_line}"
 
 
 def test_the_pages_have_examples() -> None:
-    pages = {example.path.relative_to(ROOT).as_posix() for example in EXAMPLES}
+    pages = {_relative(example.path) for example in EXAMPLES}
     assert "README.md" in pages
     assert len(pages) >= 8, sorted(pages)
 
@@ -164,3 +173,17 @@ def test_the_api_reference_has_every_public_name(module_name: str, page: str) ->
                   if name.startswith(module_name + ".")}
     missing = sorted(public - documented)
     assert not missing, f"docs/api/{page} lacks {missing}: add `::: {module_name}.<name>`"
+
+
+def test_docstrings_fence_their_code() -> None:
+    # An rst literal block (`Example::` and an indented block) renders as a paragraph ending in
+    # "::" on the docs site and is never run; a fenced ```python block is both highlighted and
+    # run by the test above.
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+            code = line.split("#", 1)[0]
+            assert not code.rstrip().endswith("::"), (
+                f"{_relative(path)}:{number} starts an rst literal block; fence it"
+            )
+    docstring_examples = [e for e in EXAMPLES if e.path.suffix == ".py"]
+    assert len(docstring_examples) >= 30, len(docstring_examples)

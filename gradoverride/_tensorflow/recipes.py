@@ -66,9 +66,9 @@ Differences that cannot be avoided, each documented where it applies:
   within the half type's rounding.
 
 Not supported on TensorFlow tensors (a `GradOverrideTypeError` that names the recipe and
-lists those that are): `ste_argmax` and `gumbel_softmax` (their one-hot and noise have no
-TensorFlow form here yet), `blackbox_solver` and `perturbed_optimizer` (they call a Python
-solver between the forward and the backward, which `tf.function` and XLA cannot trace), and
+lists those that are): `rotation_trick`, `blackbox_solver` and `perturbed_optimizer` (these
+call a Python solver between the forward and the backward, which `tf.function` and XLA
+cannot trace), and
 the `nn.Module` forms that hold torch state: `lsq(...).module()` (its step is a torch
 parameter; call `lsq(bits)(x, step)` with a `tf.Variable` step instead) and the scheduled
 module of `reverse_grad` / `scale_grad` (its step count is a torch buffer; call the recipe
@@ -84,9 +84,11 @@ import struct
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 
 from .._errors import GradOverrideError, GradOverrideTypeError
+from .._frameworks import autograph_artifact
 from ..recipes._base import GradientTransform
 from ..recipes._discrete import gumbel_softmax, rotation_trick, ste_argmax
 from ..recipes._flow import (
@@ -124,12 +126,14 @@ SUPPORTED: tuple[str, ...] = (
     "binarize",
     "clip_grad_norm",
     "clip_grad_value",
+    "gumbel_softmax",
     "lsq",
     "quantize",
     "reverse_grad",
     "sanitize_grad",
     "scale_grad",
     "spike",
+    "ste_argmax",
     "ste_ceil",
     "ste_clamp",
     "ste_floor",
@@ -1012,7 +1016,100 @@ def _spike(recipe: spike, x: Any, noise: Any = None, generator: Any = None) -> A
 #: The TensorFlow form of `recipe(x, ...)`, by recipe class (looked up along the class's MRO,
 #: so `reverse_grad` and `scale_grad` share `_ScaledGradient`'s, and a user's own
 #: `GradientTransform` gets the identity whose gradient is its `transform`).
+# ---- discrete choices: straight-through argmax and Gumbel-softmax -----------------------------
+
+
+def _work_dtype(dtype: Any) -> Any:
+    """float32 for half inputs (the softmax and the noise), as the torch recipes compute."""
+    return tf.float32 if dtype in (tf.float16, tf.bfloat16) else dtype
+
+
+def _one_hot(scores: Any, dim: int, dtype: Any) -> Any:
+    depth = tf.shape(scores)[dim]
+    return tf.one_hot(tf.argmax(scores, axis=dim), depth, axis=dim, dtype=dtype)
+
+
+def _softmax_backward(grad: Any, soft: Any, dim: int, temperature: float) -> Any:
+    """soft * (grad - sum(grad * soft)) / T, multiplied before dividing by T (a one-hot
+    `soft` at a tiny T gives 0, not 0 * inf), as the torch recipes compute it."""
+    grad = tf.cast(grad, soft.dtype)
+    out = soft * (grad - tf.reduce_sum(grad * soft, axis=dim, keepdims=True))
+    return out if temperature == 1 else _divide(out, temperature)
+
+
+def _ste_argmax(recipe: ste_argmax, x: Any) -> Any:
+    _check_floating(recipe, x)
+    dim, temperature = recipe.dim, recipe.temperature
+
+    @tf.custom_gradient  # type: ignore[untyped-decorator]
+    @autograph_artifact
+    def op(x: Any) -> Any:
+        out = _one_hot(x, dim, x.dtype)
+
+        @autograph_artifact
+        def gradient(grad: Any) -> Any:
+            if recipe.backward == "identity":
+                return grad
+            work = tf.cast(x, _work_dtype(x.dtype))
+            shifted = work - tf.reduce_max(work, axis=dim, keepdims=True)
+            soft = tf.nn.softmax(_divide(shifted, temperature), axis=dim)
+            return tf.cast(_softmax_backward(grad, soft, dim, temperature), x.dtype)
+
+        return out, gradient
+
+    return op(x)
+
+
+def _gumbel_noise(shape: Any, dtype: Any) -> Any:
+    """Standard Gumbel samples, always finite (u clamped to [tiny, 1 - eps/2])."""
+    info = np.finfo(dtype.as_numpy_dtype)
+    u = tf.random.uniform(shape, minval=float(info.tiny), maxval=1.0, dtype=dtype)
+    u = tf.clip_by_value(u, float(info.tiny), 1 - float(info.eps) / 2)
+    return -tf.math.log(-tf.math.log(u))
+
+
+def _gumbel_softmax(
+    recipe: gumbel_softmax, x: Any, *, generator: Any = None, noise: Any = None
+) -> Any:
+    _check_floating(recipe, x)
+    if generator is not None:
+        msg = (
+            f"{recipe!r}: `generator` is a torch.Generator, which cannot draw TensorFlow noise; "
+            "seed TensorFlow (`tf.random.set_seed`) or pass the draws as `noise=`."
+        )
+        raise GradOverrideTypeError(msg)
+    dim, temperature = recipe.dim, recipe.temperature
+    work = _work_dtype(x.dtype)
+    if noise is None:
+        noise = _gumbel_noise(tf.shape(x), work)
+    elif not (tf.is_tensor(noise) and tf.as_dtype(noise.dtype).is_floating):
+        msg = (
+            f"{recipe!r}: `noise` must be a floating-point tensor of Gumbel draws shaped like "
+            f"the scores; got {type(noise).__name__}."
+        )
+        raise GradOverrideTypeError(msg)
+
+    @tf.custom_gradient  # type: ignore[untyped-decorator]
+    @autograph_artifact
+    def op(x: Any, noise: Any) -> Any:
+        scores = tf.cast(x, work) + tf.cast(noise, work)
+        shifted = scores - tf.reduce_max(scores, axis=dim, keepdims=True)
+        soft = tf.nn.softmax(_divide(shifted, temperature), axis=dim)
+        out = _one_hot(soft, dim, x.dtype) if recipe.hard else tf.cast(soft, x.dtype)
+
+        @autograph_artifact
+        def gradient(grad: Any) -> Any:
+            g = _softmax_backward(grad, soft, dim, temperature)
+            return tf.cast(g, x.dtype), tf.cast(g, noise.dtype)
+
+        return out, gradient
+
+    return op(x, noise)
+
+
 _CALLS: dict[type, Callable[..., Any]] = {
+    ste_argmax: _ste_argmax,
+    gumbel_softmax: _gumbel_softmax,
     ste_round: _ste_round,
     ste_floor: _ste_floor,
     ste_ceil: _ste_ceil,
@@ -1040,9 +1137,7 @@ _TRANSFORMS: dict[type, Callable[..., Any]] = {
 
 #: What to do instead, for each recipe or module with no TensorFlow form.
 _INSTEAD: dict[type, str] = {
-    ste_argmax: "its one-hot and softmax gradient have no TensorFlow form yet",
-    gumbel_softmax: "its noise and softmax gradient have no TensorFlow form yet",
-    rotation_trick: "the discrete choices have no TensorFlow form yet",
+    rotation_trick: "its rotation has no TensorFlow form yet",
     blackbox_solver: (
         "it calls a Python solver between the forward and the backward, which tf.function "
         "and XLA cannot trace"

@@ -27,6 +27,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
+from .._backends import backend
 from .._decorators import custom_backward
 from .._errors import GradOverrideError
 from .._frameworks import is_tensorflow
@@ -154,15 +155,11 @@ def keep_dtype(value: Tensor, like: Tensor) -> Tensor:
 def tensorflow_call(recipe: object, x: Any, /, *args: Any, **kwargs: Any) -> Tensor:
     """`recipe(x, ...)` for a TensorFlow `x` (gradoverride._tensorflow.recipes); a recipe
     with no TensorFlow form raises GradOverrideTypeError naming those that have one."""
-    from .._tensorflow.recipes import call
-
-    result: Tensor = call(recipe, x, *args, **kwargs)
+    result: Tensor = backend("tensorflow").call_recipe(recipe, x, *args, **kwargs)
     return result
 
 
 def tensorflow_transform(recipe: object, grad: Any, /, **kwargs: Any) -> Tensor:
     """`recipe.transform(grad, ...)` for a TensorFlow gradient (dense or IndexedSlices)."""
-    from .._tensorflow.recipes import transform
-
-    result: Tensor = transform(recipe, grad, **kwargs)
+    result: Tensor = backend("tensorflow").transform_gradient(recipe, grad, **kwargs)
     return result

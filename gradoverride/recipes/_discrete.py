@@ -117,9 +117,18 @@ class ste_argmax(Recipe):
     straight-through softmax): with p = softmax(x / T, dim),
     dL/dx = p * (dL/dy - sum(dL/dy * p, dim)) / T, the gradient of p: exactly what
     `y - p.detach() + p` gives. `backward="identity"`: dL/dx = dL/dy. Only x is kept for
-    backward; p is recomputed there. Example::
+    backward; p is recomputed there.
 
-        choice = go.recipes.ste_argmax(dim=-1)(logits)   # one-hot, differentiable
+    ```python
+    import torch
+    import gradoverride as go
+
+    logits = torch.tensor([[1.0, 3.0, 0.5]], requires_grad=True)
+    choice = go.recipes.ste_argmax(dim=-1)(logits)  # one-hot, differentiable
+    choice[0, 1].backward()
+    print(choice.tolist(), [round(g, 3) for g in logits.grad[0].tolist()])
+    #> [[0.0, 1.0, 0.0]] [-0.091, 0.147, -0.055]
+    ```
     """
 
     dim: int = -1
@@ -214,10 +223,20 @@ class gumbel_softmax(Recipe):
     Given noise gets the same gradient as x (the scores are x + G); it is used as given,
     in float32 for half inputs. Under `torch.compile`, leave `generator` unset and seed with
     `torch.manual_seed`, or pass `noise=`: dynamo cannot trace an explicit
-    `torch.Generator`. Example::
+    `torch.Generator`.
 
-        sample = go.recipes.gumbel_softmax(temperature=0.5)(logits, generator=g)
-        same = go.recipes.gumbel_softmax(temperature=0.5)(logits, noise=draws)
+    ```python
+    import torch
+    import gradoverride as go
+
+    logits = torch.tensor([[1.0, 3.0, 0.5]], requires_grad=True)
+    g = torch.Generator().manual_seed(0)
+    sample = go.recipes.gumbel_softmax(temperature=0.5)(logits, generator=g)
+    draws = -torch.empty(1, 3).exponential_(generator=torch.Generator().manual_seed(1)).log()
+    same = go.recipes.gumbel_softmax(temperature=0.5)(logits, noise=draws)
+    print(sample.tolist(), torch.equal(same, go.recipes.gumbel_softmax(0.5)(logits, noise=draws)))
+    #> [[0.0, 1.0, 0.0]] True
+    ```
     """
 
     temperature: float = 1.0
@@ -334,9 +353,18 @@ class rotation_trick(Recipe):
     and divisions, vectors along the last dimension): the same gradient; its forward
     computes `lambda * R x`, which is q up to rounding where |x| >= eps but not below (0 at
     x = 0), where this recipe gives q.
-    Example::
+    ```python
+    import torch
+    import gradoverride as go
 
-        y = go.recipes.rotation_trick()(z_e, codebook[indices])
+    codebook = torch.tensor([[1.0, 0.0], [0.0, 1.0]])
+    z_e = torch.tensor([[0.9, 0.2]], requires_grad=True)  # the encoder's output
+    indices = (z_e @ codebook.T).argmax(-1)
+    y = go.recipes.rotation_trick()(z_e, codebook[indices])
+    y.sum().backward()
+    print(y.tolist(), z_e.grad.shape)  # the code forward; a rotated gradient to z_e
+    #> [[1.0, 0.0]] torch.Size([1, 2])
+    ```
     """
 
     dim: int = -1

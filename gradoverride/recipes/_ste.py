@@ -200,9 +200,18 @@ class ste_round(Recipe):
     """Straight-through round: `torch.round(x)` forward, the upstream gradient backward.
 
     Formula: y = round(x), halves to even (0.5 -> 0, 1.5 -> 2, -0.5 -> -0), as `torch.round`;
-    dL/dx = dL/dy. Matches brevitas `round_ste`. Example::
+    dL/dx = dL/dy. Matches brevitas `round_ste`.
 
-        y = go.recipes.ste_round()(x)
+    ```python
+    import torch
+    import gradoverride as go
+
+    x = torch.tensor([0.4, 1.6], requires_grad=True)
+    y = go.recipes.ste_round()(x)
+    y.sum().backward()
+    print(y.tolist(), x.grad.tolist())
+    #> [0.0, 2.0] [1.0, 1.0]
+    ```
     """
 
     def __call__(self, x: Tensor) -> Tensor:
@@ -369,9 +378,18 @@ class ste_clamp(Recipe):
     `torch.nn.functional.hardtanh(x, low, high)` (0 at the bounds); a pair `(low_end,
     high_end)` chooses each end. There is no default for `outside`: libraries disagree and
     have changed it, so the choice is written at the call. `ste_clamp.preset(name, low,
-    high)` gives each library's convention (see `CLAMP_PRESETS`). Example::
+    high)` gives each library's convention (see `CLAMP_PRESETS`).
 
-        clip = go.recipes.ste_clamp(-1.0, 1.0, outside="zero")
+    ```python
+    import torch
+    import gradoverride as go
+
+    clip = go.recipes.ste_clamp(-1.0, 1.0, outside="zero")
+    x = torch.tensor([-2.0, 0.5, 2.0], requires_grad=True)
+    clip(x).sum().backward()
+    print(clip(x).tolist(), x.grad.tolist())
+    #> [-1.0, 0.5, 1.0] [0.0, 1.0, 0.0]
+    ```
 
     Bounds may be tensors (per channel, say), broadcast against the input as `torch.clamp`
     broadcasts them and compared in the input's dtype (rounded to it, as number bounds are):
@@ -595,9 +613,18 @@ class binarize(Recipe):
     al., 2016; the scaling factor is not applied); a pair `(low_end, high_end)` chooses each
     end. `clip` is a bound c (the window [-c, c]) or a pair (low, high); `clip=None` passes
     the gradient everywhere (brevitas `binary_sign_ste`). `binarize.preset(name)` gives each
-    library's convention (see `BINARIZE_PRESETS`). Example::
+    library's convention (see `BINARIZE_PRESETS`).
 
-        w_b = go.recipes.binarize()(weight)
+    ```python
+    import torch
+    import gradoverride as go
+
+    weight = torch.tensor([-1.5, -0.2, 0.0, 0.7], requires_grad=True)
+    w_b = go.recipes.binarize()(weight)
+    w_b.sum().backward()
+    print(w_b.tolist(), weight.grad.tolist())
+    #> [-1.0, -1.0, 1.0, 1.0] [0.0, 1.0, 1.0, 1.0]
+    ```
     """
 
     clip: float | tuple[float, float] | None = 1.0
@@ -688,9 +715,18 @@ class abs_subgradient(Recipe):
     s(0) = s(-0) = `at_zero`. The default, `at_zero=1.0`, is brevitas's
     `abs_binary_sign_grad` (the binary sign, +1 at 0, so a scale or weight at exactly 0
     still gets a gradient); `at_zero=0.0` is torch's own `abs`. The gradient at a NaN input
-    is not specified. Keeps the input for backward (as torch's `abs` does). Example::
+    is not specified. Keeps the input for backward (as torch's `abs` does).
 
-        magnitude = go.recipes.abs_subgradient()(scale)
+    ```python
+    import torch
+    import gradoverride as go
+
+    scale = torch.tensor([-2.0, 0.0, 3.0], requires_grad=True)
+    magnitude = go.recipes.abs_subgradient()(scale)
+    magnitude.sum().backward()
+    print(magnitude.tolist(), scale.grad.tolist())  # +1 at 0, as brevitas gives it
+    #> [2.0, 0.0, 3.0] [-1.0, 1.0, 1.0]
+    ```
     """
 
     at_zero: float = 1.0

@@ -656,29 +656,27 @@ class spike(Recipe):
     column its default). The rows down to q_pseudo_spike are a smooth step's derivative:
     they integrate to 1, and their default alpha gives sg(0) = 1.
 
-    =======================  ==============================================  ========  =====
-    surrogate                sg(x)                                           alpha     sg(0)
-    =======================  ==============================================  ========  =====
-    arctan (default)         (a/2) / (1 + (pi a x / 2)^2)                    2         1
-    sigmoid                  a sigmoid(a x) (1 - sigmoid(a x))               4         1
-    fast_sigmoid             (a/2) / (1 + a|x|)^2                            2         1
-    super_spike, soft_sign   the fast sigmoid's                              2         1
-    erf                      (a / sqrt(pi)) exp(-(a x)^2)                    sqrt(pi)  1
-    triangle                 max(0, a - a^2 |x|)                             1         1
-    piecewise_quadratic      the triangle's                                  1         1
-    rectangular              a where |x| < 1/(2a), else leak (default 0)     1         1
-    piecewise_exp            (a/2) exp(-a|x|)                                2         1
-    circ                     (a/2) / (1 + (a x)^2)^(3/2)                     2         1
-    q_pseudo_spike           (1 + 2|x| / (a - 1))^(-a), a > 1: the tail     2         1
-    straight_through         1                                               unused    1
-    s2nn                     a s(a x) s(-a x) for x < 0, beta / (1 + x)      4         beta
-    squarewave_fourier       (2a/pi) sum_{i<=terms} cos((2i - 1) a x)        pi/2      1*
-    nonzero_sign_log_abs     a / (1 + a|x|)                                  1         a
-    fake_numerical_gradient  min(a, 1/|x|)                                   1         a
-    log_tailed_relu          leak for x <= 0, 1 up to x = 1, then 1/x        unused    leak
-    leaky_relu               1 where the step fires, leak where it does not  unused    **
-    sparse_fast_sigmoid      the fast sigmoid's where x > bound, else 0      2         0
-    =======================  ==============================================  ========  =====
+    | surrogate | sg(x) | alpha | sg(0) |
+    | --- | --- | --- | --- |
+    | arctan (default) | (a/2) / (1 + (pi a x / 2)^2) | 2 | 1 |
+    | sigmoid | a sigmoid(a x) (1 - sigmoid(a x)) | 4 | 1 |
+    | fast_sigmoid | (a/2) / (1 + a abs(x))^2 | 2 | 1 |
+    | super_spike, soft_sign | the fast sigmoid's | 2 | 1 |
+    | erf | (a / sqrt(pi)) exp(-(a x)^2) | sqrt(pi) | 1 |
+    | triangle | max(0, a - a^2 abs(x)) | 1 | 1 |
+    | piecewise_quadratic | the triangle's | 1 | 1 |
+    | rectangular | a where abs(x) < 1/(2a), else leak (default 0) | 1 | 1 |
+    | piecewise_exp | (a/2) exp(-a abs(x)) | 2 | 1 |
+    | circ | (a/2) / (1 + (a x)^2)^(3/2) | 2 | 1 |
+    | q_pseudo_spike | (1 + 2 abs(x) / (a - 1))^(-a), a > 1: the tail | 2 | 1 |
+    | straight_through | 1 | unused | 1 |
+    | s2nn | a s(a x) s(-a x) for x < 0, beta / (1 + x) | 4 | beta |
+    | squarewave_fourier | (2a/pi) sum_{i<=terms} cos((2i - 1) a x) | pi/2 | 1* |
+    | nonzero_sign_log_abs | a / (1 + a abs(x)) | 1 | a |
+    | fake_numerical_gradient | min(a, 1/abs(x)) | 1 | a |
+    | log_tailed_relu | leak for x <= 0, 1 up to x = 1, then 1/x | unused | leak |
+    | leaky_relu | 1 where the step fires, leak where it does not | unused | ** |
+    | sparse_fast_sigmoid | the fast sigmoid's where x > bound, else 0 | 2 | 0 |
 
     (s = sigmoid; * 2a terms / pi; ** at_zero + (1 - at_zero) * leak.) straight_through is
     the constant 1, and from s2nn down the formula cannot follow the convention: their
@@ -716,10 +714,19 @@ class spike(Recipe):
 
     `spike.preset(name, **params)` gives each library's convention (see `SPIKE_PRESETS`).
     `recipe.gradient(x)` is scale * sg(x - center); `recipe.proxy(x)` is the function whose
-    derivative (times `scale`) it is: a smooth step from 0 to 1 for the top rows. Example::
+    derivative (times `scale`) it is: a smooth step from 0 to 1 for the top rows.
 
-        spk = go.recipes.spike()                      # arctan, alpha=2, H(0) = 0
-        out = spk(v - 1.0)                            # spikes where v > 1
+    ```python
+    import torch
+    import gradoverride as go
+
+    spk = go.recipes.spike()  # arctan, alpha=2, H(0) = 0
+    v = torch.tensor([0.5, 1.0, 1.5], requires_grad=True)
+    out = spk(v - 1.0)  # spikes where v > 1
+    out.sum().backward()
+    print(out.tolist(), [round(g, 3) for g in v.grad.tolist()])
+    #> [0.0, 0.0, 1.0] [0.288, 1.0, 0.288]
+    ```
 
     A stochastic spike (`sample=True`, or leaky_relu with a spread) takes `noise=` (U[0, 1)
     samples of x's shape: the spike is noise < p; for the spread, the u above) or

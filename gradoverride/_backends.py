@@ -1,0 +1,38 @@
+"""The frameworks besides torch, each found through this one registry by name.
+
+A framework's implementation of gradoverride lives in its own package
+(`gradoverride._tensorflow` for TensorFlow and Keras), which imports the torch side freely.
+The torch side never imports it: once a value of that framework reaches a gradoverride
+function (`_frameworks.is_tensorflow` tells, without importing anything), the function asks
+this registry for the framework's package and calls one of its entry points. So `import
+gradoverride` imports no other framework, the package's import graph has no cycle, and a
+new framework, or a new entry point of one, grows its own package only (the way einops
+finds its backends).
+
+The entry points a backend package provides (`ENTRY_POINTS`), each loaded on first use:
+the `custom_backward` call (`TensorFlowCall`) and its `tf.function` trace type
+(`OpTraceType`), the recipes (`call_recipe`, `transform_gradient`), the straight-through
+rule (`straight_through_gradient`, `window_mask`), `bridge_call`, and the module side
+(`override_layer`, `hook_layer`).
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+__all__ = ["BACKENDS", "ENTRY_POINTS", "backend"]
+
+#: Framework name -> the package that implements gradoverride on it.
+BACKENDS: dict[str, str] = {"tensorflow": "gradoverride._tensorflow"}
+
+#: What every backend package provides (as module attributes, loaded on first use).
+ENTRY_POINTS: tuple[str, ...] = (
+    "TensorFlowCall", "OpTraceType", "call_recipe", "transform_gradient",
+    "straight_through_gradient", "window_mask", "bridge_call", "override_layer", "hook_layer",
+)
+
+
+def backend(framework: str) -> ModuleType:
+    """The package implementing gradoverride on `framework` (imported on first use)."""
+    return importlib.import_module(BACKENDS[framework])

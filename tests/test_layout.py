@@ -1,0 +1,106 @@
+"""The package's layout: the torch side never imports a framework backend (it asks
+`gradoverride._backends`), and the import graph has no cycle, counting the imports inside
+functions too. Read from the source, so it holds whatever is installed."""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import os
+from pathlib import Path
+
+import pytest
+
+import gradoverride
+
+# The package being tested (the installed one, where the source tree is not importable).
+PACKAGE = Path(gradoverride.__file__).resolve().parent
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _runtime_nodes(tree: ast.AST) -> list[ast.AST]:
+    """Every node of `tree` but those under `if TYPE_CHECKING:` (never imported at run time)."""
+    nodes: list[ast.AST] = []
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        nodes.append(node)
+        if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING":
+            stack.extend(node.orelse)
+            continue
+        stack.extend(ast.iter_child_nodes(node))
+    return nodes
+
+
+def _imports(path: Path) -> set[str]:
+    """The gradoverride modules `path` imports at run time, anywhere in it (functions too)."""
+    name = _module_name(path)
+    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    found: set[str] = set()
+    for node in _runtime_nodes(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                target = f"{base}.{node.module}" if node.module else base
+            else:
+                target = node.module or ""
+            targets = [target] + [f"{target}.{a.name}" for a in node.names]
+        elif isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        else:
+            continue
+        found.update(t for t in targets if t.startswith("gradoverride"))
+    return found
+
+
+MODULES = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+GRAPH = {
+    name: {t for t in _imports(path) if t in MODULES and t != name}
+    for name, path in MODULES.items()
+}
+
+
+def test_the_torch_side_never_imports_a_framework_backend() -> None:
+    offenders = {
+        name: sorted(t for t in targets if t.startswith("gradoverride._tensorflow"))
+        for name, targets in GRAPH.items()
+        if not name.startswith(("gradoverride._tensorflow", "gradoverride.keras"))
+    }
+    assert not {k: v for k, v in offenders.items() if v}, offenders
+
+
+def test_the_import_graph_has_no_cycle() -> None:
+    # Parent packages are left out: `gradoverride.x` imports `gradoverride` implicitly.
+    state: dict[str, int] = {}
+
+    def visit(name: str, path: list[str]) -> None:
+        state[name] = 1
+        for target in sorted(GRAPH[name]):
+            if name.startswith(target + ".") or target == "gradoverride":
+                continue
+            if state.get(target) == 1:
+                cycle = [*path[path.index(target):], target] if target in path else [name, target]
+                pytest.fail(f"import cycle: {' -> '.join(cycle)}")
+            if state.get(target) is None:
+                visit(target, [*path, target])
+        state[name] = 2
+
+    for name in sorted(GRAPH):
+        if state.get(name) is None:
+            visit(name, [name])
+
+
+def test_the_tensorflow_backend_provides_every_entry_point() -> None:
+    from gradoverride import _backends
+
+    if importlib.util.find_spec("tensorflow") is None:
+        if os.environ.get("GRADOVERRIDE_REQUIRE_TENSORFLOW") == "1":
+            pytest.fail("GRADOVERRIDE_REQUIRE_TENSORFLOW=1 but TensorFlow is not installed")
+        pytest.skip("TensorFlow is not installed (pip install 'gradoverride[tensorflow]')")
+    backend = _backends.backend("tensorflow")
+    missing = [name for name in _backends.ENTRY_POINTS if not callable(getattr(backend, name))]
+    assert not missing, missing
