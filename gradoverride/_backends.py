@@ -21,6 +21,8 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
+from ._frameworks import autograph_artifact
+
 __all__ = ["BACKENDS", "ENTRY_POINTS", "backend"]
 
 #: Framework name -> the package that implements gradoverride on it.
@@ -33,6 +35,7 @@ ENTRY_POINTS: tuple[str, ...] = (
 )
 
 
+@autograph_artifact  # called while tf.function traces: AutoGraph must not convert importlib
 def backend(framework: str) -> ModuleType:
     """The package implementing gradoverride on `framework` (imported on first use)."""
     return importlib.import_module(BACKENDS[framework])
