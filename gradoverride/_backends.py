@@ -35,7 +35,7 @@ ENTRY_POINTS: tuple[str, ...] = (
 )
 
 
-@autograph_artifact
+@autograph_artifact  # called while tf.function traces: AutoGraph must not convert importlib
 def backend(framework: str) -> ModuleType:
     """The package implementing gradoverride on `framework` (imported on first use)."""
     return importlib.import_module(BACKENDS[framework])

@@ -38,10 +38,7 @@ from typing import Any
 from torch import Tensor, nn
 from torch.nn.parameter import UninitializedParameter
 
-__all__ = ["KEY", "Layout", "make_layout", "snapshot"]
-
-#: Where a layout is kept (a key of the module's `__dict__`, or of an override's cache).
-KEY = "_gradoverride_layout"
+__all__ = ["Layout", "make_layout", "snapshot"]
 
 Snapshot = tuple[tuple[Any, ...], tuple[Any, ...], tuple[Any, ...]]
 

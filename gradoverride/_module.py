@@ -24,7 +24,7 @@ import functools
 import inspect
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
@@ -36,11 +36,22 @@ from ._errors import GradOverrideError, GradOverrideTypeError
 from ._gradients import check_gradient
 from ._internals import FAST_APPLY, is_transformed, tracing_state, transforms_active
 from ._jit import jit_message, refuse_scripting
-from ._layout import KEY, Layout, make_layout, snapshot
-from ._module_fastpath import MISS, generate_entry, generate_rule, generate_twin
 from ._rule import RESERVED_NAMES, normalize_names
 
+if TYPE_CHECKING:
+    from ._layout import Layout
+
 __all__ = ["Module"]
+
+# `_layout` and `_module_fastpath` are imported where first needed (a module rule's first op,
+# its first call): compiling their source would add ~7 ms to `import gradoverride`.
+
+#: Where a module's layout is kept (see `_layout`): a key of the module's `__dict__`
+#: (go.Module) or of an override's own cache (override_backward).
+KEY = "_gradoverride_layout"
+
+#: What a generated entry (see `_module_fastpath`) returns for a call it does not cover.
+MISS: Any = object()
 
 #: (where, inputs, owned_inputs, n_grads, user_rule, rule_is_method, parameter_names,
 #:  requested, parameter names of this layout, their op slots, owned parameter names,
@@ -266,6 +277,8 @@ class _ModuleRule:
         rule: Callable[..., Any] = general_rule
         owns_everything = len(owned_inputs) == len(self.inputs) and owned_names == names
         if owns_everything and not copies and not wants_needs:
+            from ._module_fastpath import generate_rule
+
             rule = generate_rule(
                 label=self.where.strip("`"),
                 inputs=self.inputs,
@@ -318,6 +331,8 @@ class _ModuleRule:
             materialize_grads=self.materialize_grads,
         )
         if rule is not general_rule and self._twin_covers():
+            from ._module_fastpath import generate_twin
+
             self.twins[names] = generate_twin(
                 label=self.where.strip("`"),
                 kind="CustomBackward",
@@ -375,6 +390,8 @@ class _ModuleRule:
         if is_dynamo_compiling():
             # Traced code keeps no per-call objects: the walks, which dynamo folds.
             return self._call_walked(module, args, kwargs)
+        from ._layout import make_layout, snapshot
+
         layout = cache.get(KEY)
         snap = snapshot(module)
         if layout is None or layout.key != snap[0] or layout.owner is not self:
@@ -410,6 +427,8 @@ class _ModuleRule:
         key = (type(module), params, buffers, layout.inplace_in_dict)
         entry = self.entries.get(key)
         if entry is None:
+            from ._module_fastpath import generate_entry
+
             op = self.op_for(layout.names, False)
             entry = self.entries[key] = generate_entry(
                 label=self.where.strip("`"),
@@ -424,6 +443,7 @@ class _ModuleRule:
                     "finish": op.function._gradoverride_general[3],  # type: ignore[attr-defined]
                     "ParameterIds": _ParameterIds,
                     "NO_BUFFERS": _NO_BUFFERS,
+                    "MISS": MISS,
                 },
             )
         return entry
@@ -553,30 +573,7 @@ def _call_module_rule(spec: _RuleConfig, grads: tuple[Any, ...], named: dict[str
     for name, grad in zip(owned_names, before, strict=True):
         if current[name].grad is not grad:
             _refuse_written_grad(where, name)
-    if type(result) is dict and len(result) == len(inputs) + len(owned):
-        translated = _translate_full_dict(spec, result, owned)
-        if translated is not None:
-            return translated
     return _translate(spec, result, owned, needs_inputs)
-
-
-def _translate_full_dict(
-    spec: _RuleConfig, result: dict[str, Any], owned: dict[str, Tensor]
-) -> tuple[Any, ...] | None:
-    """`_translate` for the common return: a dict naming every input and owned parameter
-    (None when it names anything else, for `_translate` to say so)."""
-    where, inputs, names, copies = spec[0], spec[1], spec[8], spec[11]
-    try:
-        input_grads = [result[n] for n in inputs]
-        param_grads = [result[n] if n in owned else None for n in names]
-    except KeyError:
-        return None
-    label = where.strip("`")
-    for i, (name, grad) in enumerate(zip(names, param_grads, strict=True)):
-        if grad is not None:
-            p = owned[name]
-            param_grads[i] = check_gradient(grad, (p.shape, p.dtype, p.device), label, name)
-    return (None, None, *param_grads, *(None for _ in copies), *input_grads)
 
 
 def _refuse_written_grad(where: str, name: str) -> None:

@@ -17,7 +17,7 @@ step, so for a rule that owns every input and parameter (no in-place copies, res
   dicts, that the module still has exactly that structure (the same parameter and buffer
   names, None where None was, no parameter shared, no submodule, a plain `nn.Parameter`
   each, not in-place) and that the call is an eager positional one, then applies the twin.
-  Anything else returns `MISS`, and the caller takes the op's path.
+  Anything else returns `_module.MISS`, and the caller takes the op's path.
 
 Each fast path hands what it does not cover, unchanged, to the reference: the twin's
 forward to the core's general setup for an output that is not one tensor (its backward then
@@ -49,10 +49,7 @@ from ._gradients import check_gradient, flat_gradients
 from ._internals import any_autocast_enabled, raw_apply, tracing_state, transforms_active
 from ._passthrough import as_output
 
-__all__ = ["MISS", "generate_entry", "generate_rule", "generate_twin"]
-
-#: What an entry returns when the call is not one it covers.
-MISS: Any = object()
+__all__ = ["generate_entry", "generate_rule", "generate_twin"]
 
 _CONTAINERS = (tuple, list, dict)
 
@@ -445,7 +442,7 @@ def generate_entry(
     `namespace` provides: op (the op, whose class says whether its next call is checked),
     fast_class (its class when it is not), apply (the twin's raw apply), finish (the core's,
     for an output that is not one tensor), ParameterIds, NO_BUFFERS (the ids object for a
-    call without floating buffers)."""
+    call without floating buffers), MISS (`_module.MISS`)."""
     params, buffers = pattern
     xs = [f"_go_a{i}" for i in range(n_inputs)]
     lines = [
@@ -527,7 +524,7 @@ def generate_entry(
     space = {f"_go_{key}": value for key, value in namespace.items()}
     space.update(_builtins())
     space.update(
-        _go_CLS=cls, _go_MISS=MISS, _go_CONTAINERS=_CONTAINERS, _go_modules=sys.modules,
+        _go_CLS=cls, _go_CONTAINERS=_CONTAINERS, _go_modules=sys.modules,
         _go_Parameter=nn.Parameter, _go_getattr=getattr,
         _go_transforms_active=transforms_active, _go_any_tensorflow=any_tensorflow,
         _go_is_grad_enabled=torch.is_grad_enabled, _go_tracing_state=tracing_state,

@@ -20,9 +20,7 @@ from ._backends import backend
 from ._errors import GradOverrideError, GradOverrideTypeError
 from ._frameworks import autograph_artifact, is_keras_layer
 from ._jit import RefuseScripting
-from ._layout import KEY
-from ._module import Module, _ModuleRule, _parameter_names
-from ._module_fastpath import MISS
+from ._module import KEY, MISS, Module, _ModuleRule, _parameter_names
 from ._signature import describe
 
 __all__ = ["OverrideHandle", "override_backward"]

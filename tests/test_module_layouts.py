@@ -151,6 +151,19 @@ def test_functional_call_between_calls_gives_the_passed_parameters_their_gradien
     assert_grads(grads_of(layer), affine_reference(layer.w, layer.b))
 
 
+def test_functional_call_with_parameter_objects_between_calls() -> None:
+    # nn.Parameter objects pass the structure check; the rule must still see them, not the
+    # module's own parameters it holds again by the time backward runs.
+    layer = warm(Affine())
+    params = {"w": nn.Parameter(torch.tensor([2.0, 1.0, 0.5])),
+              "b": nn.Parameter(torch.tensor([0.0, 1.0, 2.0]))}
+    x = X.clone().requires_grad_()
+    (functional_call(layer, params, (x,)) * UP).sum().backward()
+    expected = affine_reference(params["w"], params["b"])
+    assert_grads({"x": x.grad, "w": params["w"].grad, "b": params["b"].grad}, expected)
+    assert layer.w.grad is None
+
+
 def test_to_float64_between_calls() -> None:
     layer = warm(Affine()).to(torch.float64)
     got = grads_of(layer, X.double())
