@@ -753,6 +753,27 @@ def _parameter_names(module: nn.Module) -> tuple[str, ...]:
     return tuple(name for name, _ in module.named_parameters())
 
 
+def require_backward(cls: type, abstract: bool, *, base: str, plain: str) -> Any:
+    """`cls.backward`, or None for an abstract base; a subclass of `base` (go.Module,
+    gradoverride.keras.Layer) without one, or with a misspelled one, is refused: it would
+    silently train with its ordinary gradient. `plain` is the class to subclass instead."""
+    misspelled = _close_names(cls, "backward") if "backward" not in cls.__dict__ else []
+    backward = getattr(cls, "backward", None)
+    if misspelled or (backward is None and not abstract):
+        guess = f" (did you mean `{misspelled[0]}`? name it `backward`)" if misspelled else ""
+        what = "overrides nothing" if backward is not None else "defines no `backward`"
+        msg = (
+            f"`{cls.__qualname__}` subclasses {base} but {what}{guess}; without a "
+            "`backward` it would silently train with its ordinary gradient. Define "
+            "`def backward(self, grad, *, x): ...` returning the gradients by name, "
+            f"subclass `{plain}` if it needs no rule of its own, or declare "
+            f"`class {cls.__name__}({base}, abstract=True)` for a base class meant to "
+            "be subclassed."
+        )
+        raise GradOverrideTypeError(msg)
+    return backward
+
+
 def _close_names(cls: type, target: str) -> list[str]:
     """Attributes defined on `cls` that look like a misspelling of `target`."""
     candidates = [n for n in cls.__dict__ if n != target and not n.startswith("__")]
@@ -833,20 +854,7 @@ class Module(nn.Module, metaclass=_ModuleMeta):
         **kwargs: Any,
     ) -> None:
         super().__init_subclass__(**kwargs)
-        misspelled = _close_names(cls, "backward") if "backward" not in cls.__dict__ else []
-        backward = getattr(cls, "backward", None)
-        if misspelled or (backward is None and not abstract):
-            guess = f" (did you mean `{misspelled[0]}`? name it `backward`)" if misspelled else ""
-            what = "overrides nothing" if backward is not None else "defines no `backward`"
-            msg = (
-                f"`{cls.__qualname__}` subclasses go.Module but {what}{guess}; without a "
-                "`backward` it would silently train with its ordinary gradient. Define "
-                "`def backward(self, grad, *, x): ...` returning the gradients by name, "
-                "subclass `nn.Module` if it needs no rule of its own, or declare "
-                f"`class {cls.__name__}(go.Module, abstract=True)` for a base class meant to "
-                "be subclassed."
-            )
-            raise GradOverrideTypeError(msg)
+        backward = require_backward(cls, abstract, base="go.Module", plain="nn.Module")
         if backward is None:
             return
         if "forward" not in cls.__dict__ and "backward" not in cls.__dict__:

@@ -21,7 +21,7 @@ import keras
 from .._decorators import CustomBackward, custom_backward
 from .._errors import GradOverrideTypeError
 from .._frameworks import autograph_artifact
-from .._module import _close_names
+from .._module import require_backward
 
 _KEYWORD_ONLY = inspect.Parameter.KEYWORD_ONLY
 _POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
@@ -90,20 +90,9 @@ class Layer(keras.layers.Layer):  # type: ignore[misc]  # Keras is untyped (Any)
     ) -> None:
         super().__init_subclass__(**kwargs)
         where = f"`{cls.__qualname__}`"
-        misspelled = _close_names(cls, "backward") if "backward" not in cls.__dict__ else []
-        backward = getattr(cls, "backward", None)
-        if misspelled or (backward is None and not abstract):
-            guess = f" (did you mean `{misspelled[0]}`? name it `backward`)" if misspelled else ""
-            what = "overrides nothing" if backward is not None else "defines no `backward`"
-            msg = (
-                f"{where} subclasses gradoverride.keras.Layer but {what}{guess}; without a "
-                "`backward` it would silently train with its ordinary gradient. Define "
-                "`def backward(self, grad, *, x): ...` returning the gradients by name, "
-                "subclass `keras.layers.Layer` if it needs no rule of its own, or declare "
-                f"`class {cls.__name__}(gradoverride.keras.Layer, abstract=True)` for a base "
-                "class meant to be subclassed."
-            )
-            raise GradOverrideTypeError(msg)
+        backward = require_backward(
+            cls, abstract, base="gradoverride.keras.Layer", plain="keras.layers.Layer"
+        )
         if backward is None or ("call" not in cls.__dict__ and "backward" not in cls.__dict__):
             return  # abstract, or inherits its parent's op unchanged
         call: Callable[..., Any] | None = cls.__dict__.get("call") or getattr(
