@@ -42,6 +42,20 @@ def make_spirals(n: int, generator: torch.Generator) -> tuple[torch.Tensor, torc
     return x, label
 
 
+def make_model(clip: float = 1.0) -> nn.Sequential:
+    """Binary activations (the gradient passes where the pre-activation is within `clip`)
+    and binary weights."""
+    return nn.Sequential(
+        nn.Linear(2, 96),  # the input layer stays real-valued, as is usual
+        nn.BatchNorm1d(96),
+        recipes.binarize(clip=clip).module(),  # binary activations
+        BinaryLinear(96, 96),
+        nn.BatchNorm1d(96),
+        recipes.binarize(clip=clip).module(),
+        BinaryLinear(96, 2),
+    )
+
+
 def accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
     with torch.no_grad():
         return float((model(x).argmax(1) == y).float().mean())
@@ -51,15 +65,7 @@ def main(steps: int = 300) -> tuple[float, float]:
     generator = torch.Generator().manual_seed(0)
     torch.manual_seed(0)
     x, y = make_spirals(512, generator)
-    model = nn.Sequential(
-        nn.Linear(2, 96),  # the input layer stays real-valued, as is usual
-        nn.BatchNorm1d(96),
-        recipes.binarize().module(),  # binary activations
-        BinaryLinear(96, 96),
-        nn.BatchNorm1d(96),
-        recipes.binarize().module(),
-        BinaryLinear(96, 2),
-    )
+    model = make_model()
     print(model)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
     first = accuracy(model, x, y)

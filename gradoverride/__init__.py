@@ -27,6 +27,8 @@ if TYPE_CHECKING:
     from . import testing as testing
     from ._bridge import Bridge, bridge, finite_differences, spsa
     from ._hooks import HookHandle, grad_hook
+    from ._inventory import overrides
+    from ._monitor import Monitor, monitor
 
 __version__ = "0.2.0.dev0"
 
@@ -37,6 +39,7 @@ __version__ = "0.2.0.dev0"
 _LAZY = {
     "Bridge": "_bridge", "bridge": "_bridge", "finite_differences": "_bridge", "spsa": "_bridge",
     "HookHandle": "_hooks", "grad_hook": "_hooks",
+    "Monitor": "_monitor", "monitor": "_monitor", "overrides": "_inventory",
 }
 _SUBPACKAGES = ("recipes", "testing", "keras")
 
@@ -67,13 +70,16 @@ __all__ = [
     "GradOverrideTypeError",
     "HookHandle",
     "Module",
+    "Monitor",
     "OverrideHandle",
     "__version__",
     "bridge",
     "custom_backward",
     "finite_differences",
     "grad_hook",
+    "monitor",
     "override_backward",
+    "overrides",
     "spsa",
     "straight_through",
 ]

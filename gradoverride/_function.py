@@ -677,6 +677,9 @@ def _build_attaching(
         return (None, *rule_grads, *grads[: state.n_out], *([None] * n_res))
 
     cls = _function_class(op, module, kind, forward, setup_context, backward)
+    # Its backward also returns the outputs' gradients, passed on into the ordinary graph:
+    # what `go.monitor` leaves out of the gradients the rule returned.
+    cls._gradoverride_attaches = True  # type: ignore[attr-defined]
     apply: Callable[..., Any] = cls.apply
     raw = raw_apply(cls)
 

@@ -1,0 +1,120 @@
+"""What `go.monitor(model, every=N)` adds to a training step of the spiking and binarized
+examples (`examples/spiking_neuron.py`, `examples/binarized_mlp.py`): forward, backward and
+the optimizer's step, with and without the monitor recording.
+
+The same model runs in both cases. Each round times a block of steps without the monitor
+and a block inside `with go.monitor(model, every=N)`, in a shuffled order (seeded); entering
+and leaving the monitor happen outside the timed block. The ratio is the median, over
+rounds, of the monitored block's time over the plain block's in that round.
+
+    python benchmarks/monitor.py [--quick] [--device cuda] [--rounds N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+import gradoverride as go
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(HERE, "..", "examples"))
+from _timing import _time_block, add_device_argument, synchronizer
+
+import binarized_mlp
+import spiking_neuron
+
+
+def spiking(device: str) -> tuple[nn.Module, Callable[[], Any]]:
+    generator = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
+    x, y = spiking_neuron.make_data(256, generator)
+    x, y = x.to(device), y.to(device)
+    model = spiking_neuron.SpikingNet().to(device)
+    optimizer = torch.optim.Adam(model.parameters(), lr=5e-3)
+
+    def step() -> None:
+        loss = nn.functional.cross_entropy(model(x), y)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+
+    return model, step
+
+
+def binarized(device: str) -> tuple[nn.Module, Callable[[], Any]]:
+    generator = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
+    x, y = binarized_mlp.make_spirals(512, generator)
+    x, y = x.to(device), y.to(device)
+    model = binarized_mlp.make_model().to(device)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+
+    def step() -> None:
+        loss = nn.functional.cross_entropy(model(x), y)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+
+    return model, step
+
+
+def measure(model: nn.Module, step: Callable[[], Any], every: int, *, rounds: int,
+            number: int, sync: Callable[[], None]) -> tuple[float, float]:
+    """Median seconds per plain step and the median monitored / plain ratio."""
+    for _ in range(3):
+        step()
+    with go.monitor(model, every=every):
+        for _ in range(3):
+            step()
+    order = random.Random(0)
+    plain, ratios = [], []
+    for _ in range(rounds):
+        cases = ["plain", "monitored"]
+        order.shuffle(cases)
+        block = {}
+        for case in cases:
+            if case == "plain":
+                block[case] = _time_block(step, number, sync)
+            else:
+                with go.monitor(model, every=every):
+                    block[case] = _time_block(step, number, sync)
+        plain.append(block["plain"])
+        ratios.append(block["monitored"] / block["plain"])
+    return statistics.median(plain), statistics.median(ratios)
+
+
+def main(argv: list[str] | None = None) -> dict[str, float]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="few rounds (a smoke run)")
+    parser.add_argument("--rounds", type=int, default=None)
+    add_device_argument(parser)
+    args = parser.parse_args(argv)
+    rounds = args.rounds or (3 if args.quick else 15)
+    number = 3 if args.quick else 20
+    sync = synchronizer(args.device)
+    torch.set_num_threads(1)  # steadier timings; the ratio is what is reported
+    results: dict[str, float] = {}
+    print(f"torch {torch.__version__}, device {args.device}, {rounds} rounds of {number} steps")
+    print(f"{'example':<12} {'every':>5} {'plain step':>12} {'monitored / plain':>18}")
+    for name, make in (("spiking", spiking), ("binarized", binarized)):
+        for every in (1, 10):
+            model, step = make(args.device)
+            seconds, ratio = measure(model, step, every, rounds=rounds, number=number,
+                                     sync=sync)
+            results[f"{name} every={every}"] = ratio
+            print(f"{name:<12} {every:>5} {seconds * 1e3:>9.2f} ms {ratio:>17.3f}x")
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,272 @@
+"""`go.overrides(model)`: every gradient override reachable from a model, as a table."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, overload
+
+import torch
+from torch import nn
+
+from ._decorators import CustomBackward, CustomBackwardModule
+from ._errors import GradOverrideTypeError
+from ._frameworks import is_keras_layer
+from ._signature import describe
+from ._table import format_table
+
+__all__ = ["OverrideRecord", "Overrides", "overrides"]
+
+
+@dataclass(frozen=True)
+class OverrideRecord:
+    """One gradient override in a model (a row of `go.overrides(model)`).
+
+    Attributes:
+        path: the module's path in the model, as `named_modules()` gives it (`""` for the
+            model itself).
+        kind: `"go.Module"`, `"override_backward"`, `"grad_hook"`, `"recipe module"`,
+            `"op module"`, `"recipe"` or `"op"` (a recipe or op held by a module or called
+            in its forward); on Keras, `"keras.Layer"` and `"recipe layer"` too.
+        name: what it is: the module's class, the recipe's repr, the op's name.
+        settings: how it is set: the rule and what it owns, a hook's place and transform,
+            an op module's fixed arguments.
+        active: whether it acts on the next backward: False for a hook at parameters none
+            of which requires grad, or a recipe or op held by a module that the example
+            forward did not call; None when that is unknown (no example forward ran).
+    """
+
+    path: str
+    kind: str
+    name: str
+    settings: str
+    active: bool | None
+
+
+class Overrides(Sequence[OverrideRecord]):
+    """What `go.overrides(model)` returns: a sequence of `OverrideRecord`s that prints as a
+    table."""
+
+    def __init__(self, model: str, records: Sequence[OverrideRecord]) -> None:
+        self.model = model
+        self._records = list(records)
+
+    @overload
+    def __getitem__(self, index: int) -> OverrideRecord: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> Sequence[OverrideRecord]: ...
+
+    def __getitem__(self, index: int | slice) -> OverrideRecord | Sequence[OverrideRecord]:
+        return self._records[index]
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    def __iter__(self) -> Iterator[OverrideRecord]:
+        return iter(self._records)
+
+    def __str__(self) -> str:
+        if not self._records:
+            return f"no gradient overrides in {self.model}"
+        headers = ("path", "kind", "override", "settings", "active")
+        rows = [
+            (r.path or "(model)", r.kind, r.name, r.settings,
+             "?" if r.active is None else "yes" if r.active else "no")
+            for r in self._records
+        ]
+        n = len(self._records)
+        title = f"{n} gradient override{'s' if n != 1 else ''} in {self.model}"
+        return f"{title}\n{format_table(headers, rows)}"
+
+    __repr__ = __str__
+
+
+def overrides(model: Any, *example_args: Any, **example_kwargs: Any) -> Overrides:
+    """Every gradient override reachable from `model`, one record each.
+
+    ```python
+    from torch import nn
+    import gradoverride as go
+
+    model = nn.Sequential(nn.Linear(4, 4), go.recipes.binarize().module())
+    go.grad_hook(model[0], go.recipes.clip_grad(0.5), at="parameters")
+    for record in go.overrides(model):
+        print(record.path, record.kind, record.name)
+    #> 0 grad_hook clip_grad(max_value=0.5)
+    #> 1 recipe module binarize(clip=1.0, inclusive=True, keep='input')
+    ```
+
+    Found without running the model: `go.Module`s, modules with `override_backward` or
+    `grad_hook` (one record per hook), recipe and op modules, and recipes or ops held as a
+    module's attributes (`self.spike = go.recipes.spike()`). Cheap: one walk of the
+    modules, no tensor touched, so it can run every epoch. A removed override or hook is
+    not listed.
+
+    With example inputs, `go.overrides(model, x)` also runs `model(x)` once under
+    `torch.no_grad()` to find the `custom_backward` / `straight_through` ops and recipes
+    called in the forward (a function at module level included), each listed at the module
+    whose forward called it. That forward is a real call: a module that keeps state
+    (batch-norm statistics, a neuron's membrane) sees it.
+
+    Args:
+        model: an `nn.Module`, or a Keras 3 model or layer.
+        *example_args: inputs for one forward call (optional).
+        **example_kwargs: keyword inputs for it.
+
+    Returns:
+        An `Overrides`: a sequence of `OverrideRecord` (path, kind, name, settings, active)
+        that prints as a table, or as `no gradient overrides in <Model>` when empty.
+    """
+    if not isinstance(model, nn.Module):
+        if is_keras_layer(model):
+            from ._backends import backend
+
+            records = backend("tensorflow").keras_overrides(model)
+            return Overrides(type(model).__name__, records)
+        msg = (
+            f"go.overrides needs a model (an nn.Module or a Keras model); got "
+            f"{type(model).__name__} {model!r:.60}. Pass the module whose overrides to list."
+        )
+        raise GradOverrideTypeError(msg)
+    seen = _called_in_forward(model, example_args, example_kwargs) if (
+        example_args or example_kwargs) else None
+    records: list[OverrideRecord] = []
+    listed: set[tuple[str, int]] = set()
+    for path, module in model.named_modules():
+        records += _module_records(path, module)
+        for attribute, value in _held(module):
+            listed.add((path, id(value)))
+            if _is_recipe_or_op_module(module):
+                continue  # the module's own row shows it
+            active = None if seen is None else (path, id(value)) in seen
+            records.append(_held_record(path, attribute, value, active))
+    if seen is not None:
+        for (path, key), (value, calls) in seen.items():
+            if (path, key) not in listed:
+                records.append(OverrideRecord(path, _kind_of(value), _name_of(value),
+                                              f"called {calls}x in forward", True))
+    return Overrides(type(model).__name__, records)
+
+
+def _module_records(path: str, module: nn.Module) -> list[OverrideRecord]:
+    from ._module import Module
+    from ._override import _OverriddenForward
+
+    records = []
+    rule = getattr(type(module), "_gradoverride_rule", None)
+    if isinstance(module, Module) and rule is not None:
+        records.append(OverrideRecord(path, "go.Module", type(module).__name__,
+                                      _rule_settings(f"{type(module).__qualname__}.backward",
+                                                     rule), True))
+    forward = module.__dict__.get("forward")
+    if isinstance(forward, _OverriddenForward):
+        records.append(OverrideRecord(
+            path, "override_backward", type(module).__name__,
+            _rule_settings(describe(forward.rule), forward._rule), True,
+        ))
+    records += _hook_records(path, module)
+    recipes = sys.modules.get("gradoverride.recipes._base")
+    if recipes is not None and isinstance(module, recipes.RecipeModule):
+        records.append(OverrideRecord(path, "recipe module", repr(module.recipe), "", True))
+    elif recipes is not None and type(module).__module__.startswith("gradoverride.recipes"):
+        recipe = getattr(module, "recipe", None)
+        records.append(OverrideRecord(path, "recipe module", type(module).__name__,
+                                      "" if recipe is None else repr(recipe), True))
+    if isinstance(module, CustomBackwardModule):
+        fixed = ", ".join(f"{k}={v!r}" for k, v in module.fixed.items())
+        records.append(OverrideRecord(path, "op module", _name_of(module.op), fixed, True))
+    return records
+
+
+def _is_recipe_or_op_module(module: nn.Module) -> bool:
+    return isinstance(module, CustomBackwardModule) or (
+        type(module).__module__.startswith("gradoverride.recipes")
+    )
+
+
+def _rule_settings(rule: str, spec: Any) -> str:
+    parts = [f"backward={rule}"]
+    if spec.owns is not None:
+        parts.append(f"owns={', '.join(spec.owns)}")
+    if spec.residuals:
+        parts.append(f"residuals={', '.join(spec.residuals)}")
+    if spec.once_differentiable:
+        parts.append("once_differentiable")
+    return "; ".join(parts)
+
+
+def _hook_records(path: str, module: nn.Module) -> list[OverrideRecord]:
+    hooks = sys.modules.get("gradoverride._hooks")
+    if hooks is None:
+        return []  # no grad_hook was ever made
+    from ._recorder import describe_transform
+
+    records = []
+    places = ((module._forward_pre_hooks, hooks._AtInputs, "inputs"),
+              (module._forward_hooks, hooks._AtOutputs, "outputs"))
+    for table, cls, place in places:
+        for hook in table.values():
+            if isinstance(hook, cls):
+                records.append(OverrideRecord(
+                    path, "grad_hook", describe_transform(hook.transform), f"at {place}", True,
+                ))
+    for hook in module._forward_pre_hooks.values():
+        owner = getattr(hook, "__self__", None)
+        if isinstance(owner, hooks._ParameterHooks):
+            trainable = any(p.requires_grad for p in module.parameters())
+            records.append(OverrideRecord(
+                path, "grad_hook", describe_transform(owner.transform), "at parameters",
+                trainable,
+            ))
+    return records
+
+
+def _held(module: nn.Module) -> Iterator[tuple[str, Any]]:
+    """The recipes and ops a module holds as attributes (not submodules)."""
+    recipes = sys.modules.get("gradoverride.recipes._base")
+    for attribute, value in vars(module).items():
+        if isinstance(value, CustomBackward) or (
+            recipes is not None and isinstance(value, recipes.Recipe)
+        ):
+            yield attribute, value
+
+
+def _held_record(path: str, attribute: str, value: Any,
+                 active: bool | None) -> OverrideRecord:
+    return OverrideRecord(path, _kind_of(value), _name_of(value), f"attribute `{attribute}`",
+                          active)
+
+
+def _kind_of(value: Any) -> str:
+    return "op" if isinstance(value, CustomBackward) else "recipe"
+
+
+def _name_of(value: Any) -> str:
+    if isinstance(value, CustomBackward):
+        return str(getattr(value, "__name__", value._name))
+    return repr(value)
+
+
+def _called_in_forward(model: nn.Module, args: tuple[Any, ...],
+                       kwargs: dict[str, Any]) -> dict[tuple[str, int], tuple[Any, int]]:
+    """The ops and recipes called during one `model(*args, **kwargs)` under no_grad, by
+    (module path, id): the value and its number of calls."""
+    from ._recorder import Recorder
+
+    seen: dict[tuple[str, int], tuple[Any, int]] = {}
+
+    def called(path: str, subject: Any) -> None:
+        key = (path, id(subject))
+        previous = seen.get(key)
+        seen[key] = (subject, 1 if previous is None else previous[1] + 1)
+
+    recorder = Recorder(model, lambda groups: None, on_call=called)
+    recorder.start()
+    try:
+        with torch.no_grad():
+            model(*args, **kwargs)
+    finally:
+        recorder.stop()
+    return seen

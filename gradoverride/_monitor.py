@@ -1,0 +1,283 @@
+"""`go.monitor`: per override and per step, the gradients each override got and gave back."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from ._errors import GradOverrideError, GradOverrideTypeError
+from ._grad_statistics import FIELDS, GradientStatistics
+from ._recorder import Gradients, Recorder, Site
+from ._table import format_table
+
+__all__ = ["Monitor", "StepRecord", "monitor"]
+
+@dataclass(frozen=True)
+class StepRecord:
+    """What one override got and gave back in one recorded step, over all its calls.
+
+    Attributes:
+        step: the step (0 for the model's first call under the monitor).
+        calls: how many times the override ran backward in the step.
+        grad_in: the norm of the gradient arriving at the override (at its outputs), over
+            all its calls (the square root of the sum of squares).
+        grad_out: the norm of the gradient it returned, for its inputs and (a module's
+            rule) its parameters.
+        zeroed: of the elements whose arriving gradient was not zero, the fraction the
+            override returned as exactly zero (a window or clip at work); None when no
+            returned gradient has its output's shape (a module that changes the shape).
+        nan_in, inf_in: NaN and infinite elements in the arriving gradients.
+        nan_out, inf_out: NaN and infinite elements in the returned gradients.
+    """
+
+    step: int
+    calls: int
+    grad_in: float
+    grad_out: float
+    zeroed: float | None
+    nan_in: int
+    inf_in: int
+    nan_out: int
+    inf_out: int
+
+
+class Monitor:
+    """Made by `go.monitor`; see there. Use as a context manager."""
+
+    def __init__(self, model: nn.Module, every: int) -> None:
+        self._model = model
+        self._every = every
+        self._recorder = Recorder(model, self._take, every=every)
+        self._raw: dict[Site, list[tuple[int, list[float]]]] = {}
+        self._statistics = GradientStatistics()
+        self._entered = False
+
+    def __enter__(self) -> Monitor:
+        if self._entered:
+            msg = (
+                f"this monitor of {type(self._model).__name__} is already in use; a monitor "
+                "is entered once. Make a new one with `go.monitor(model)`."
+            )
+            raise GradOverrideError(msg)
+        for other in _ACTIVE:
+            if other._model is self._model:
+                msg = (
+                    f"{type(self._model).__name__} already has an active go.monitor; leave "
+                    "it before starting another on the same model."
+                )
+                raise GradOverrideError(msg)
+        self._entered = True
+        _ACTIVE.append(self)
+        self._recorder.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._recorder.stop()
+        self._statistics.release()
+        _ACTIVE.remove(self)
+
+    @property
+    def steps(self) -> int:
+        """How many steps (calls of the model) ran under the monitor."""
+        return self._recorder.step + 1
+
+    # -- recording ------------------------------------------------------------------------
+
+    def _take(self, groups: dict[tuple[Site, int], Gradients]) -> None:
+        for (site, step), grads in groups.items():
+            numbers = self._statistics(grads)
+            rows = self._raw.setdefault(site, [])
+            if rows and rows[-1][0] == step:  # another backward pass of the same step
+                rows[-1] = (step, [a + b for a, b in zip(rows[-1][1], numbers, strict=True)])
+            else:
+                rows.append((step, numbers))
+
+    # -- reading ---------------------------------------------------------------------------
+
+    @property
+    def history(self) -> dict[str, list[StepRecord]]:
+        """Per override (by its label, `path: name`), the records of the recorded steps,
+        in step order."""
+        return {site.label: records for site, records in self._records()}
+
+    def summary(self) -> Summary:
+        """A table with one row per override: calls, the mean norms of the gradient arriving
+        and returned per recorded step, the last step's zeroed fraction, and NaN/inf
+        elements over all steps. `print(monitor.summary())`; `.rows` has the numbers."""
+        rows = []
+        for site, records in self._records():
+            if not records:
+                continue
+            rows.append(SummaryRow(
+                label=site.label,
+                kind=site.kind,
+                steps=len(records),
+                calls=sum(r.calls for r in records),
+                grad_in=_mean(r.grad_in for r in records),
+                grad_out=_mean(r.grad_out for r in records),
+                zeroed=records[-1].zeroed,
+                nonfinite=sum(r.nan_in + r.inf_in + r.nan_out + r.inf_out for r in records),
+            ))
+        return Summary(type(self._model).__name__, rows, self.steps, self._every)
+
+    def plot(self, path: str | Path) -> Path:
+        """Write a PNG of the gradient flow through the overrides over the steps: the norm
+        returned by each override (and, dashed, the norm arriving), and below, the zeroed
+        fraction. Needs matplotlib (`pip install gradoverride[plot]`). Returns the path."""
+        from ._monitor_plot import plot_history
+
+        return plot_history(self.history, Path(path), type(self._model).__name__)
+
+    def _records(self) -> list[tuple[Site, list[StepRecord]]]:
+        """Per override, in the order of their modules in the model."""
+        sites = sorted(self._raw, key=self._recorder.position)
+        return [(site, [_record(step, v) for step, v in self._raw[site]]) for site in sites]
+
+    def __repr__(self) -> str:
+        state = "recording" if self._recorder.started else "stopped"
+        return (f"<go.monitor of {type(self._model).__name__} ({state}, every={self._every}, "
+                f"{self.steps} steps, {len(self._raw)} overrides seen)>")
+
+
+_ACTIVE: list[Monitor] = []
+
+
+@dataclass(frozen=True)
+class SummaryRow:
+    """One override's line of a monitor's summary (see `Monitor.summary`)."""
+
+    label: str
+    kind: str
+    steps: int
+    calls: int
+    grad_in: float
+    grad_out: float
+    zeroed: float | None
+    nonfinite: int
+
+
+class Summary:
+    """A monitor's summary: prints as a table; `.rows` are `SummaryRow`s."""
+
+    def __init__(self, model: str, rows: Sequence[SummaryRow], steps: int, every: int) -> None:
+        self.model = model
+        self.rows = list(rows)
+        self.steps = steps
+        self.every = every
+
+    def __str__(self) -> str:
+        if not self.rows:
+            return (f"go.monitor of {self.model}: nothing recorded ({self.steps} steps; no "
+                    "gradient override ran backward in them)")
+        headers = ("override", "kind", "steps", "calls", "|grad in|", "|grad out|",
+                   "zeroed", "nan/inf")
+        body = [
+            (r.label, r.kind, str(r.steps), str(r.calls), _number(r.grad_in),
+             _number(r.grad_out), "-" if r.zeroed is None else f"{r.zeroed:.1%}",
+             str(r.nonfinite))
+            for r in self.rows
+        ]
+        right = (False, False, True, True, True, True, True, True)
+        every = "" if self.every == 1 else f", every {self.every}"
+        title = f"go.monitor of {self.model}: {self.steps} steps{every}; norms are means per step"
+        return f"{title}\n{format_table(headers, body, right)}"
+
+    __repr__ = __str__
+
+
+def _record(step: int, numbers: list[float]) -> StepRecord:
+    v = dict(zip(FIELDS, numbers, strict=True))
+    return StepRecord(
+        step=step,
+        calls=int(v["calls"]),
+        grad_in=math.sqrt(v["in_sq"]),
+        grad_out=math.sqrt(v["out_sq"]),
+        zeroed=v["zeroed"] / v["paired"] if v["paired"] else None,
+        nan_in=int(v["nan_in"]),
+        inf_in=int(v["inf_in"]),
+        nan_out=int(v["nan_out"]),
+        inf_out=int(v["inf_out"]),
+    )
+
+
+def _mean(values: Any) -> float:
+    values = list(values)
+    return sum(values) / len(values)
+
+
+def _number(value: float) -> str:
+    return f"{value:.4g}"
+
+
+def monitor(model: nn.Module, *, every: int = 1) -> Monitor:
+    """Record, while training, what each gradient override in `model` gets and gives back.
+
+    ```python
+    import torch
+    from torch import nn
+    import gradoverride as go
+
+    model = nn.Sequential(nn.Linear(4, 4), go.recipes.binarize().module(), nn.Linear(4, 1))
+    with go.monitor(model) as mon:
+        for _ in range(3):
+            model(torch.randn(8, 4)).sum().backward()
+    print(mon.summary().rows[0].label, mon.summary().rows[0].steps)
+    #> 1: binarize(clip=1.0, inclusive=True) 3
+    ```
+
+    A step is one call of `model`; the gradients of a backward pass are recorded against
+    the step of the latest call. For each override that ran backward in a recorded step,
+    `history` keeps the norm of the gradient arriving at it and of the gradient it
+    returned (for its inputs and, for a module's rule, its parameters), the fraction of
+    elements it zeroed, and NaN/inf counts (a NaN is recorded, never raised). An override
+    called several times in a step (a spiking neuron at each time step) is one row: its
+    norms are over all its calls.
+
+    Args:
+        model: the `nn.Module` whose forward runs the overrides: a `go.Module`, modules
+            with `override_backward` or `grad_hook`, recipe modules, and any
+            `custom_backward` / `straight_through` op or recipe called in a forward of
+            `model` or its submodules.
+        every: record one step in `every` (the first, then every `every`-th); the others
+            run with the override's own cost only.
+
+    Returns:
+        A `Monitor`, to use as a context manager: `with go.monitor(model) as mon: ...`.
+        Outside the `with` block nothing of it is left (no hook, no wrapper). Read it with
+        `mon.summary()`, `mon.history` and `mon.plot(path)`.
+
+    Where it records: eager training, on any device (each recorded step reads a few numbers
+    back from the device at the end of the backward pass). Under `torch.compile`, the
+    compiled steps are not recorded (see the support matrix); under `torch.func`
+    transforms neither. Under DistributedDataParallel each process records its own
+    replica's gradients (the gradients before DDP's all-reduce, which happens on the
+    parameters' `.grad`, not at the overrides). One monitor per model at a time.
+    """
+    if not isinstance(model, nn.Module):
+        from ._frameworks import is_keras_layer
+
+        if is_keras_layer(model):
+            msg = (
+                f"go.monitor records PyTorch models; got the Keras model {type(model).__name__}. "
+                "`go.overrides(model)` lists a Keras model's overrides; recording them while "
+                "training is not available for Keras yet."
+            )
+            raise GradOverrideError(msg)
+        msg = (
+            f"go.monitor needs the model as an nn.Module; got {type(model).__name__} "
+            f"{model!r:.60}. Pass the module whose forward runs the overrides (wrap loose "
+            "modules in an nn.ModuleList)."
+        )
+        raise GradOverrideTypeError(msg)
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        msg = (
+            "go.monitor: `every` must be a positive integer (record one step in every "
+            f"`every`); got {every!r}."
+        )
+        raise GradOverrideTypeError(msg)
+    return Monitor(model, every)

@@ -1,0 +1,457 @@
+"""Seeing every override of a model run: which ran where, and the gradients each one got and
+gave back. What `go.monitor` and `go.overrides` (with example inputs) are built on.
+
+While a recorder is started:
+
+* every op (each `custom_backward` / `straight_through` op, the recipes' ops, the ops of
+  `go.Module`, `override_backward` and `grad_hook`) has its class swapped for one whose
+  `__call__` tags the backward node of the op's output with the override's row and step;
+  the generated Function's `backward` is wrapped (on the class, which autograd reads at each
+  node's backward) to hand what a tagged node got and returned to the recorder: exactly the
+  override's own gradients, whatever else reads its inputs, with no identity op added, no
+  tensor copied and no hook registered per call;
+* the row of an op called in a module's forward is that module's path, read from the call
+  stack (the nearest frame whose `self` is one of the model's modules);
+* each `grad_hook` transform in the model is wrapped, in place (the module hook's attribute,
+  or the parameter's hook dict, which keeps its order among other hooks);
+* a forward pre-hook on the model counts steps.
+
+Stopping restores every class, method, hook and transform: afterwards nothing of the
+recorder is left and an op call costs what it did before. The gradients of one backward pass
+are handed to the recorder's `sink` at the end of that pass (`queue_callback`), grouped by
+override.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.compiler import is_dynamo_compiling
+from torch.utils.hooks import RemovableHandle
+
+from ._decorators import _OPS, CustomBackward
+from ._internals import transforms_active
+from ._module import Module, _ParameterIds
+from ._signature import describe
+
+__all__ = ["Gradients", "Recorder", "Site", "model_paths"]
+
+
+@dataclass(eq=False)
+class Site:
+    """One override in the model: where it runs and what it is."""
+
+    path: str  # the module's path in the model ("" for the model itself)
+    name: str  # the recipe's repr, the op's name, the module's class
+    kind: str  # "op", "recipe", "go.Module", "override_backward", "grad_hook"
+    keep: Any = None  # the recipe or transform the name was read from (kept alive)
+    index: int = 0  # the order in which the recorder first met it
+
+    @property
+    def label(self) -> str:
+        return f"{self.path or '(model)'}: {self.name}"
+
+
+@dataclass
+class Gradients:
+    """What one override got and gave in one backward pass, over all its calls in a step."""
+
+    calls: int = 0
+    arriving: list[Tensor] = field(default_factory=list)  # at the override's outputs
+    returned: list[Tensor] = field(default_factory=list)  # for its inputs (and parameters)
+    # (returned, arriving) of the same shape in a call with one output: what "zeroed" reads.
+    pairs: list[tuple[Tensor, Tensor]] = field(default_factory=list)
+    # Whether every call had one gradient in and one out, all of one shape and dtype (then
+    # `pairs` is `zip(returned, arriving)` and the lists can be stacked).
+    aligned: bool = True
+
+
+# How many frames up from an op call to look for the module calling it.
+_FRAMES = 12
+
+Sink = Callable[[dict[tuple[Site, int], Gradients]], None]
+
+
+def model_paths(model: nn.Module) -> dict[int, str]:
+    """Each module of `model` by id, with its path (a module reached twice: its first)."""
+    return {id(m): name for name, m in model.named_modules()}
+
+
+class Recorder:
+    """See the module docstring. `sink` receives each backward pass's gradients."""
+
+    def __init__(self, model: nn.Module, sink: Sink, *, every: int = 1,
+                 on_call: Callable[[str, Any], None] | None = None) -> None:
+        self.model = model
+        self.sink = sink
+        # Told of every op call inside the model's forward, in any grad mode, with the path
+        # and what the call's row names (what go.overrides lists from an example forward).
+        self.on_call = on_call
+        # When set, each op call inside the model's forward is replaced by
+        # `substitute(site, op, args, kwargs)` (what gradient_report uses to put a smooth
+        # proxy or a perturbed input in an override's place). Not for grad_hook transforms,
+        # which are not op calls in eager mode.
+        self.substitute: Callable[[Site, CustomBackward[..., Any], tuple[Any, ...],
+                                   dict[str, Any]], Any] | None = None
+        self.every = every
+        self.step = -1  # calls of the model so far, minus one: the step being run
+        self.recording = False
+        self.paths: dict[int, str] = {}
+        self._handles: list[RemovableHandle] = []
+        self._swapped: dict[CustomBackward[..., Any], type] = {}
+        self._wrapped: list[tuple[RemovableHandle, Any]] = []
+        self._retransformed: list[tuple[Any, Any]] = []
+        self._patched: dict[type, Any] = {}
+        self._distance: dict[Any, int] = {}
+        self._positions: dict[str, int] = {}
+        self._count = 0
+        self._sites: dict[tuple[Any, ...], Site] = {}
+        self._lock = threading.Lock()
+        self._pending: list[tuple[Site, int, tuple[Any, ...], tuple[Any, ...]]] = []
+        self._queued = False
+        self.started = False
+
+    # -- starting and stopping ------------------------------------------------------------
+
+    def start(self) -> None:
+        self.paths = model_paths(self.model)
+        self._positions = {path: k for k, path in enumerate(self.paths.values())}
+        self._handles.append(
+            self.model.register_forward_pre_hook(self._count_step, prepend=True)
+        )
+        for op in list(_OPS):
+            self._swap(op)
+        self._wrap_hook_transforms()
+        self.started = True
+
+    def stop(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        for op, previous in self._swapped.items():
+            op.__class__ = previous
+        self._swapped = {}
+        for cls, backward in self._patched.items():
+            cls.backward = backward
+        self._patched = {}
+        for handle, original in self._wrapped:
+            hooks = handle.hooks_dict_ref()
+            if hooks is not None and handle.id in hooks:
+                hooks[handle.id] = original
+        self._wrapped = []
+        for hook, transform in self._retransformed:
+            hook.transform = transform
+        self._retransformed = []
+        self.started = False
+
+    def _swap(self, op: CustomBackward[..., Any]) -> None:
+        previous = type(op)
+        fast = op._fast_class
+        if fast is None or previous not in (fast, op._audit_class):
+            return  # no rule yet, or already swapped by someone else: left alone
+        call = previous.__call__
+        recorder = self
+
+        def __call__(op: CustomBackward[..., Any], *args: Any, **kwargs: Any) -> Any:
+            if recorder.substitute is not None and not is_dynamo_compiling():
+                site = recorder._site_of(op, args, 3)  # above _caller_path, _site_of, here
+                if site is not None:
+                    return recorder.substitute(site, op, args, kwargs)
+            out = call(op, *args, **kwargs)
+            if is_dynamo_compiling():
+                return out
+            if type(op) is fast:  # the first call's check finished: it set the fast class
+                recorder._swapped[op] = fast
+                op.__class__ = monitored
+            if recorder.recording and torch.is_grad_enabled() and not transforms_active():
+                recorder._observe(op, args, out)
+            if recorder.on_call is not None:
+                recorder._called(op, args)
+            return out
+
+        namespace = {"__module__": previous.__module__, "__qualname__": previous.__qualname__,
+                     "__call__": __call__}
+        monitored = type(previous.__name__, (fast,), namespace)
+        self._swapped[op] = previous
+        op.__class__ = monitored
+
+    def _wrap_hook_transforms(self) -> None:
+        """Each grad_hook in the model records what its transform gets and gives."""
+        hooks_module = sys.modules.get("gradoverride._hooks")
+        if hooks_module is None:
+            return  # no grad_hook was ever made
+        for module in self.model.modules():
+            path = self.paths[id(module)]
+            for place, table, cls in (("inputs", module._forward_pre_hooks, hooks_module._AtInputs),
+                                      ("outputs", module._forward_hooks, hooks_module._AtOutputs)):
+                for hook in table.values():
+                    if isinstance(hook, cls) and not isinstance(hook.transform, _MeasuredTransform):
+                        # Read at each forward call (a tensor hook on the fresh tensors).
+                        site = self._make_site(path, hook.transform, "grad_hook", f" at {place}")
+                        self._retransformed.append((hook, hook.transform))
+                        hook.transform = _MeasuredTransform(hook.transform, site, self)
+            for hook in module._forward_pre_hooks.values():
+                owner = getattr(hook, "__self__", None)
+                if not isinstance(owner, hooks_module._ParameterHooks):
+                    continue
+                # A tensor hook on each parameter, registered once: replaced in place in the
+                # parameter's hook dict, which keeps its order among the other hooks.
+                site = self._make_site(path, owner.transform, "grad_hook", " at parameters")
+                for handle in owner.handles:
+                    hooks = handle.hooks_dict_ref()
+                    if hooks is None or handle.id not in hooks:
+                        continue
+                    original = hooks[handle.id]
+                    hooks[handle.id] = _MeasuredTransform(original, site, self)
+                    self._wrapped.append((handle, original))
+
+    # -- during forward ---------------------------------------------------------------------
+
+    def _count_step(self, module: nn.Module, args: Any) -> None:
+        if is_dynamo_compiling():
+            return
+        self.step += 1
+        self.recording = self.step % self.every == 0
+
+    def _observe(self, op: CustomBackward[..., Any], args: tuple[Any, ...], out: Any) -> None:
+        node = _node_of(out)
+        if node is None:
+            return
+        function = getattr(node, "_forward_cls", None)
+        if function is None:
+            return  # not an autograd.Function's node
+        site = self._site_of(op, args)
+        if site is None:
+            return
+        if function not in self._patched:
+            self._patch(function)
+        # Read by the patched backward (the node is the Function's ctx).
+        node._gradoverride_seen = (site, self.step)
+
+    def _patch(self, function: type) -> None:
+        """`function.backward`, while recording, also hands what it got and returned for a
+        node the forward tagged to `_on_backward`. Autograd reads `backward` off the class at
+        each node's backward, so this adds no per-call hook; `stop` puts it back."""
+        backward = function.__dict__["backward"]
+        original = backward.__func__ if isinstance(backward, staticmethod) else backward
+        # A rule owning some inputs: after the gradients for its inputs, the Function
+        # returns the outputs' gradients, passed on into the ordinary graph, and None for
+        # each residual.
+        attaches = getattr(function, "_gradoverride_attaches", False)
+        recorder = self
+
+        def recorded_backward(ctx: Any, *grads: Any) -> Any:
+            returned = original(ctx, *grads)
+            seen = ctx.__dict__.get("_gradoverride_seen")
+            if seen is not None:
+                given = returned if isinstance(returned, tuple) else (returned,)
+                needs = ctx.needs_input_grad
+                if attaches:
+                    n_in = ctx.gradoverride[0].n_in
+                    given, needs = given[1 : 1 + n_in], needs[1 : 1 + n_in]
+                recorder._on_backward(
+                    seen[0], seen[1], [g for g, n in zip(given, needs, strict=False) if n and g is not None], grads
+                )
+            return returned
+
+        self._patched[function] = backward
+        function.backward = staticmethod(recorded_backward)  # type: ignore[attr-defined]
+
+    def _called(self, op: CustomBackward[..., Any], args: tuple[Any, ...]) -> None:
+        if self.on_call is None or (len(args) > 1 and isinstance(args[1], _ParameterIds)):
+            return
+        path = self._caller_path(3)  # above _caller_path, _called and __call__
+        subject, kind = _subject(op, args)
+        if path is not None and kind != "grad_hook":  # hooks: listed from the modules
+            self.on_call(path, subject)
+
+    def _caller_path(self, depth: int) -> str | None:
+        """The path of the innermost module of the model whose forward (or hook) is running
+        in this thread: the nearest frame whose `self` is one of the model's modules, read
+        off the call stack (`depth` frames up is the op's caller). A hook on every module
+        would cost more than the override itself in a small recurrent layer; reading a
+        frame's locals costs a microsecond, so the distance from each calling code to the
+        module's frame is remembered and checked first."""
+        paths = self.paths
+        start = sys._getframe(depth)
+        known = self._distance.get(start.f_code)
+        if known is not None:
+            frame: Any = start
+            for _ in range(known):
+                frame = frame.f_back
+            owner = frame.f_locals.get("self")
+            path = paths.get(id(owner)) if owner is not None else None
+            if path is not None:
+                return path
+        frame = start
+        for distance in range(_FRAMES):
+            if frame is None:
+                return None
+            if frame.f_code.co_argcount:
+                owner = frame.f_locals.get("self")
+                path = paths.get(id(owner)) if owner is not None else None
+                if path is not None:
+                    self._distance[start.f_code] = distance
+                    return path
+            frame = frame.f_back
+        return None
+
+    def _site_of(self, op: CustomBackward[..., Any], args: tuple[Any, ...],
+                 depth: int = 4) -> Site | None:
+        """The row of a call of `op` with `args`; `depth` frames up is the op's caller."""
+        if len(args) > 1 and isinstance(args[1], _ParameterIds):
+            module = args[0]
+            path = self.paths.get(id(module))
+            if path is None:
+                return None  # a module outside the model
+            key: tuple[Any, ...] = (id(op), path)
+            site = self._sites.get(key)
+            if site is None:
+                kind = "go.Module" if isinstance(module, Module) else "override_backward"
+                site = self._sites[key] = Site(path, type(module).__name__, kind,
+                                               index=self._next_index())
+            return site
+        path = self._caller_path(depth)  # 4: above _caller_path, _site_of, _observe, __call__
+        if path is None:
+            return None  # called outside the model's forward
+        subject, kind = _subject(op, args)
+        if isinstance(subject, _MeasuredTransform):
+            return None  # a grad_hook's transform, which records itself
+        key = (id(op), path, id(subject))
+        site = self._sites.get(key)
+        if site is None:
+            site = self._sites[key] = self._make_site(path, subject, kind)
+        return site
+
+    def _next_index(self) -> int:
+        self._count += 1
+        return self._count
+
+    def position(self, site: Site) -> tuple[int, int]:
+        """Where `site` sorts: its module's place in the model, then the order met."""
+        return self._positions.get(site.path, len(self._positions)), site.index
+
+    def _make_site(self, path: str, subject: Any, kind: str, suffix: str = "") -> Site:
+        if isinstance(subject, CustomBackward):
+            name = getattr(subject, "__name__", subject._name)
+        elif kind == "grad_hook":
+            name = f"grad_hook({describe_transform(subject)}){suffix}"
+        else:
+            name = repr(subject)
+        return Site(path, name, kind, subject, index=self._next_index())
+
+    # -- during backward --------------------------------------------------------------------
+
+    def _on_backward(self, site: Site, step: int, returned: Any, arriving: Any) -> None:
+        with self._lock:
+            self._pending.append((site, step, returned, arriving))
+            if self._queued:
+                return
+            self._queued = True
+        torch.autograd.Variable._execution_engine.queue_callback(self._flush)
+
+    def record_transform(self, site: Site, step: int, arriving: Tensor, returned: Tensor) -> None:
+        """A parameter hook's transform ran (see `_MeasuredTransform`)."""
+        self._on_backward(site, step, (returned,), (arriving,))
+
+    def _flush(self) -> None:
+        with self._lock:
+            pending, self._pending, self._queued = self._pending, [], False
+        groups: dict[tuple[Site, int], Gradients] = {}
+        for site, step, gave, arriving in pending:
+            group = groups.get((site, step))
+            if group is None:
+                group = groups[(site, step)] = Gradients()
+            group.calls += 1
+            got = [g for g in arriving if g is not None]
+            if len(got) == 1 and len(gave) == 1 and gave[0].shape == got[0].shape:
+                if group.aligned and group.arriving and not (
+                    got[0].shape == group.arriving[0].shape
+                    and got[0].dtype == group.arriving[0].dtype
+                    and gave[0].dtype == group.returned[0].dtype
+                ):
+                    group.aligned = False
+                group.pairs.append((gave[0], got[0]))
+            else:
+                group.aligned = False
+                if len(got) == 1:
+                    shape = got[0].shape
+                    group.pairs += [(g, got[0]) for g in gave if g.shape == shape]
+            group.arriving += got
+            group.returned += gave
+        self.sink(groups)
+
+
+class _MeasuredTransform:
+    """A parameter's grad_hook transform, recording what it got and gave while recording."""
+
+    __slots__ = ("recorder", "site", "transform")
+
+    def __init__(self, transform: Callable[[Tensor], Tensor | None], site: Site,
+                 recorder: Recorder) -> None:
+        self.transform = transform
+        self.site = site
+        self.recorder = recorder
+
+    def __call__(self, grad: Tensor) -> Tensor | None:
+        out = self.transform(grad)
+        recorder = self.recorder
+        if recorder.recording and not is_dynamo_compiling():
+            recorder.record_transform(self.site, recorder.step, grad,
+                                      grad if out is None else out)
+        return out
+
+    def __reduce__(self) -> Any:
+        # Saved mid-training: the hook is the transform itself.
+        return self.transform.__reduce__()
+
+
+def _node_of(out: Any) -> Any:
+    """The backward node of an op's output (its first tensor output needing grad)."""
+    if isinstance(out, Tensor):
+        return out.grad_fn
+    for leaf in _leaves(out):
+        if isinstance(leaf, Tensor) and leaf.grad_fn is not None:
+            return leaf.grad_fn
+    return None
+
+
+def _leaves(out: Any) -> Iterator[Any]:
+    from torch.utils import _pytree as pytree
+
+    yield from pytree.tree_leaves(out)
+
+
+def _subject(op: CustomBackward[..., Any], args: tuple[Any, ...]) -> tuple[Any, str]:
+    """What a row names for a call of `op`: the recipe among its arguments, the transform
+    of a grad_hook's op, else the op itself."""
+    transform = sys.modules.get("gradoverride._transform")
+    if transform is not None and op in (transform.transformed, transform.transformed_private):
+        return args[1], "grad_hook"
+    if transform is not None and op is transform.transformed_all:
+        return args[0], "grad_hook"
+    base = sys.modules.get("gradoverride.recipes._base")
+    if base is not None:
+        for arg in args:
+            if isinstance(arg, base.Recipe):
+                return arg, "recipe"
+    return op, "op"
+
+
+def describe_transform(fn: Any) -> str:
+    """A grad_hook's transform as a row names it: a recipe's repr, else the function's name."""
+    if isinstance(fn, _MeasuredTransform):
+        fn = fn.transform
+    owner = getattr(fn, "__self__", None)
+    if owner is not None and not isinstance(owner, type):
+        base = sys.modules.get("gradoverride.recipes._base")
+        if base is not None and isinstance(owner, base.Recipe | nn.Module):
+            return repr(owner)
+    return describe(fn)
+
