@@ -123,8 +123,8 @@ def overrides(model: Any, *example_args: Any, **example_kwargs: Any) -> Override
         if is_keras_layer(model):
             from ._backends import backend
 
-            records = backend("tensorflow").keras_overrides(model)
-            return Overrides(type(model).__name__, records)
+            keras_records = backend("tensorflow").keras_overrides(model)
+            return Overrides(type(model).__name__, keras_records)
         msg = (
             f"go.overrides needs a model (an nn.Module or a Keras model); got "
             f"{type(model).__name__} {model!r:.60}. Pass the module whose overrides to list."

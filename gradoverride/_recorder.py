@@ -4,28 +4,30 @@ gave back. What `go.monitor` and `go.overrides` (with example inputs) are built 
 While a recorder is started:
 
 * every op (each `custom_backward` / `straight_through` op, the recipes' ops, the ops of
-  `go.Module`, `override_backward` and `grad_hook`) has its class swapped for one whose
-  `__call__` tags the backward node of the op's output with the override's row and step;
-  the generated Function's `backward` is wrapped (on the class, which autograd reads at each
-  node's backward) to hand what a tagged node got and returned to the recorder: exactly the
-  override's own gradients, whatever else reads its inputs, with no identity op added, no
-  tensor copied and no hook registered per call;
+  `go.Module` and `override_backward`) has its class swapped for one whose `__call__` tags
+  the backward node of the op's output with the override's row; the generated Function's
+  `backward` is wrapped (on the class, which autograd reads at each node's backward) to hand
+  what a tagged node got and returned to the recorder: exactly the override's own
+  gradients, whatever else reads its inputs, with no identity op added, no tensor copied and
+  no hook registered per call;
 * the row of an op called in a module's forward is that module's path, read from the call
   stack (the nearest frame whose `self` is one of the model's modules);
 * each `grad_hook` transform in the model is wrapped, in place (the module hook's attribute,
-  or the parameter's hook dict, which keeps its order among other hooks);
-* a forward pre-hook on the model counts steps.
+  or the parameter's hook dict, which keeps its order among other hooks).
 
-Stopping restores every class, method, hook and transform: afterwards nothing of the
-recorder is left and an op call costs what it did before. The gradients of one backward pass
-are handed to the recorder's `sink` at the end of that pass (`queue_callback`), grouped by
-override.
+Nothing is registered on the model itself, so a model saved or copied while recorded carries
+none of it. A step is one backward pass that reaches an override of the model: the
+gradients of a pass are handed to the recorder's `sink` at its end (`queue_callback`),
+grouped by override. With `every=N`, the ops of an unrecorded step only mark one node, whose
+backward counts the pass.
+
+Stopping restores every class, method and transform: afterwards nothing of the recorder is
+left and an op call costs what it did before.
 """
 
 from __future__ import annotations
 
 import sys
-import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -74,6 +76,17 @@ class Gradients:
 
 # How many frames up from an op call to look for the module calling it.
 _FRAMES = 12
+_UNPATCHED: Any = object()
+_MARK: Any = object()  # a node of an unrecorded step: its backward only counts the pass
+
+
+class _NoRecipe:
+    """Stands for the recipe base class when no recipe was ever imported."""
+
+
+def queue_callback(callback: Callable[[], None]) -> None:
+    """Run `callback` when the backward pass running now ends (what DDP uses)."""
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
 
 Sink = Callable[[dict[tuple[Site, int], Gradients]], None]
 
@@ -100,20 +113,23 @@ class Recorder:
         self.substitute: Callable[[Site, CustomBackward[..., Any], tuple[Any, ...],
                                    dict[str, Any]], Any] | None = None
         self.every = every
-        self.step = -1  # calls of the model so far, minus one: the step being run
-        self.recording = False
+        # Backward passes that reached an override of the model so far: the index of the
+        # next one is the step being recorded.
+        self.passes = 0
         self.paths: dict[int, str] = {}
-        self._handles: list[RemovableHandle] = []
         self._swapped: dict[CustomBackward[..., Any], type] = {}
         self._wrapped: list[tuple[RemovableHandle, Any]] = []
         self._retransformed: list[tuple[Any, Any]] = []
-        self._patched: dict[type, Any] = {}
+        self._patched: dict[type, bool | None] = {}
+        self._originals: dict[type, Any] = {}
+        self._subject_at: dict[int, int] = {}
         self._distance: dict[Any, int] = {}
         self._positions: dict[str, int] = {}
         self._count = 0
         self._sites: dict[tuple[Any, ...], Site] = {}
-        self._lock = threading.Lock()
-        self._pending: list[tuple[Site, int, tuple[Any, ...], tuple[Any, ...]]] = []
+        # (site, span) or _MARK, returned, needs_input_grad, arriving: one per backward call
+        # (appended from autograd's threads; list.append is atomic).
+        self._pending: list[tuple[Any, Any, tuple[bool, ...], tuple[Any, ...]]] = []
         self._queued = False
         self.started = False
 
@@ -121,25 +137,24 @@ class Recorder:
 
     def start(self) -> None:
         self.paths = model_paths(self.model)
+        base = sys.modules.get("gradoverride.recipes._base")
+        self._recipe_type = base.Recipe if base is not None else _NoRecipe
         self._positions = {path: k for k, path in enumerate(self.paths.values())}
-        self._handles.append(
-            self.model.register_forward_pre_hook(self._count_step, prepend=True)
-        )
         for op in list(_OPS):
             self._swap(op)
         self._wrap_hook_transforms()
         self.started = True
 
     def stop(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
         for op, previous in self._swapped.items():
             op.__class__ = previous
         self._swapped = {}
-        for cls, backward in self._patched.items():
-            cls.backward = backward
+        for cls, backward in self._originals.items():
+            cls.backward = backward  # type: ignore[attr-defined]
         self._patched = {}
+        self._originals = {}
+        if self._pending:
+            self._flush()  # a backward pass that did not finish (an error in it)
         for handle, original in self._wrapped:
             hooks = handle.hooks_dict_ref()
             if hooks is not None and handle.id in hooks:
@@ -165,11 +180,11 @@ class Recorder:
                     return recorder.substitute(site, op, args, kwargs)
             out = call(op, *args, **kwargs)
             if is_dynamo_compiling():
-                return out
+                return out  # (read nothing of the recorder: dynamo would guard on it)
             if type(op) is fast:  # the first call's check finished: it set the fast class
                 recorder._swapped[op] = fast
                 op.__class__ = monitored
-            if recorder.recording and torch.is_grad_enabled() and not transforms_active():
+            if torch.is_grad_enabled() and not transforms_active():
                 recorder._observe(op, args, out)
             if recorder.on_call is not None:
                 recorder._called(op, args)
@@ -213,55 +228,65 @@ class Recorder:
 
     # -- during forward ---------------------------------------------------------------------
 
-    def _count_step(self, module: nn.Module, args: Any) -> None:
-        if is_dynamo_compiling():
-            return
-        self.step += 1
-        self.recording = self.step % self.every == 0
+    @property
+    def recording(self) -> bool:
+        """Whether the backward pass about to run (or running) is a recorded step."""
+        return self.passes % self.every == 0
 
     def _observe(self, op: CustomBackward[..., Any], args: tuple[Any, ...], out: Any) -> None:
-        node = _node_of(out)
+        node: Any = out.grad_fn if isinstance(out, Tensor) else _node_of(out)
         if node is None:
             return
         function = getattr(node, "_forward_cls", None)
         if function is None:
             return  # not an autograd.Function's node
+        span = self._patched.get(function, _UNPATCHED)
+        if span is _UNPATCHED:
+            span = self._patch(function)
+        if self.passes % self.every != 0:
+            # Not a recorded step: the mark only counts the backward pass when it runs.
+            node._gradoverride_seen = _MARK
+            return
         site = self._site_of(op, args)
         if site is None:
             return
-        if function not in self._patched:
-            self._patch(function)
+        if span is not None:
+            # A rule owning some inputs: after the gradients for its inputs, the Function
+            # returns the outputs' gradients, passed on into the ordinary graph, and None
+            # for each residual.
+            span = 1 + node.gradoverride[0].n_in
         # Read by the patched backward (the node is the Function's ctx).
-        node._gradoverride_seen = (site, self.step)
+        node._gradoverride_seen = (site, span)
 
-    def _patch(self, function: type) -> None:
-        """`function.backward`, while recording, also hands what it got and returned for a
-        node the forward tagged to `_on_backward`. Autograd reads `backward` off the class at
-        each node's backward, so this adds no per-call hook; `stop` puts it back."""
+    def _patch(self, function: type) -> Any:
+        """`function.backward`, while recording, also hands what a node the forward tagged
+        got and returned to the recorder. Autograd reads `backward` off the class at each
+        node's backward, so this adds no per-call hook; `stop` puts it back. Returns
+        whether the Function passes its outputs' gradients on (see `_observe`)."""
         backward = function.__dict__["backward"]
         original = backward.__func__ if isinstance(backward, staticmethod) else backward
-        # A rule owning some inputs: after the gradients for its inputs, the Function
-        # returns the outputs' gradients, passed on into the ordinary graph, and None for
-        # each residual.
-        attaches = getattr(function, "_gradoverride_attaches", False)
         recorder = self
+        pending = self._pending
+        queue = queue_callback
 
         def recorded_backward(ctx: Any, *grads: Any) -> Any:
             returned = original(ctx, *grads)
+            if is_dynamo_compiling():
+                return returned  # a compiled backward: nothing was tagged
             seen = ctx.__dict__.get("_gradoverride_seen")
             if seen is not None:
-                given = returned if isinstance(returned, tuple) else (returned,)
-                needs = ctx.needs_input_grad
-                if attaches:
-                    n_in = ctx.gradoverride[0].n_in
-                    given, needs = given[1 : 1 + n_in], needs[1 : 1 + n_in]
-                recorder._on_backward(
-                    seen[0], seen[1], [g for g, n in zip(given, needs, strict=False) if n and g is not None], grads
-                )
+                if seen is not _MARK:
+                    pending.append((seen, returned, ctx.needs_input_grad, grads))
+                if not recorder._queued:
+                    recorder._queued = True
+                    queue(recorder._flush)
             return returned
 
-        self._patched[function] = backward
+        attaches = True if getattr(function, "_gradoverride_attaches", False) else None
+        self._patched[function] = attaches
+        self._originals[function] = backward
         function.backward = staticmethod(recorded_backward)  # type: ignore[attr-defined]
+        return attaches
 
     def _called(self, op: CustomBackward[..., Any], args: tuple[Any, ...]) -> None:
         if self.on_call is None or (len(args) > 1 and isinstance(args[1], _ParameterIds)):
@@ -320,7 +345,7 @@ class Recorder:
         path = self._caller_path(depth)  # 4: above _caller_path, _site_of, _observe, __call__
         if path is None:
             return None  # called outside the model's forward
-        subject, kind = _subject(op, args)
+        subject, kind = self._subject_of(op, args)
         if isinstance(subject, _MeasuredTransform):
             return None  # a grad_hook's transform, which records itself
         key = (id(op), path, id(subject))
@@ -328,6 +353,22 @@ class Recorder:
         if site is None:
             site = self._sites[key] = self._make_site(path, subject, kind)
         return site
+
+    def _subject_of(self, op: CustomBackward[..., Any],
+                    args: tuple[Any, ...]) -> tuple[Any, str]:
+        """`_subject(op, args)`, with where the op's calls hold the recipe remembered."""
+        at = self._subject_at.get(id(op))
+        if at is not None:
+            if at < 0:
+                return op, "op"
+            if at < len(args) and isinstance(args[at], self._recipe_type):
+                return args[at], "recipe"
+        subject, kind = _subject(op, args)
+        if kind == "recipe":
+            self._subject_at[id(op)] = next(k for k, a in enumerate(args) if a is subject)
+        elif kind == "op":
+            self._subject_at[id(op)] = -1
+        return subject, kind
 
     def _next_index(self) -> int:
         self._count += 1
@@ -348,28 +389,33 @@ class Recorder:
 
     # -- during backward --------------------------------------------------------------------
 
-    def _on_backward(self, site: Site, step: int, returned: Any, arriving: Any) -> None:
-        with self._lock:
-            self._pending.append((site, step, returned, arriving))
-            if self._queued:
-                return
+    def record_transform(self, site: Site, arriving: Tensor, returned: Tensor) -> None:
+        """A grad_hook's transform ran (see `_MeasuredTransform`)."""
+        self._pending.append(((site, None), (returned,), (True,), (arriving,)))
+        if not self._queued:
             self._queued = True
-        torch.autograd.Variable._execution_engine.queue_callback(self._flush)
-
-    def record_transform(self, site: Site, step: int, arriving: Tensor, returned: Tensor) -> None:
-        """A parameter hook's transform ran (see `_MeasuredTransform`)."""
-        self._on_backward(site, step, (returned,), (arriving,))
+            queue_callback(self._flush)
 
     def _flush(self) -> None:
-        with self._lock:
-            pending, self._pending, self._queued = self._pending, [], False
+        self._queued = False
+        queued = self._pending  # the list the patched backwards append to: kept
+        n = len(queued)
+        pending = queued[:n]
+        del queued[:n]  # what another thread appended meanwhile stays for its own flush
         groups: dict[tuple[Site, int], Gradients] = {}
-        for site, step, gave, arriving in pending:
+        step = self.passes
+        self.passes += 1
+        for (site, span), returned, needs, arriving in pending:
+            if type(returned) is not tuple:
+                returned = (returned,)
+            if span is not None:
+                returned, needs = returned[1:span], needs[1:span]
+            gave = [g for g, n in zip(returned, needs, strict=False) if n and g is not None]
+            got = [g for g in arriving if g is not None]
             group = groups.get((site, step))
             if group is None:
                 group = groups[(site, step)] = Gradients()
             group.calls += 1
-            got = [g for g in arriving if g is not None]
             if len(got) == 1 and len(gave) == 1 and gave[0].shape == got[0].shape:
                 if group.aligned and group.arriving and not (
                     got[0].shape == group.arriving[0].shape
@@ -403,7 +449,7 @@ class _MeasuredTransform:
         out = self.transform(grad)
         recorder = self.recorder
         if recorder.recording and not is_dynamo_compiling():
-            recorder.record_transform(self.site, recorder.step, grad,
+            recorder.record_transform(self.site, grad,
                                       grad if out is None else out)
         return out
 
