@@ -134,17 +134,19 @@ def overrides(model: Any, *example_args: Any, **example_kwargs: Any) -> Override
         example_args or example_kwargs) else None
     records: list[OverrideRecord] = []
     listed: set[tuple[str, int]] = set()
+    covered: set[str] = set()  # recipe and op modules: their own row shows what they call
     for path, module in model.named_modules():
         records += _module_records(path, module)
+        if _is_recipe_or_op_module(module):
+            covered.add(path)
+            continue
         for attribute, value in _held(module):
             listed.add((path, id(value)))
-            if _is_recipe_or_op_module(module):
-                continue  # the module's own row shows it
             active = None if seen is None else (path, id(value)) in seen
             records.append(_held_record(path, attribute, value, active))
     if seen is not None:
         for (path, key), (value, calls) in seen.items():
-            if (path, key) not in listed:
+            if (path, key) not in listed and path not in covered:
                 records.append(OverrideRecord(path, _kind_of(value), _name_of(value),
                                               f"called {calls}x in forward", True))
     return Overrides(type(model).__name__, records)

@@ -169,7 +169,8 @@ class MonitorSummary:
     def __str__(self) -> str:
         if not self.rows:
             return (f"go.monitor of {self.model}: nothing recorded (no gradient override of "
-                    f"{self.model} ran backward)")
+                    f"{self.model} ran backward in eager mode; steps compiled with "
+                    "torch.compile and torch.func transforms are not recorded)")
         headers = ("override", "kind", "steps", "calls", "|grad in|", "|grad out|",
                    "zeroed", "nan/inf")
         body = [
@@ -271,6 +272,16 @@ def monitor(model: nn.Module, *, every: int = 1) -> Monitor:
             "modules in an nn.ModuleList)."
         )
         raise GradOverrideTypeError(msg)
+    if hasattr(model, "_orig_mod") or getattr(model, "_compiled_call_impl", None) is not None:
+        name = type(getattr(model, "_orig_mod", model)).__name__
+        msg = (
+            f"go.monitor records eager steps, and this {name} is compiled with "
+            "torch.compile: its backward runs as one compiled graph, where the overrides are "
+            "not separate steps, so nothing would be recorded. Monitor the eager model for "
+            "the steps you want to see: for `compiled = torch.compile(model)`, use "
+            "`with go.monitor(model):` and call `model` (not `compiled`) in those steps."
+        )
+        raise GradOverrideError(msg)
     if isinstance(every, bool) or not isinstance(every, int) or every < 1:
         msg = (
             "go.monitor: `every` must be a positive integer (record one step in every "

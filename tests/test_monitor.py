@@ -304,7 +304,9 @@ def test_a_model_without_overrides_says_it_recorded_nothing() -> None:
         model(torch.randn(3, 2)).sum().backward()
     assert mon.history == {}
     assert str(mon.summary()) == (
-        "go.monitor of Linear: nothing recorded (no gradient override of Linear ran backward)"
+        "go.monitor of Linear: nothing recorded (no gradient override of Linear ran backward "
+        "in eager mode; steps compiled with torch.compile and torch.func transforms are not "
+        "recorded)"
     )
     assert mon.steps == 0
 
@@ -385,8 +387,12 @@ def test_compiled_steps_run_unrecorded_with_their_gradients() -> None:
     with go.monitor(model) as mon:
         compiled(x).sum().backward()
     assert mon.history == {}
+    assert "steps compiled with torch.compile" in str(mon.summary())
     for p, e in zip(model.parameters(), expected, strict=True):
         torch.testing.assert_close(p.grad, e)
+    with pytest.raises(go.GradOverrideError, match=r"this Binarized is compiled with torch\.compile.*"
+                       r"`with go\.monitor\(model\):`"):
+        go.monitor(torch.compile(model, backend="aot_eager"))
 
 
 def test_checkpointed_forward_is_recorded_once() -> None:
