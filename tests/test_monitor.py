@@ -390,8 +390,8 @@ def test_compiled_steps_run_unrecorded_with_their_gradients() -> None:
     assert "steps compiled with torch.compile" in str(mon.summary())
     for p, e in zip(model.parameters(), expected, strict=True):
         torch.testing.assert_close(p.grad, e)
-    with pytest.raises(go.GradOverrideError, match=r"this Binarized is compiled with torch\.compile.*"
-                       r"`with go\.monitor\(model\):`"):
+    with pytest.raises(go.GradOverrideError, match=r"this Binarized is compiled with "
+                       r"torch\.compile.*`with go\.monitor\(model\):`"):
         go.monitor(torch.compile(model, backend="aot_eager"))
 
 
