@@ -91,10 +91,10 @@ def overrides(model: Any, *example_args: Any, **example_kwargs: Any) -> Override
     import gradoverride as go
 
     model = nn.Sequential(nn.Linear(4, 4), go.recipes.binarize().module())
-    go.grad_hook(model[0], go.recipes.clip_grad(0.5), at="parameters")
+    go.grad_hook(model[0], go.recipes.clip_grad_value(0.5), at="parameters")
     for record in go.overrides(model):
         print(record.path, record.kind, record.name)
-    #> 0 grad_hook clip_grad(max_value=0.5)
+    #> 0 grad_hook clip_grad_value(clip_value=0.5)
     #> 1 recipe module binarize(clip=1.0, inclusive=True, keep='input')
     ```
 
@@ -133,7 +133,7 @@ def overrides(model: Any, *example_args: Any, **example_kwargs: Any) -> Override
     seen = _called_in_forward(model, example_args, example_kwargs) if (
         example_args or example_kwargs) else None
     records: list[OverrideRecord] = []
-    listed: set[tuple[str, int]] = set()
+    listed: set[tuple[str, object]] = set()
     covered: set[str] = set()  # recipe and op modules: their own row shows what they call
     for path, module in model.named_modules():
         records += _module_records(path, module)
@@ -141,8 +141,8 @@ def overrides(model: Any, *example_args: Any, **example_kwargs: Any) -> Override
             covered.add(path)
             continue
         for attribute, value in _held(module):
-            listed.add((path, id(value)))
-            active = None if seen is None else (path, id(value)) in seen
+            listed.add((path, _identity(value)))
+            active = None if seen is None else (path, _identity(value)) in seen
             records.append(_held_record(path, attribute, value, active))
     if seen is not None:
         for (path, key), (value, calls) in seen.items():
@@ -251,16 +251,22 @@ def _name_of(value: Any) -> str:
     return repr(value)
 
 
+def _identity(value: Any) -> object:
+    """What tells two ops or recipes apart: an op by identity, a recipe by its settings
+    (one made at each call of a forward is one row)."""
+    return id(value) if isinstance(value, CustomBackward) else repr(value)
+
+
 def _called_in_forward(model: nn.Module, args: tuple[Any, ...],
-                       kwargs: dict[str, Any]) -> dict[tuple[str, int], tuple[Any, int]]:
+                       kwargs: dict[str, Any]) -> dict[tuple[str, object], tuple[Any, int]]:
     """The ops and recipes called during one `model(*args, **kwargs)` under no_grad, by
     (module path, id): the value and its number of calls."""
     from ._recorder import Recorder
 
-    seen: dict[tuple[str, int], tuple[Any, int]] = {}
+    seen: dict[tuple[str, object], tuple[Any, int]] = {}
 
     def called(path: str, subject: Any) -> None:
-        key = (path, id(subject))
+        key = (path, _identity(subject))
         previous = seen.get(key)
         seen[key] = (subject, 1 if previous is None else previous[1] + 1)
 

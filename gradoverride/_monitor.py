@@ -224,7 +224,7 @@ def monitor(model: nn.Module, *, every: int = 1) -> Monitor:
         for _ in range(3):
             model(torch.randn(8, 4)).sum().backward()
     print(mon.summary().rows[0].label, mon.summary().rows[0].steps)
-    #> 1: binarize(clip=1.0, inclusive=True) 3
+    #> 1: binarize(clip=1.0, inclusive=True, keep='input') 3
     ```
 
     A step is one backward pass that reaches an override of `model` (`loss.backward()`,

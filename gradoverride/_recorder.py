@@ -80,10 +80,6 @@ _UNPATCHED: Any = object()
 _MARK: Any = object()  # a node of an unrecorded step: its backward only counts the pass
 
 
-class _NoRecipe:
-    """Stands for the recipe base class when no recipe was ever imported."""
-
-
 def queue_callback(callback: Callable[[], None]) -> None:
     """Run `callback` when the backward pass running now ends (what DDP uses)."""
     torch.autograd.Variable._execution_engine.queue_callback(callback)
@@ -122,8 +118,11 @@ class Recorder:
         self._retransformed: list[tuple[Any, Any]] = []
         self._patched: dict[type, bool | None] = {}
         self._originals: dict[type, Any] = {}
-        self._subject_at: dict[int, int] = {}
-        self._distance: dict[Any, int] = {}
+        # Places seen before (see `_seen_before`): (op, calling code) -> (frames up to the
+        # module's frame, the recipe argument's index or -1), and (op, module) -> (the
+        # recipe of the last call, its site). Ids of ops and modules, which stay alive.
+        self._known: dict[tuple[int, Any], tuple[int, int, int]] = {}
+        self._by_owner: dict[tuple[int, int], tuple[Any, Site]] = {}
         self._positions: dict[str, int] = {}
         self._count = 0
         self._sites: dict[tuple[Any, ...], Site] = {}
@@ -137,8 +136,6 @@ class Recorder:
 
     def start(self) -> None:
         self.paths = model_paths(self.model)
-        base = sys.modules.get("gradoverride.recipes._base")
-        self._recipe_type = base.Recipe if base is not None else _NoRecipe
         self._positions = {path: k for k, path in enumerate(self.paths.values())}
         for op in list(_OPS):
             self._swap(op)
@@ -247,9 +244,11 @@ class Recorder:
             # Not a recorded step: the mark only counts the backward pass when it runs.
             node._gradoverride_seen = _MARK
             return
-        site = self._site_of(op, args)
+        site = self._seen_before(op, args)
         if site is None:
-            return
+            site = self._site_of(op, args)
+            if site is None:
+                return
         if span is not None:
             # A rule owning some inputs: after the gradients for its inputs, the Function
             # returns the outputs' gradients, passed on into the ordinary graph, and None
@@ -257,6 +256,32 @@ class Recorder:
             span = 1 + node.gradoverride[0].n_in
         # Read by the patched backward (the node is the Function's ctx).
         node._gradoverride_seen = (site, span)
+
+    def _seen_before(self, op: CustomBackward[..., Any], args: tuple[Any, ...]) -> Site | None:
+        """The site of a call from a place seen before (the same op, calling code and
+        calling module, and the same recipe argument): what `_site_of` found then, with one
+        frame's locals read. None for anything else, which `_site_of` resolves."""
+        start = sys._getframe(2)  # the op's caller (above this and __call__)
+        known = self._known.get((id(op), start.f_code))
+        if known is None:
+            return None
+        distance, at, at_frame = known
+        frame: Any = start
+        recipe = None
+        for k in range(distance):
+            if k == at_frame:
+                recipe = frame.f_locals.get("self")
+            frame = frame.f_back
+        owner = frame.f_locals.get("self")
+        entry = self._by_owner.get((id(op), id(owner)))
+        if entry is None:
+            return None
+        subject, site = entry
+        if at_frame >= 0:
+            return site if recipe is subject else None
+        if at < 0 or (at < len(args) and args[at] is subject):
+            return site
+        return None  # another recipe object than last time (one made at each call, say)
 
     def _patch(self, function: type) -> Any:
         """`function.backward`, while recording, also hands what a node the forward tagged
@@ -291,30 +316,27 @@ class Recorder:
     def _called(self, op: CustomBackward[..., Any], args: tuple[Any, ...]) -> None:
         if self.on_call is None or (len(args) > 1 and isinstance(args[1], _ParameterIds)):
             return
-        path = self._caller_path(3)  # above _caller_path, _called and __call__
+        found = self._caller_path(3)  # above _caller_path, _called and __call__
+        if found is None:
+            return
         subject, kind = _subject(op, args)
-        if path is not None and kind != "grad_hook":  # hooks: listed from the modules
-            self.on_call(path, subject)
+        if kind == "op" and found[3] is not None:  # a recipe whose __call__ called the op
+            subject, kind = found[3][0], "recipe"
+        if kind != "grad_hook":  # hooks: listed from the modules
+            self.on_call(found[0], subject)
 
-    def _caller_path(self, depth: int) -> str | None:
-        """The path of the innermost module of the model whose forward (or hook) is running
-        in this thread: the nearest frame whose `self` is one of the model's modules, read
-        off the call stack (`depth` frames up is the op's caller). A hook on every module
-        would cost more than the override itself in a small recurrent layer; reading a
-        frame's locals costs a microsecond, so the distance from each calling code to the
-        module's frame is remembered and checked first."""
+    def _caller_path(self, depth: int) -> tuple[str, Any, int, tuple[Any, int] | None] | None:
+        """The innermost module of the model whose forward (or hook) is running in this
+        thread: the nearest frame whose `self` is one of the model's modules, read off the
+        call stack (`depth` frames up is the op's caller); its path, the module, how many
+        frames above the caller it is, and the nearest recipe on the way (a frame whose
+        `self` is a recipe, with its distance: the recipe whose `__call__` called the op).
+        A hook on every module to track this would cost more than the override itself in a
+        small recurrent layer."""
         paths = self.paths
-        start = sys._getframe(depth)
-        known = self._distance.get(start.f_code)
-        if known is not None:
-            frame: Any = start
-            for _ in range(known):
-                frame = frame.f_back
-            owner = frame.f_locals.get("self")
-            path = paths.get(id(owner)) if owner is not None else None
-            if path is not None:
-                return path
-        frame = start
+        recipe_type = _recipe_type()
+        recipe: tuple[Any, int] | None = None
+        frame: Any = sys._getframe(depth)
         for distance in range(_FRAMES):
             if frame is None:
                 return None
@@ -322,8 +344,9 @@ class Recorder:
                 owner = frame.f_locals.get("self")
                 path = paths.get(id(owner)) if owner is not None else None
                 if path is not None:
-                    self._distance[start.f_code] = distance
-                    return path
+                    return path, owner, distance, recipe
+                if recipe is None and isinstance(owner, recipe_type):
+                    recipe = (owner, distance)
             frame = frame.f_back
         return None
 
@@ -342,33 +365,30 @@ class Recorder:
                 site = self._sites[key] = Site(path, type(module).__name__, kind,
                                                index=self._next_index())
             return site
-        path = self._caller_path(depth)  # 4: above _caller_path, _site_of, _observe, __call__
-        if path is None:
+        found = self._caller_path(depth)  # 4: above _caller_path, _site_of, _observe, __call__
+        if found is None:
             return None  # called outside the model's forward
-        subject, kind = self._subject_of(op, args)
+        path, owner, distance, caller = found
+        subject, kind = _subject(op, args)
+        at_frame = -1
+        if kind == "op" and caller is not None:  # a recipe whose __call__ called the op
+            subject, kind = caller[0], "recipe"
+            at_frame = caller[1]
         if isinstance(subject, _MeasuredTransform):
             return None  # a grad_hook's transform, which records itself
-        key = (id(op), path, id(subject))
+        # A recipe by its settings (its repr): one made at each call is still one row.
+        key = (id(op), path, repr(subject) if kind == "recipe" else id(subject))
         site = self._sites.get(key)
         if site is None:
             site = self._sites[key] = self._make_site(path, subject, kind)
+        if depth == 4:  # from _observe: remember the place for `_seen_before`
+            at = -1 if subject is op or at_frame >= 0 else next(
+                (k for k, a in enumerate(args) if a is subject), len(args)
+            )
+            code = sys._getframe(depth - 1).f_code  # the op's caller
+            self._known[(id(op), code)] = (distance, at, at_frame)
+            self._by_owner[(id(op), id(owner))] = (subject, site)
         return site
-
-    def _subject_of(self, op: CustomBackward[..., Any],
-                    args: tuple[Any, ...]) -> tuple[Any, str]:
-        """`_subject(op, args)`, with where the op's calls hold the recipe remembered."""
-        at = self._subject_at.get(id(op))
-        if at is not None:
-            if at < 0:
-                return op, "op"
-            if at < len(args) and isinstance(args[at], self._recipe_type):
-                return args[at], "recipe"
-        subject, kind = _subject(op, args)
-        if kind == "recipe":
-            self._subject_at[id(op)] = next(k for k, a in enumerate(args) if a is subject)
-        elif kind == "op":
-            self._subject_at[id(op)] = -1
-        return subject, kind
 
     def _next_index(self) -> int:
         self._count += 1
@@ -472,6 +492,17 @@ def _leaves(out: Any) -> Iterator[Any]:
     from torch.utils import _pytree as pytree
 
     yield from pytree.tree_leaves(out)
+
+
+def _recipe_type() -> type:
+    """The recipes' base class, or a class nothing is an instance of before any recipe was
+    imported."""
+    base = sys.modules.get("gradoverride.recipes._base")
+    return base.Recipe if base is not None else _Never
+
+
+class _Never:
+    pass
 
 
 def _subject(op: CustomBackward[..., Any], args: tuple[Any, ...]) -> tuple[Any, str]:

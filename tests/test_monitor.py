@@ -483,3 +483,26 @@ def test_plot_without_matplotlib_says_how_to_install(monkeypatch, tmp_path) -> N
         pass
     with pytest.raises(go.GradOverrideError, match=r"pip install 'gradoverride\[plot\]'"):
         mon.plot(tmp_path / "x.png")
+
+
+def test_a_recipe_made_at_each_call_is_one_row() -> None:
+    class Inline(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(3, 3)
+
+        def forward(self, x):
+            # ste_round's op is not given the recipe: the row still names the recipe.
+            return (recipes.binarize()(self.fc(x)) + recipes.binarize(clip=2.0)(x)
+                    + recipes.ste_round()(x))
+
+    model = Inline()
+    with go.monitor(model) as mon:
+        for _ in range(3):
+            model(torch.randn(2, 3, requires_grad=True)).sum().backward()
+    assert list(mon.history) == [
+        "(model): binarize(clip=1.0, inclusive=True, keep='input')",
+        "(model): binarize(clip=2.0, inclusive=True, keep='input')",
+        "(model): ste_round()",
+    ]
+    assert [len(records) for records in mon.history.values()] == [3, 3, 3]

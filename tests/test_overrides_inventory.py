@@ -189,3 +189,13 @@ def test_not_a_model_is_named() -> None:
         go.overrides(lambda x: x)
     with pytest.raises(go.GradOverrideTypeError, match="got Tensor"):
         go.overrides(torch.ones(2))
+
+
+def test_a_recipe_made_at_each_call_is_one_row() -> None:
+    class Inline(nn.Module):
+        def forward(self, x):
+            return recipes.ste_round()(x) + recipes.ste_round()(2 * x)
+
+    assert _rows(go.overrides(Inline(), torch.randn(3))) == [
+        ("", "recipe", "ste_round()", "called 2x in forward", True),
+    ]
