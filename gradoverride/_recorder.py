@@ -27,6 +27,7 @@ left and an op call costs what it did before.
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -38,7 +39,7 @@ from torch.compiler import is_dynamo_compiling
 from torch.utils.hooks import RemovableHandle
 
 from ._decorators import _OPS, CustomBackward
-from ._internals import transforms_active
+from ._internals import graph_task_id, transforms_active
 from ._module import Module, _ParameterIds
 from ._signature import describe
 
@@ -129,7 +130,7 @@ class Recorder:
         # (site, span) or _MARK, returned, needs_input_grad, arriving: one per backward call
         # (appended from autograd's threads; list.append is atomic).
         self._pending: list[tuple[Any, Any, tuple[bool, ...], tuple[Any, ...]]] = []
-        self._queued = False
+        self._queued: set[int | None] = set()  # the backward passes whose flush is queued
         self.started = False
 
     # -- starting and stopping ------------------------------------------------------------
@@ -292,7 +293,6 @@ class Recorder:
         original = backward.__func__ if isinstance(backward, staticmethod) else backward
         recorder = self
         pending = self._pending
-        queue = queue_callback
 
         def recorded_backward(ctx: Any, *grads: Any) -> Any:
             returned = original(ctx, *grads)
@@ -302,9 +302,7 @@ class Recorder:
             if seen is not None:
                 if seen is not _MARK:
                     pending.append((seen, returned, ctx.needs_input_grad, grads))
-                if not recorder._queued:
-                    recorder._queued = True
-                    queue(recorder._flush)
+                recorder._flush_at_end()
             return returned
 
         attaches = True if getattr(function, "_gradoverride_attaches", False) else None
@@ -412,12 +410,26 @@ class Recorder:
     def record_transform(self, site: Site, arriving: Tensor, returned: Tensor) -> None:
         """A grad_hook's transform ran (see `_MeasuredTransform`)."""
         self._pending.append(((site, None), (returned,), (True,), (arriving,)))
-        if not self._queued:
-            self._queued = True
-            queue_callback(self._flush)
+        self._flush_at_end()
 
-    def _flush(self) -> None:
-        self._queued = False
+    def _flush_at_end(self) -> None:
+        """Have `_flush` run once at the end of the backward pass running now. Passes are
+        told apart by autograd's graph task id: a pass that failed never runs its callback,
+        and must not keep the next ones from queuing theirs (what it recorded is flushed
+        with the next pass's)."""
+        task = graph_task_id()
+        if task in self._queued:
+            return
+        self._queued.add(task)
+        try:
+            queue_callback(functools.partial(self._flush, task))
+        except RuntimeError:  # not inside a backward pass (a node applied by hand)
+            self._flush(task)
+
+    def _flush(self, task: int | None = None) -> None:
+        self._queued.discard(task)
+        if task is None:  # this torch does not tell passes apart: one queued at a time
+            self._queued.clear()
         queued = self._pending  # the list the patched backwards append to: kept
         n = len(queued)
         pending = queued[:n]
