@@ -25,7 +25,8 @@ class OverrideRecord:
 
     Attributes:
         path: the module's path in the model, as `named_modules()` gives it (`""` for the
-            model itself).
+            model itself); for a Keras layer, the attributes or layer names leading to it
+            (see `go.overrides`).
         kind: `"go.Module"`, `"override_backward"`, `"grad_hook"`, `"recipe module"`,
             `"op module"`, `"recipe"` or `"op"` (a recipe or op held by a module or called
             in its forward); on Keras, `"keras.Layer"` and `"recipe layer"` too.
@@ -94,8 +95,8 @@ def overrides(model: Any, *example_args: Any, **example_kwargs: Any) -> Override
     go.grad_hook(model[0], go.recipes.clip_grad_value(0.5), at="parameters")
     for record in go.overrides(model):
         print(record.path, record.kind, record.name)
-    #> 0 grad_hook clip_grad_value(clip_value=0.5)
-    #> 1 recipe module binarize(clip=1.0, inclusive=True, keep='input')
+        #> 0 grad_hook clip_grad_value(clip_value=0.5)
+        #> 1 recipe module binarize(clip=1.0, inclusive=True, keep='input')
     ```
 
     Found without running the model: `go.Module`s, modules with `override_backward` or
