@@ -44,6 +44,9 @@ OP_DEFAULT: Any = _OpDefault()
 
 #: Every op with a rule, so that `gradoverride.testing` can make each check its next call.
 _OPS: weakref.WeakSet[CustomBackward[..., Any]] = weakref.WeakSet()
+#: Told of each op when its rule is registered (a running `go.monitor`, for ops made while it
+#: records); empty otherwise.
+ON_REGISTER: list[Callable[[CustomBackward[..., Any]], None]] = []
 
 
 def arm_all() -> None:
@@ -268,6 +271,8 @@ class CustomBackward(Generic[P, R]):
         )
         self.__class__ = self._audit_class
         _OPS.add(self)
+        for listener in ON_REGISTER:
+            listener(self)
         return rule
 
     def _arm_audit(self) -> None:

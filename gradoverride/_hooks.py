@@ -316,14 +316,20 @@ class _Transforming:
     def __init__(self, transform: Callable[[Tensor], Tensor | None]) -> None:
         self.transform = transform
 
+    @property
+    def own_transform(self) -> Callable[[Tensor], Tensor | None]:
+        """The transform given to grad_hook (a running `go.monitor` wraps `transform`; a
+        saved or copied hook holds the transform itself)."""
+        return getattr(self.transform, "monitored_transform", self.transform)
+
     def __reduce__(self) -> tuple[Any, ...]:
-        _require_picklable(self.transform)
-        return (type(self), (self.transform,))
+        _require_picklable(self.own_transform)
+        return (type(self), (self.own_transform,))
 
     def __deepcopy__(self, memo: dict[int, Any]) -> _Transforming:
         # A copy shares the transform, as PyTorch's copy of a module shares its hooks'
         # functions (a lambda included: nothing is pickled).
-        return type(self)(self.transform)
+        return type(self)(self.own_transform)
 
 
 class _CallStack(threading.local):
@@ -487,11 +493,11 @@ class _AtInputs(_Transforming):
         )
 
     def __deepcopy__(self, memo: dict[int, Any]) -> _AtInputs:
-        return _AtInputs(self.transform)
+        return _AtInputs(self.own_transform)
 
     def __reduce__(self) -> tuple[Any, ...]:
-        _require_picklable(self.transform)
-        return (_AtInputs, (self.transform,))
+        _require_picklable(self.own_transform)
+        return (_AtInputs, (self.own_transform,))
 
 
 def _keep(grad: Tensor) -> None:

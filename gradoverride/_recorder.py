@@ -38,7 +38,7 @@ from torch import Tensor, nn
 from torch.compiler import is_dynamo_compiling
 from torch.utils.hooks import RemovableHandle
 
-from ._decorators import _OPS, CustomBackward
+from ._decorators import _OPS, ON_REGISTER, CustomBackward
 from ._internals import graph_task_id, transforms_active
 from ._module import Module, _ParameterIds
 from ._signature import describe
@@ -125,6 +125,7 @@ class Recorder:
         self._known: dict[tuple[int, Any], tuple[int, int, int]] = {}
         self._by_owner: dict[tuple[int, int], tuple[Any, Site]] = {}
         self._positions: dict[str, int] = {}
+        self._outside: set[int] = set()  # ids of modules met that are not in the model
         self._count = 0
         self._sites: dict[tuple[Any, ...], Site] = {}
         # (site, span) or _MARK, returned, needs_input_grad, arriving: one per backward call
@@ -140,10 +141,13 @@ class Recorder:
         self._positions = {path: k for k, path in enumerate(self.paths.values())}
         for op in list(_OPS):
             self._swap(op)
+        ON_REGISTER.append(self._swap)  # ops made while recording
         self._wrap_hook_transforms()
         self.started = True
 
     def stop(self) -> None:
+        if self._swap in ON_REGISTER:
+            ON_REGISTER.remove(self._swap)
         for op, previous in self._swapped.items():
             op.__class__ = previous
         self._swapped = {}
@@ -341,6 +345,9 @@ class Recorder:
             if frame.f_code.co_argcount:
                 owner = frame.f_locals.get("self")
                 path = paths.get(id(owner)) if owner is not None else None
+                if path is None and isinstance(owner, nn.Module):
+                    path = self._path_of_new(owner)
+                    paths = self.paths
                 if path is not None:
                     return path, owner, distance, recipe
                 if recipe is None and isinstance(owner, recipe_type):
@@ -348,12 +355,26 @@ class Recorder:
             frame = frame.f_back
         return None
 
+    def _path_of_new(self, module: nn.Module) -> str | None:
+        """The path of a module added to the model after the recorder started (the paths
+        are read again), or None for a module outside the model (remembered)."""
+        if id(module) in self._outside:
+            return None
+        self.paths = model_paths(self.model)
+        self._positions = {path: k for k, path in enumerate(self.paths.values())}
+        path = self.paths.get(id(module))
+        if path is None:
+            self._outside.add(id(module))
+        return path
+
     def _site_of(self, op: CustomBackward[..., Any], args: tuple[Any, ...],
                  depth: int = 4) -> Site | None:
         """The row of a call of `op` with `args`; `depth` frames up is the op's caller."""
         if len(args) > 1 and isinstance(args[1], _ParameterIds):
             module = args[0]
             path = self.paths.get(id(module))
+            if path is None:
+                path = self._path_of_new(module)
             if path is None:
                 return None  # a module outside the model
             key: tuple[Any, ...] = (id(op), path)
@@ -467,27 +488,34 @@ class Recorder:
 
 
 class _MeasuredTransform:
-    """A parameter's grad_hook transform, recording what it got and gave while recording."""
+    """A grad_hook's transform, recording what it got and gave while its recorder records.
+    Saved or copied (with its module), it is the transform itself again."""
 
-    __slots__ = ("recorder", "site", "transform")
+    __slots__ = ("monitored_transform", "recorder", "site")
 
     def __init__(self, transform: Callable[[Tensor], Tensor | None], site: Site,
                  recorder: Recorder) -> None:
-        self.transform = transform
+        self.monitored_transform = transform
         self.site = site
         self.recorder = recorder
 
     def __call__(self, grad: Tensor) -> Tensor | None:
-        out = self.transform(grad)
+        out = self.monitored_transform(grad)
         recorder = self.recorder
-        if recorder.recording and not is_dynamo_compiling():
-            recorder.record_transform(self.site, grad,
-                                      grad if out is None else out)
+        if recorder.started and recorder.recording and not is_dynamo_compiling():
+            recorder.record_transform(self.site, grad, grad if out is None else out)
         return out
 
     def __reduce__(self) -> Any:
-        # Saved mid-training: the hook is the transform itself.
-        return self.transform.__reduce__()
+        return (_unwrapped, (self.monitored_transform,))
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        return self.monitored_transform
+
+
+def _unwrapped(transform: Any) -> Any:
+    """Unpickling a monitored transform: the transform."""
+    return transform
 
 
 def _node_of(out: Any) -> Any:
@@ -536,7 +564,7 @@ def _subject(op: CustomBackward[..., Any], args: tuple[Any, ...]) -> tuple[Any, 
 def describe_transform(fn: Any) -> str:
     """A grad_hook's transform as a row names it: a recipe's repr, else the function's name."""
     if isinstance(fn, _MeasuredTransform):
-        fn = fn.transform
+        fn = fn.monitored_transform
     owner = getattr(fn, "__self__", None)
     if owner is not None and not isinstance(owner, type):
         base = sys.modules.get("gradoverride.recipes._base")

@@ -506,3 +506,47 @@ def test_a_recipe_made_at_each_call_is_one_row() -> None:
         "(model): ste_round()",
     ]
     assert [len(records) for records in mon.history.values()] == [3, 3, 3]
+
+
+def test_ops_and_modules_made_while_monitoring_are_recorded() -> None:
+    model = nn.Sequential()
+    with go.monitor(model) as mon:
+
+        class Late(go.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.w = nn.Parameter(torch.ones(3))
+
+            def forward(self, x):
+                return x * self.w
+
+            def backward(self, grad, *, x):
+                return {"x": 3 * grad, "w": None}
+
+        rounding = go.straight_through(torch.round)
+
+        class Rounds(nn.Module):
+            def forward(self, x):
+                return rounding(x)
+
+        model.add_module("late", Late())
+        model.add_module("rounds", Rounds())
+        x = torch.randn(2, 3, requires_grad=True)
+        model(x).sum().backward()
+    assert list(mon.history) == ["late: Late", "rounds: round"]
+    expected = float((3 * torch.ones(2, 3)).norm())  # the rule's input gradient
+    assert mon.history["late: Late"][0].grad_out == pytest.approx(expected)
+
+
+def test_a_copy_made_while_monitored_has_the_plain_transform() -> None:
+    import copy
+
+    layer = nn.Linear(3, 3)
+    go.grad_hook(layer, recipes.reverse_grad(), at="outputs")
+    go.grad_hook(layer, recipes.reverse_grad(), at="inputs")
+    with go.monitor(layer):
+        twin = copy.deepcopy(layer)
+    hooks = [*twin._forward_hooks.values(), *twin._forward_pre_hooks.values()]
+    transforms = [h.transform for h in hooks if hasattr(h, "transform")]
+    assert len(transforms) == 2
+    assert all(repr(t.__self__) == "reverse_grad(scale=1.0)" for t in transforms)
