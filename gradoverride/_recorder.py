@@ -172,7 +172,9 @@ class Recorder:
         fast = op._fast_class
         if fast is None or previous not in (fast, op._audit_class):
             return  # no rule yet, or already swapped by someone else: left alone
-        call = previous.__call__
+        # The op's own entry: the first call's check until it has run (it then sets the
+        # fast class, and the fast entry is used from then on).
+        calls = [previous.__call__]
         recorder = self
 
         def __call__(op: CustomBackward[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -180,11 +182,12 @@ class Recorder:
                 site = recorder._site_of(op, args, 3)  # above _caller_path, _site_of, here
                 if site is not None:
                     return recorder.substitute(site, op, args, kwargs)
-            out = call(op, *args, **kwargs)
+            out = calls[0](op, *args, **kwargs)
             if is_dynamo_compiling():
                 return out  # (read nothing of the recorder: dynamo would guard on it)
             if type(op) is fast:  # the first call's check finished: it set the fast class
                 recorder._swapped[op] = fast
+                calls[0] = fast.__call__
                 op.__class__ = monitored
             if torch.is_grad_enabled() and not transforms_active():
                 recorder._observe(op, args, out)
@@ -266,7 +269,7 @@ class Recorder:
         """The site of a call from a place seen before (the same op, calling code and
         calling module, and the same recipe argument): what `_site_of` found then, with one
         frame's locals read. None for anything else, which `_site_of` resolves."""
-        start = sys._getframe(2)  # the op's caller (above this and __call__)
+        start = sys._getframe(3)  # the op's caller (above this, _observe and __call__)
         known = self._known.get((id(op), start.f_code))
         if known is None:
             return None

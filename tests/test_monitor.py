@@ -550,3 +550,32 @@ def test_a_copy_made_while_monitored_has_the_plain_transform() -> None:
     transforms = [h.transform for h in hooks if hasattr(h, "transform")]
     assert len(transforms) == 2
     assert all(repr(t.__self__) == "reverse_grad(scale=1.0)" for t in transforms)
+
+
+def test_the_first_calls_check_runs_once_under_the_monitor(monkeypatch) -> None:
+    # An op first called inside the monitor: its first eager call is checked (captured
+    # tensors, in-place changes), then it takes its fast path, as outside the monitor.
+    from gradoverride import _audit
+
+    @go.custom_backward
+    def fresh(x):
+        return x * 2
+
+    @fresh.backward
+    def _(grad, *, x):
+        return grad
+
+    calls = []
+    real = _audit.audit_call
+    monkeypatch.setattr(_audit, "audit_call", lambda *a: calls.append(1) or real(*a))
+
+    class M(nn.Module):
+        def forward(self, x):
+            return fresh(x)
+
+    model = M()
+    with go.monitor(model) as mon:
+        for _ in range(3):
+            model(torch.ones(2, requires_grad=True)).sum().backward()
+    assert len(calls) == 1
+    assert len(mon.history["(model): fresh"]) == 3
