@@ -160,8 +160,11 @@ def is_tracing() -> bool:
     return tracing_state() is not None
 
 
+_CURRENT_GRAPH_TASK: Callable[[], int] | None = getattr(torch._C, "_current_graph_task_id", None)
+
+
 def graph_task_id() -> int | None:
     """The id of the backward pass running in this thread (-1 outside one); None where this
     torch does not say."""
-    current = getattr(torch._C, "_current_graph_task_id", None)
-    return None if current is None else int(current())
+    current = _CURRENT_GRAPH_TASK
+    return None if current is None else current()
