@@ -68,15 +68,15 @@ class Binarized(nn.Module):
         return self.out(b)
 
 
-def test_norms_and_zeroed_match_tensor_hooks_for_each_step() -> None:
+def test_norms_and_zeroed_match_tensor_hooks_for_each_step(device: torch.device) -> None:
     torch.manual_seed(0)
     taps = Taps()
-    model = Binarized(taps)
+    model = Binarized(taps).to(device)
     with go.monitor(model) as mon:
         expected = []
         for _ in range(3):
             taps.clear()
-            model(torch.randn(8, 4) * 2).sum().backward()
+            model(torch.randn(8, 4, device=device) * 2).sum().backward()
             expected.append(taps.expected())
     records = _only(mon)
     assert [r.step for r in records] == [0, 1, 2]
@@ -150,15 +150,17 @@ class LIF(nn.Module):
         return torch.stack(out)
 
 
-def test_rows_are_at_the_module_whose_forward_calls_the_recipe() -> None:
+def test_rows_are_at_the_module_whose_forward_calls_the_recipe(device: torch.device) -> None:
+    # Many calls a step: their gradients are stacked (on a CPU, into kept buffers).
     torch.manual_seed(0)
     spike = recipes.spike()
     taps = {"hidden": Taps(), "readout": Taps()}
     model = nn.Sequential()
     model.add_module("hidden", LIF(3, 6, spike, taps["hidden"]))
     model.add_module("readout", LIF(6, 2, spike, taps["readout"]))
+    model.to(device)
     with go.monitor(model) as mon:
-        model(torch.rand(5, 4, 3) * 3).sum().backward()
+        model(torch.rand(5, 4, 3, device=device) * 3).sum().backward()
     history = mon.history
     assert list(history) == [f"hidden: {spike!r}", f"readout: {spike!r}"]
     for name, records in zip(("hidden", "readout"), history.values(), strict=True):
@@ -579,3 +581,25 @@ def test_the_first_calls_check_runs_once_under_the_monitor(monkeypatch) -> None:
             model(torch.ones(2, requires_grad=True)).sum().backward()
     assert len(calls) == 1
     assert len(mon.history["(model): fresh"]) == 3
+
+
+def test_large_stacked_gradients_match_tensor_hooks() -> None:
+    # Above the size where a CPU's stacks and temporaries go to the monitor's kept buffers;
+    # two steps, so the second reuses them.
+    torch.manual_seed(0)
+    spike = recipes.spike(surrogate="triangle")  # zero outside its support: zeroed > 0
+    taps = Taps()
+    model = LIF(8, 64, spike, taps)
+    with go.monitor(model) as mon:
+        expected = []
+        for _ in range(2):
+            taps.clear()
+            model(torch.rand(5, 64, 8) * 4).square().sum().backward()
+            expected.append(taps.expected())
+    records = _only(mon)
+    for record, (grad_in, grad_out, zeroed) in zip(records, expected, strict=True):
+        assert record.calls == 5
+        assert record.grad_in == pytest.approx(grad_in, rel=1e-5)
+        assert record.grad_out == pytest.approx(grad_out, rel=1e-5)
+        assert zeroed is not None and zeroed > 0
+        assert record.zeroed == pytest.approx(zeroed, abs=1e-9)
