@@ -25,13 +25,11 @@ from torch import nn
 
 import gradoverride as go
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.join(HERE, "..", "examples"))
-from _timing import _time_block, add_device_argument, synchronizer
-
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 import binarized_mlp
 import spiking_neuron
+from _timing import _time_block, add_device_argument, synchronizer
 
 
 def spiking(device: str) -> tuple[nn.Module, Callable[[], Any]]:

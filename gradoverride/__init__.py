@@ -27,8 +27,8 @@ if TYPE_CHECKING:
     from . import testing as testing
     from ._bridge import Bridge, bridge, finite_differences, spsa
     from ._hooks import HookHandle, grad_hook
-    from ._inventory import overrides
-    from ._monitor import Monitor, monitor
+    from ._inventory import OverrideRecord, Overrides, overrides
+    from ._monitor import Monitor, MonitorSummary, StepRecord, SummaryRow, monitor
 
 __version__ = "0.2.0.dev0"
 
@@ -39,7 +39,9 @@ __version__ = "0.2.0.dev0"
 _LAZY = {
     "Bridge": "_bridge", "bridge": "_bridge", "finite_differences": "_bridge", "spsa": "_bridge",
     "HookHandle": "_hooks", "grad_hook": "_hooks",
-    "Monitor": "_monitor", "monitor": "_monitor", "overrides": "_inventory",
+    "Monitor": "_monitor", "MonitorSummary": "_monitor", "StepRecord": "_monitor",
+    "SummaryRow": "_monitor", "monitor": "_monitor",
+    "OverrideRecord": "_inventory", "Overrides": "_inventory", "overrides": "_inventory",
 }
 _SUBPACKAGES = ("recipes", "testing", "keras")
 
@@ -71,7 +73,12 @@ __all__ = [
     "HookHandle",
     "Module",
     "Monitor",
+    "MonitorSummary",
     "OverrideHandle",
+    "OverrideRecord",
+    "Overrides",
+    "StepRecord",
+    "SummaryRow",
     "__version__",
     "bridge",
     "custom_backward",

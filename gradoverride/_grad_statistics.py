@@ -1,16 +1,25 @@
-"""Reducing one override's gradients of one step to the numbers `go.monitor` keeps.
+"""Reducing each override's gradients of one backward pass to the numbers `go.monitor`
+keeps: sums of squares, nonzero counts (for the zeroed fraction), NaN/inf counts.
 
-An override called at every time step of a recurrent model gives many small gradients: one
-kernel per tensor per statistic would cost more than the training step's own backward, so
-gradients of one shape are stacked and reduced at once. On a CPU every large temporary is a
-fresh allocation the kernel must fault in page by page (several times the arithmetic), so
-the stacks and temporaries go to scratch buffers kept for the monitor's lifetime; on an
-accelerator the caching allocator already reuses memory.
+This runs at every recorded step, so it is built for few kernel launches and few passes
+over memory:
+
+* the gradients of an override called many times in a step (a spiking neuron at each time
+  step) are stacked into one tensor per side;
+* the reductions of all overrides of the pass go through single multi-tensor calls
+  (`torch._foreach_norm`), and the results are read back once;
+* nonzero elements are counted as the squared 2-norm of the signs (`count_nonzero` branches
+  on each element, several times slower on a CPU for gradients with many zeros);
+* on a CPU, large temporaries go to buffers kept for the monitor's lifetime: a fresh one
+  would be faulted in page by page, which costs more than the arithmetic. On an
+  accelerator the caching allocator already reuses memory.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Hashable
+from typing import TypeVar
 
 import torch
 from torch import Tensor
@@ -19,19 +28,21 @@ from ._recorder import Gradients
 
 __all__ = ["FIELDS", "GradientStatistics"]
 
-#: What the numbers of one (override, step) are, in order.
+#: The numbers kept per (override, step), in order.
 FIELDS = ("calls", "in_sq", "out_sq", "zeroed", "paired", "nan_in", "inf_in", "nan_out",
           "inf_out")
 
-# Below this many elements, a float32 sum of ones (a count) is exact.
-_EXACT_FLOAT32 = 2**24
-# From this many elements, a CPU temporary goes to a kept buffer (a fresh one would be
-# faulted in page by page).
+# Below this many elements, a count read as the squared float32 2-norm of signs is exact
+# once rounded (the square root's relative error is below 2**-23).
+_EXACT_FLOAT32 = 2**22
+# From this many elements, a CPU temporary goes to a kept buffer.
 _SCRATCH_FROM = 2**14
+
+K = TypeVar("K", bound=Hashable)
 
 
 class GradientStatistics:
-    """`statistics(grads)`: the `FIELDS` numbers of one override's gradients in one pass."""
+    """`statistics(groups)`: the `FIELDS` numbers of each group of gradients."""
 
     def __init__(self) -> None:
         self._scratch: dict[tuple[str, torch.dtype, torch.device], Tensor] = {}
@@ -39,67 +50,54 @@ class GradientStatistics:
     def release(self) -> None:
         self._scratch = {}
 
-    def __call__(self, grads: Gradients) -> list[float]:
-        if grads.aligned and grads.arriving:
-            values = self._aligned(grads.arriving, grads.returned)
-        else:
-            values = self._general(grads)
-        return [float(grads.calls), *map(float, values)]
+    def __call__(self, groups: dict[K, Gradients]) -> dict[K, list[float]]:
+        results: dict[K, list[float]] = {}
+        aligned: list[tuple[K, Tensor, Tensor]] = []
+        for key, grads in groups.items():
+            if grads.aligned and grads.arriving:
+                got = self._stack("got", grads.arriving, len(aligned))
+                gave = self._stack("gave", grads.returned, len(aligned))
+                aligned.append((key, *_common(got, gave)))
+            else:
+                results[key] = [float(grads.calls), *_general(grads)]
+        if aligned:
+            for (key, _, _), values in zip(aligned, self._aligned(aligned), strict=True):
+                results[key] = [float(groups[key].calls), *values]
+        return results
 
-    def _aligned(self, arriving: list[Tensor], returned: list[Tensor]) -> list[float]:
-        """Each call: one gradient in, one of its shape out, all calls alike. As few kernel
-        launches as possible: this runs at every recorded step, for each override."""
-        got = self._stack("got", arriving).reshape(-1)
-        gave = self._stack("gave", returned).reshape(-1)
-        if got.dtype not in (torch.float32, torch.float64) or (
-            got.dtype == torch.float32 and got.numel() >= _EXACT_FLOAT32
-        ):
-            got = got.double()  # counts of signs below stay exact
-        if gave.dtype != got.dtype:
-            gave = gave.to(got.dtype)
-        # Nonzero elements, as the dot product of the signs with themselves (`count_nonzero`
-        # branches on each element, several times slower on a CPU for gradients with many
-        # zeros): of `got`, and of `got * gave`; their difference is what the override
-        # zeroed.
-        signs = torch.sign(got, out=self._buffer("signs", got))
-        both = torch.mul(got, gave, out=self._buffer("both", got)).sign_()
-        values = torch.stack([
-            torch.dot(got, got), torch.dot(gave, gave),
-            torch.dot(signs, signs), torch.dot(both, both),
-        ]).tolist()
-        in_sq, out_sq, nonzero, kept = values
-        if math.isfinite(in_sq) and math.isfinite(out_sq):
-            return [in_sq, out_sq, nonzero - kept, nonzero, 0, 0, 0, 0]
-        nan_in, inf_in, in_sq = _nonfinite(got)
-        nan_out, inf_out, out_sq = _nonfinite(gave)
-        nonzero = int(torch.count_nonzero(got))
-        zeroed = int(((gave == 0) & (got != 0)).sum())
-        return [in_sq, out_sq, zeroed, nonzero, nan_in, inf_in, nan_out, inf_out]
+    def _aligned(self, groups: list[tuple[K, Tensor, Tensor]]) -> list[list[float]]:
+        """Each call: one gradient in, one of its shape out (flattened, one dtype)."""
+        gots = [got for _, got, _ in groups]
+        gaves = [gave for _, _, gave in groups]
+        signs = torch._foreach_sign(gots)
+        # The nonzero elements of got * gave: where neither is zero. Their count subtracted
+        # from got's is what the override zeroed.
+        both = torch._foreach_mul(gots, gaves)
+        torch._foreach_sign_(both)
+        # One multi-tensor call for every 2-norm; a count is the squared 2-norm of signs,
+        # rounded (the 1-norm is several times slower on a CPU).
+        norms = torch._foreach_norm([*gots, *gaves, *signs, *both])
+        values = torch.stack(norms).double().square().tolist()
+        n = len(groups)
+        out = []
+        for k in range(n):
+            in_sq, out_sq = values[k], values[n + k]
+            if math.isfinite(in_sq) and math.isfinite(out_sq):
+                nonzero, kept = round(values[2 * n + k]), round(values[3 * n + k])
+                out.append([in_sq, out_sq, float(nonzero - kept), float(nonzero),
+                            0.0, 0.0, 0.0, 0.0])
+            else:
+                out.append(_nonfinite_pair(gots[k], gaves[k]))
+        return out
 
-    def _general(self, grads: Gradients) -> list[float]:
-        in_sq, nan_in, inf_in = _sum_squares(grads.arriving)
-        out_sq, nan_out, inf_out = _sum_squares(grads.returned)
-        zeroed = paired = 0
-        for gave, got in grads.pairs:
-            nonzero = int(torch.count_nonzero(got))
-            paired += nonzero
-            zeroed += int(((gave == 0) & (got != 0)).sum())
-        return [in_sq, out_sq, zeroed, paired, nan_in, inf_in, nan_out, inf_out]
-
-    def _stack(self, name: str, tensors: list[Tensor]) -> Tensor:
+    def _stack(self, name: str, tensors: list[Tensor], k: int) -> Tensor:
         if len(tensors) == 1:
             return tensors[0]
         first = tensors[0]
         if first.device.type != "cpu" or first.numel() * len(tensors) < _SCRATCH_FROM:
             return torch.stack(tensors)
-        out = self._scratch_for(name, first.numel() * len(tensors), first)
+        out = self._scratch_for(f"{name}{k}", first.numel() * len(tensors), first)
         return torch.stack(tensors, out=out.view(len(tensors), *first.shape))
-
-    def _buffer(self, name: str, like: Tensor) -> Tensor:
-        """A 1-d tensor of `like`'s size, dtype and device, for a temporary result."""
-        if like.device.type != "cpu" or like.numel() < _SCRATCH_FROM:
-            return torch.empty_like(like)
-        return self._scratch_for(name, like.numel(), like)
 
     def _scratch_for(self, name: str, numel: int, like: Tensor) -> Tensor:
         key = (name, like.dtype, like.device)
@@ -108,6 +106,40 @@ class GradientStatistics:
             buffer = self._scratch[key] = torch.empty(numel, dtype=like.dtype,
                                                       device=like.device)
         return buffer[:numel]
+
+
+def _common(got: Tensor, gave: Tensor) -> tuple[Tensor, Tensor]:
+    """`got` and `gave` flattened, in one dtype that keeps sums of squares and counts exact
+    (float32, or float64 for other dtypes and from `_EXACT_FLOAT32` elements)."""
+    got, gave = got.reshape(-1), gave.reshape(-1)
+    if got.dtype not in (torch.float32, torch.float64) or (
+        got.dtype == torch.float32 and got.numel() >= _EXACT_FLOAT32
+    ):
+        got = got.double()
+    if gave.dtype != got.dtype:
+        gave = gave.to(got.dtype)
+    return got, gave
+
+
+def _general(grads: Gradients) -> list[float]:
+    """Any other override (several outputs, a module's parameters, shapes that change)."""
+    in_sq, nan_in, inf_in = _sum_squares(grads.arriving)
+    out_sq, nan_out, inf_out = _sum_squares(grads.returned)
+    zeroed = paired = 0
+    for gave, got in grads.pairs:
+        paired += int(torch.count_nonzero(got))
+        zeroed += int(((gave == 0) & (got != 0)).sum())
+    return [in_sq, out_sq, float(zeroed), float(paired), float(nan_in), float(inf_in),
+            float(nan_out), float(inf_out)]
+
+
+def _nonfinite_pair(got: Tensor, gave: Tensor) -> list[float]:
+    nan_in, inf_in, in_sq = _nonfinite(got)
+    nan_out, inf_out, out_sq = _nonfinite(gave)
+    paired = int(torch.count_nonzero(got))
+    zeroed = int(((gave == 0) & (got != 0)).sum())
+    return [in_sq, out_sq, float(zeroed), float(paired), float(nan_in), float(inf_in),
+            float(nan_out), float(inf_out)]
 
 
 def _dot(x: Tensor) -> Tensor:

@@ -35,6 +35,12 @@ Private torch pieces used elsewhere, each with a test that fails if it goes miss
   cannot read) from real ones, to refuse a bridge under `torch.func` by name.
 * `torch._C._get_tracing_state` (`is_tracing`): whether `torch.jit.trace` is recording (the
   C call under `torch.jit.is_tracing`, which mypy sees untyped).
+* `torch.autograd.Variable._execution_engine.queue_callback` (`_recorder.py`): run a function
+  when the backward pass ends (what DDP's reducer uses); and `torch._C._current_graph_task_id`
+  (`graph_task_id`), which backward pass is running, so that the monitor queues one callback
+  per pass even after a pass that failed (without it: one per pass while none fails).
+* `torch._foreach_norm`, `_foreach_sign`, `_foreach_mul` (`_grad_statistics.py`): the
+  multi-tensor calls the monitor reduces gradients with.
 """
 
 from __future__ import annotations
@@ -51,6 +57,7 @@ __all__ = [
     "FAST_TENSOR_HOOKS",
     "add_tensor_hook",
     "any_autocast_enabled",
+    "graph_task_id",
     "is_batched",
     "is_tracing",
     "is_transformed",
@@ -151,3 +158,10 @@ tracing_state: Callable[[], Any] = torch._C._get_tracing_state
 def is_tracing() -> bool:
     """Whether torch.jit.trace is recording."""
     return tracing_state() is not None
+
+
+def graph_task_id() -> int | None:
+    """The id of the backward pass running in this thread (-1 outside one); None where this
+    torch does not say."""
+    current = getattr(torch._C, "_current_graph_task_id", None)
+    return None if current is None else int(current())

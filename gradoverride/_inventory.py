@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from ._decorators import CustomBackward, CustomBackwardModule
-from ._errors import GradOverrideTypeError
+from ._errors import GradOverrideError, GradOverrideTypeError
 from ._frameworks import is_keras_layer
 from ._signature import describe
 from ._table import format_table
@@ -25,7 +25,8 @@ class OverrideRecord:
 
     Attributes:
         path: the module's path in the model, as `named_modules()` gives it (`""` for the
-            model itself).
+            model itself); for a Keras layer, the attributes or layer names leading to it
+            (see `go.overrides`).
         kind: `"go.Module"`, `"override_backward"`, `"grad_hook"`, `"recipe module"`,
             `"op module"`, `"recipe"` or `"op"` (a recipe or op held by a module or called
             in its forward); on Keras, `"keras.Layer"` and `"recipe layer"` too.
@@ -91,11 +92,11 @@ def overrides(model: Any, *example_args: Any, **example_kwargs: Any) -> Override
     import gradoverride as go
 
     model = nn.Sequential(nn.Linear(4, 4), go.recipes.binarize().module())
-    go.grad_hook(model[0], go.recipes.clip_grad(0.5), at="parameters")
+    go.grad_hook(model[0], go.recipes.clip_grad_value(0.5), at="parameters")
     for record in go.overrides(model):
         print(record.path, record.kind, record.name)
-    #> 0 grad_hook clip_grad(max_value=0.5)
-    #> 1 recipe module binarize(clip=1.0, inclusive=True, keep='input')
+        #> 0 grad_hook clip_grad_value(clip_value=0.5)
+        #> 1 recipe module binarize(clip=1.0, inclusive=True, keep='input')
     ```
 
     Found without running the model: `go.Module`s, modules with `override_backward` or
@@ -111,7 +112,15 @@ def overrides(model: Any, *example_args: Any, **example_kwargs: Any) -> Override
     (batch-norm statistics, a neuron's membrane) sees it.
 
     Args:
-        model: an `nn.Module`, or a Keras 3 model or layer.
+        model: an `nn.Module`, or a Keras 3 model or layer. On Keras the records are the
+            layers' own rules (`gradoverride.keras.Layer`), `override_backward`s,
+            `grad_hook`s (one at variables is inactive on a layer without trainable
+            variables, unknown before it is built), recipe layers (`Spike`, ...) and
+            recipes or ops held as attributes. A layer's path is dotted, each part the
+            attribute that holds it in a subclassed layer or model (`block.parts.0`) or its
+            layer name in a functional or Sequential model (`head`), so a functional model
+            holding a subclassed `block` whose `inner` is a Sequential gives
+            `block.inner.dense`. Example inputs are for torch models only.
         *example_args: inputs for one forward call (optional).
         **example_kwargs: keyword inputs for it.
 
@@ -121,10 +130,18 @@ def overrides(model: Any, *example_args: Any, **example_kwargs: Any) -> Override
     """
     if not isinstance(model, nn.Module):
         if is_keras_layer(model):
+            if example_args or example_kwargs:
+                msg = (
+                    f"go.overrides got example inputs for the Keras model "
+                    f"{type(model).__name__}; finding the ops called in a forward is for "
+                    "torch models only. Call `go.overrides(model)` without inputs: it lists "
+                    "the overrides of the model's layers."
+                )
+                raise GradOverrideError(msg)
             from ._backends import backend
 
-            records = backend("tensorflow").keras_overrides(model)
-            return Overrides(type(model).__name__, records)
+            layers: list[OverrideRecord] = backend("tensorflow").keras_overrides(model)
+            return Overrides(type(model).__name__, layers)
         msg = (
             f"go.overrides needs a model (an nn.Module or a Keras model); got "
             f"{type(model).__name__} {model!r:.60}. Pass the module whose overrides to list."
@@ -133,18 +150,20 @@ def overrides(model: Any, *example_args: Any, **example_kwargs: Any) -> Override
     seen = _called_in_forward(model, example_args, example_kwargs) if (
         example_args or example_kwargs) else None
     records: list[OverrideRecord] = []
-    listed: set[tuple[str, int]] = set()
+    listed: set[tuple[str, object]] = set()
+    covered: set[str] = set()  # recipe and op modules: their own row shows what they call
     for path, module in model.named_modules():
         records += _module_records(path, module)
+        if _is_recipe_or_op_module(module):
+            covered.add(path)
+            continue
         for attribute, value in _held(module):
-            listed.add((path, id(value)))
-            if _is_recipe_or_op_module(module):
-                continue  # the module's own row shows it
-            active = None if seen is None else (path, id(value)) in seen
+            listed.add((path, _identity(value)))
+            active = None if seen is None else (path, _identity(value)) in seen
             records.append(_held_record(path, attribute, value, active))
     if seen is not None:
         for (path, key), (value, calls) in seen.items():
-            if (path, key) not in listed:
+            if (path, key) not in listed and path not in covered:
                 records.append(OverrideRecord(path, _kind_of(value), _name_of(value),
                                               f"called {calls}x in forward", True))
     return Overrides(type(model).__name__, records)
@@ -249,16 +268,22 @@ def _name_of(value: Any) -> str:
     return repr(value)
 
 
+def _identity(value: Any) -> object:
+    """What tells two ops or recipes apart: an op by identity, a recipe by its settings
+    (one made at each call of a forward is one row)."""
+    return id(value) if isinstance(value, CustomBackward) else repr(value)
+
+
 def _called_in_forward(model: nn.Module, args: tuple[Any, ...],
-                       kwargs: dict[str, Any]) -> dict[tuple[str, int], tuple[Any, int]]:
+                       kwargs: dict[str, Any]) -> dict[tuple[str, object], tuple[Any, int]]:
     """The ops and recipes called during one `model(*args, **kwargs)` under no_grad, by
     (module path, id): the value and its number of calls."""
     from ._recorder import Recorder
 
-    seen: dict[tuple[str, int], tuple[Any, int]] = {}
+    seen: dict[tuple[str, object], tuple[Any, int]] = {}
 
     def called(path: str, subject: Any) -> None:
-        key = (path, id(subject))
+        key = (path, _identity(subject))
         previous = seen.get(key)
         seen[key] = (subject, 1 if previous is None else previous[1] + 1)
 

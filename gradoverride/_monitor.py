@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from torch import nn
 
@@ -15,14 +14,15 @@ from ._grad_statistics import FIELDS, GradientStatistics
 from ._recorder import Gradients, Recorder, Site
 from ._table import format_table
 
-__all__ = ["Monitor", "StepRecord", "monitor"]
+__all__ = ["Monitor", "MonitorSummary", "StepRecord", "SummaryRow", "monitor"]
 
 @dataclass(frozen=True)
 class StepRecord:
     """What one override got and gave back in one recorded step, over all its calls.
 
     Attributes:
-        step: the step (0 for the model's first call under the monitor).
+        step: the step: the index of the backward pass under the monitor (0 for the first
+            one that reached an override of the model).
         calls: how many times the override ran backward in the step.
         grad_in: the norm of the gradient arriving at the override (at its outputs), over
             all its calls (the square root of the sum of squares).
@@ -83,19 +83,15 @@ class Monitor:
 
     @property
     def steps(self) -> int:
-        """How many steps (calls of the model) ran under the monitor."""
-        return self._recorder.step + 1
+        """How many steps ran under the monitor: backward passes that reached an override
+        of the model."""
+        return self._recorder.passes
 
     # -- recording ------------------------------------------------------------------------
 
     def _take(self, groups: dict[tuple[Site, int], Gradients]) -> None:
-        for (site, step), grads in groups.items():
-            numbers = self._statistics(grads)
-            rows = self._raw.setdefault(site, [])
-            if rows and rows[-1][0] == step:  # another backward pass of the same step
-                rows[-1] = (step, [a + b for a, b in zip(rows[-1][1], numbers, strict=True)])
-            else:
-                rows.append((step, numbers))
+        for (site, step), numbers in self._statistics(groups).items():
+            self._raw.setdefault(site, []).append((step, numbers))
 
     # -- reading ---------------------------------------------------------------------------
 
@@ -105,7 +101,7 @@ class Monitor:
         in step order."""
         return {site.label: records for site, records in self._records()}
 
-    def summary(self) -> Summary:
+    def summary(self) -> MonitorSummary:
         """A table with one row per override: calls, the mean norms of the gradient arriving
         and returned per recorded step, the last step's zeroed fraction, and NaN/inf
         elements over all steps. `print(monitor.summary())`; `.rows` has the numbers."""
@@ -123,7 +119,7 @@ class Monitor:
                 zeroed=records[-1].zeroed,
                 nonfinite=sum(r.nan_in + r.inf_in + r.nan_out + r.inf_out for r in records),
             ))
-        return Summary(type(self._model).__name__, rows, self.steps, self._every)
+        return MonitorSummary(type(self._model).__name__, rows, self.steps, self._every)
 
     def plot(self, path: str | Path) -> Path:
         """Write a PNG of the gradient flow through the overrides over the steps: the norm
@@ -161,8 +157,8 @@ class SummaryRow:
     nonfinite: int
 
 
-class Summary:
-    """A monitor's summary: prints as a table; `.rows` are `SummaryRow`s."""
+class MonitorSummary:
+    """What `Monitor.summary()` returns: prints as a table; `.rows` are `SummaryRow`s."""
 
     def __init__(self, model: str, rows: Sequence[SummaryRow], steps: int, every: int) -> None:
         self.model = model
@@ -172,8 +168,9 @@ class Summary:
 
     def __str__(self) -> str:
         if not self.rows:
-            return (f"go.monitor of {self.model}: nothing recorded ({self.steps} steps; no "
-                    "gradient override ran backward in them)")
+            return (f"go.monitor of {self.model}: nothing recorded (no gradient override of "
+                    f"{self.model} ran backward in eager mode; steps compiled with "
+                    "torch.compile and torch.func transforms are not recorded)")
         headers = ("override", "kind", "steps", "calls", "|grad in|", "|grad out|",
                    "zeroed", "nan/inf")
         body = [
@@ -205,9 +202,9 @@ def _record(step: int, numbers: list[float]) -> StepRecord:
     )
 
 
-def _mean(values: Any) -> float:
-    values = list(values)
-    return sum(values) / len(values)
+def _mean(values: Iterable[float]) -> float:
+    numbers = list(values)
+    return sum(numbers) / len(numbers)
 
 
 def _number(value: float) -> str:
@@ -227,11 +224,12 @@ def monitor(model: nn.Module, *, every: int = 1) -> Monitor:
         for _ in range(3):
             model(torch.randn(8, 4)).sum().backward()
     print(mon.summary().rows[0].label, mon.summary().rows[0].steps)
-    #> 1: binarize(clip=1.0, inclusive=True) 3
+    #> 1: binarize(clip=1.0, inclusive=True, keep='input') 3
     ```
 
-    A step is one call of `model`; the gradients of a backward pass are recorded against
-    the step of the latest call. For each override that ran backward in a recorded step,
+    A step is one backward pass that reaches an override of `model` (`loss.backward()`,
+    or each `torch.autograd.grad`; with gradient accumulation, each micro-batch's). For
+    each override that ran backward in a recorded step,
     `history` keeps the norm of the gradient arriving at it and of the gradient it
     returned (for its inputs and, for a module's rule, its parameters), the fraction of
     elements it zeroed, and NaN/inf counts (a NaN is recorded, never raised). An override
@@ -274,6 +272,16 @@ def monitor(model: nn.Module, *, every: int = 1) -> Monitor:
             "modules in an nn.ModuleList)."
         )
         raise GradOverrideTypeError(msg)
+    if hasattr(model, "_orig_mod") or getattr(model, "_compiled_call_impl", None) is not None:
+        name = type(getattr(model, "_orig_mod", model)).__name__
+        msg = (
+            f"go.monitor records eager steps, and this {name} is compiled with "
+            "torch.compile: its backward runs as one compiled graph, where the overrides are "
+            "not separate steps, so nothing would be recorded. Monitor the eager model for "
+            "the steps you want to see: for `compiled = torch.compile(model)`, use "
+            "`with go.monitor(model):` and call `model` (not `compiled`) in those steps."
+        )
+        raise GradOverrideError(msg)
     if isinstance(every, bool) or not isinstance(every, int) or every < 1:
         msg = (
             "go.monitor: `every` must be a positive integer (record one step in every "

@@ -4,28 +4,31 @@ gave back. What `go.monitor` and `go.overrides` (with example inputs) are built 
 While a recorder is started:
 
 * every op (each `custom_backward` / `straight_through` op, the recipes' ops, the ops of
-  `go.Module`, `override_backward` and `grad_hook`) has its class swapped for one whose
-  `__call__` tags the backward node of the op's output with the override's row and step;
-  the generated Function's `backward` is wrapped (on the class, which autograd reads at each
-  node's backward) to hand what a tagged node got and returned to the recorder: exactly the
-  override's own gradients, whatever else reads its inputs, with no identity op added, no
-  tensor copied and no hook registered per call;
+  `go.Module` and `override_backward`) has its class swapped for one whose `__call__` tags
+  the backward node of the op's output with the override's row; the generated Function's
+  `backward` is wrapped (on the class, which autograd reads at each node's backward) to hand
+  what a tagged node got and returned to the recorder: exactly the override's own
+  gradients, whatever else reads its inputs, with no identity op added, no tensor copied and
+  no hook registered per call;
 * the row of an op called in a module's forward is that module's path, read from the call
   stack (the nearest frame whose `self` is one of the model's modules);
 * each `grad_hook` transform in the model is wrapped, in place (the module hook's attribute,
-  or the parameter's hook dict, which keeps its order among other hooks);
-* a forward pre-hook on the model counts steps.
+  or the parameter's hook dict, which keeps its order among other hooks).
 
-Stopping restores every class, method, hook and transform: afterwards nothing of the
-recorder is left and an op call costs what it did before. The gradients of one backward pass
-are handed to the recorder's `sink` at the end of that pass (`queue_callback`), grouped by
-override.
+Nothing is registered on the model itself, so a model saved or copied while recorded carries
+none of it. A step is one backward pass that reaches an override of the model: the
+gradients of a pass are handed to the recorder's `sink` at its end (`queue_callback`),
+grouped by override. With `every=N`, the ops of an unrecorded step only mark one node, whose
+backward counts the pass.
+
+Stopping restores every class, method and transform: afterwards nothing of the recorder is
+left and an op call costs what it did before.
 """
 
 from __future__ import annotations
 
+import functools
 import sys
-import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,7 +39,7 @@ from torch.compiler import is_dynamo_compiling
 from torch.utils.hooks import RemovableHandle
 
 from ._decorators import _OPS, CustomBackward
-from ._internals import transforms_active
+from ._internals import graph_task_id, transforms_active
 from ._module import Module, _ParameterIds
 from ._signature import describe
 
@@ -74,6 +77,13 @@ class Gradients:
 
 # How many frames up from an op call to look for the module calling it.
 _FRAMES = 12
+_UNPATCHED: Any = object()
+_MARK: Any = object()  # a node of an unrecorded step: its backward only counts the pass
+
+
+def queue_callback(callback: Callable[[], None]) -> None:
+    """Run `callback` when the backward pass running now ends (what DDP uses)."""
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
 
 Sink = Callable[[dict[tuple[Site, int], Gradients]], None]
 
@@ -100,21 +110,27 @@ class Recorder:
         self.substitute: Callable[[Site, CustomBackward[..., Any], tuple[Any, ...],
                                    dict[str, Any]], Any] | None = None
         self.every = every
-        self.step = -1  # calls of the model so far, minus one: the step being run
-        self.recording = False
+        # Backward passes that reached an override of the model so far: the index of the
+        # next one is the step being recorded.
+        self.passes = 0
         self.paths: dict[int, str] = {}
-        self._handles: list[RemovableHandle] = []
         self._swapped: dict[CustomBackward[..., Any], type] = {}
         self._wrapped: list[tuple[RemovableHandle, Any]] = []
         self._retransformed: list[tuple[Any, Any]] = []
-        self._patched: dict[type, Any] = {}
-        self._distance: dict[Any, int] = {}
+        self._patched: dict[type, bool | None] = {}
+        self._originals: dict[type, Any] = {}
+        # Places seen before (see `_seen_before`): (op, calling code) -> (frames up to the
+        # module's frame, the recipe argument's index or -1), and (op, module) -> (the
+        # recipe of the last call, its site). Ids of ops and modules, which stay alive.
+        self._known: dict[tuple[int, Any], tuple[int, int, int]] = {}
+        self._by_owner: dict[tuple[int, int], tuple[Any, Site]] = {}
         self._positions: dict[str, int] = {}
         self._count = 0
         self._sites: dict[tuple[Any, ...], Site] = {}
-        self._lock = threading.Lock()
-        self._pending: list[tuple[Site, int, tuple[Any, ...], tuple[Any, ...]]] = []
-        self._queued = False
+        # (site, span) or _MARK, returned, needs_input_grad, arriving: one per backward call
+        # (appended from autograd's threads; list.append is atomic).
+        self._pending: list[tuple[Any, Any, tuple[bool, ...], tuple[Any, ...]]] = []
+        self._queued: set[int | None] = set()  # the backward passes whose flush is queued
         self.started = False
 
     # -- starting and stopping ------------------------------------------------------------
@@ -122,24 +138,21 @@ class Recorder:
     def start(self) -> None:
         self.paths = model_paths(self.model)
         self._positions = {path: k for k, path in enumerate(self.paths.values())}
-        self._handles.append(
-            self.model.register_forward_pre_hook(self._count_step, prepend=True)
-        )
         for op in list(_OPS):
             self._swap(op)
         self._wrap_hook_transforms()
         self.started = True
 
     def stop(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
         for op, previous in self._swapped.items():
             op.__class__ = previous
         self._swapped = {}
-        for cls, backward in self._patched.items():
-            cls.backward = backward
+        for cls, backward in self._originals.items():
+            cls.backward = backward  # type: ignore[attr-defined]
         self._patched = {}
+        self._originals = {}
+        if self._pending:
+            self._flush()  # a backward pass that did not finish (an error in it)
         for handle, original in self._wrapped:
             hooks = handle.hooks_dict_ref()
             if hooks is not None and handle.id in hooks:
@@ -165,11 +178,11 @@ class Recorder:
                     return recorder.substitute(site, op, args, kwargs)
             out = call(op, *args, **kwargs)
             if is_dynamo_compiling():
-                return out
+                return out  # (read nothing of the recorder: dynamo would guard on it)
             if type(op) is fast:  # the first call's check finished: it set the fast class
                 recorder._swapped[op] = fast
                 op.__class__ = monitored
-            if recorder.recording and torch.is_grad_enabled() and not transforms_active():
+            if torch.is_grad_enabled() and not transforms_active():
                 recorder._observe(op, args, out)
             if recorder.on_call is not None:
                 recorder._called(op, args)
@@ -213,83 +226,115 @@ class Recorder:
 
     # -- during forward ---------------------------------------------------------------------
 
-    def _count_step(self, module: nn.Module, args: Any) -> None:
-        if is_dynamo_compiling():
-            return
-        self.step += 1
-        self.recording = self.step % self.every == 0
+    @property
+    def recording(self) -> bool:
+        """Whether the backward pass about to run (or running) is a recorded step."""
+        return self.passes % self.every == 0
 
     def _observe(self, op: CustomBackward[..., Any], args: tuple[Any, ...], out: Any) -> None:
-        node = _node_of(out)
+        node: Any = out.grad_fn if isinstance(out, Tensor) else _node_of(out)
         if node is None:
             return
         function = getattr(node, "_forward_cls", None)
         if function is None:
             return  # not an autograd.Function's node
-        site = self._site_of(op, args)
-        if site is None:
+        span = self._patched.get(function, _UNPATCHED)
+        if span is _UNPATCHED:
+            span = self._patch(function)
+        if self.passes % self.every != 0:
+            # Not a recorded step: the mark only counts the backward pass when it runs.
+            node._gradoverride_seen = _MARK
             return
-        if function not in self._patched:
-            self._patch(function)
+        site = self._seen_before(op, args)
+        if site is None:
+            site = self._site_of(op, args)
+            if site is None:
+                return
+        if span is not None:
+            # A rule owning some inputs: after the gradients for its inputs, the Function
+            # returns the outputs' gradients, passed on into the ordinary graph, and None
+            # for each residual.
+            span = 1 + node.gradoverride[0].n_in
         # Read by the patched backward (the node is the Function's ctx).
-        node._gradoverride_seen = (site, self.step)
+        node._gradoverride_seen = (site, span)
 
-    def _patch(self, function: type) -> None:
-        """`function.backward`, while recording, also hands what it got and returned for a
-        node the forward tagged to `_on_backward`. Autograd reads `backward` off the class at
-        each node's backward, so this adds no per-call hook; `stop` puts it back."""
+    def _seen_before(self, op: CustomBackward[..., Any], args: tuple[Any, ...]) -> Site | None:
+        """The site of a call from a place seen before (the same op, calling code and
+        calling module, and the same recipe argument): what `_site_of` found then, with one
+        frame's locals read. None for anything else, which `_site_of` resolves."""
+        start = sys._getframe(2)  # the op's caller (above this and __call__)
+        known = self._known.get((id(op), start.f_code))
+        if known is None:
+            return None
+        distance, at, at_frame = known
+        frame: Any = start
+        recipe = None
+        for k in range(distance):
+            if k == at_frame:
+                recipe = frame.f_locals.get("self")
+            frame = frame.f_back
+        owner = frame.f_locals.get("self")
+        entry = self._by_owner.get((id(op), id(owner)))
+        if entry is None:
+            return None
+        subject, site = entry
+        if at_frame >= 0:
+            return site if recipe is subject else None
+        if at < 0 or (at < len(args) and args[at] is subject):
+            return site
+        return None  # another recipe object than last time (one made at each call, say)
+
+    def _patch(self, function: type) -> Any:
+        """`function.backward`, while recording, also hands what a node the forward tagged
+        got and returned to the recorder. Autograd reads `backward` off the class at each
+        node's backward, so this adds no per-call hook; `stop` puts it back. Returns
+        whether the Function passes its outputs' gradients on (see `_observe`)."""
         backward = function.__dict__["backward"]
         original = backward.__func__ if isinstance(backward, staticmethod) else backward
-        # A rule owning some inputs: after the gradients for its inputs, the Function
-        # returns the outputs' gradients, passed on into the ordinary graph, and None for
-        # each residual.
-        attaches = getattr(function, "_gradoverride_attaches", False)
         recorder = self
+        pending = self._pending
 
         def recorded_backward(ctx: Any, *grads: Any) -> Any:
             returned = original(ctx, *grads)
+            if is_dynamo_compiling():
+                return returned  # a compiled backward: nothing was tagged
             seen = ctx.__dict__.get("_gradoverride_seen")
             if seen is not None:
-                given = returned if isinstance(returned, tuple) else (returned,)
-                needs = ctx.needs_input_grad
-                if attaches:
-                    n_in = ctx.gradoverride[0].n_in
-                    given, needs = given[1 : 1 + n_in], needs[1 : 1 + n_in]
-                recorder._on_backward(
-                    seen[0], seen[1], [g for g, n in zip(given, needs, strict=False) if n and g is not None], grads
-                )
+                if seen is not _MARK:
+                    pending.append((seen, returned, ctx.needs_input_grad, grads))
+                recorder._flush_at_end()
             return returned
 
-        self._patched[function] = backward
+        attaches = True if getattr(function, "_gradoverride_attaches", False) else None
+        self._patched[function] = attaches
+        self._originals[function] = backward
         function.backward = staticmethod(recorded_backward)  # type: ignore[attr-defined]
+        return attaches
 
     def _called(self, op: CustomBackward[..., Any], args: tuple[Any, ...]) -> None:
         if self.on_call is None or (len(args) > 1 and isinstance(args[1], _ParameterIds)):
             return
-        path = self._caller_path(3)  # above _caller_path, _called and __call__
+        found = self._caller_path(3)  # above _caller_path, _called and __call__
+        if found is None:
+            return
         subject, kind = _subject(op, args)
-        if path is not None and kind != "grad_hook":  # hooks: listed from the modules
-            self.on_call(path, subject)
+        if kind == "op" and found[3] is not None:  # a recipe whose __call__ called the op
+            subject, kind = found[3][0], "recipe"
+        if kind != "grad_hook":  # hooks: listed from the modules
+            self.on_call(found[0], subject)
 
-    def _caller_path(self, depth: int) -> str | None:
-        """The path of the innermost module of the model whose forward (or hook) is running
-        in this thread: the nearest frame whose `self` is one of the model's modules, read
-        off the call stack (`depth` frames up is the op's caller). A hook on every module
-        would cost more than the override itself in a small recurrent layer; reading a
-        frame's locals costs a microsecond, so the distance from each calling code to the
-        module's frame is remembered and checked first."""
+    def _caller_path(self, depth: int) -> tuple[str, Any, int, tuple[Any, int] | None] | None:
+        """The innermost module of the model whose forward (or hook) is running in this
+        thread: the nearest frame whose `self` is one of the model's modules, read off the
+        call stack (`depth` frames up is the op's caller); its path, the module, how many
+        frames above the caller it is, and the nearest recipe on the way (a frame whose
+        `self` is a recipe, with its distance: the recipe whose `__call__` called the op).
+        A hook on every module to track this would cost more than the override itself in a
+        small recurrent layer."""
         paths = self.paths
-        start = sys._getframe(depth)
-        known = self._distance.get(start.f_code)
-        if known is not None:
-            frame: Any = start
-            for _ in range(known):
-                frame = frame.f_back
-            owner = frame.f_locals.get("self")
-            path = paths.get(id(owner)) if owner is not None else None
-            if path is not None:
-                return path
-        frame = start
+        recipe_type = _recipe_type()
+        recipe: tuple[Any, int] | None = None
+        frame: Any = sys._getframe(depth)
         for distance in range(_FRAMES):
             if frame is None:
                 return None
@@ -297,8 +342,9 @@ class Recorder:
                 owner = frame.f_locals.get("self")
                 path = paths.get(id(owner)) if owner is not None else None
                 if path is not None:
-                    self._distance[start.f_code] = distance
-                    return path
+                    return path, owner, distance, recipe
+                if recipe is None and isinstance(owner, recipe_type):
+                    recipe = (owner, distance)
             frame = frame.f_back
         return None
 
@@ -317,16 +363,29 @@ class Recorder:
                 site = self._sites[key] = Site(path, type(module).__name__, kind,
                                                index=self._next_index())
             return site
-        path = self._caller_path(depth)  # 4: above _caller_path, _site_of, _observe, __call__
-        if path is None:
+        found = self._caller_path(depth)  # 4: above _caller_path, _site_of, _observe, __call__
+        if found is None:
             return None  # called outside the model's forward
+        path, owner, distance, caller = found
         subject, kind = _subject(op, args)
+        at_frame = -1
+        if kind == "op" and caller is not None:  # a recipe whose __call__ called the op
+            subject, kind = caller[0], "recipe"
+            at_frame = caller[1]
         if isinstance(subject, _MeasuredTransform):
             return None  # a grad_hook's transform, which records itself
-        key = (id(op), path, id(subject))
+        # A recipe by its settings (its repr): one made at each call is still one row.
+        key = (id(op), path, repr(subject) if kind == "recipe" else id(subject))
         site = self._sites.get(key)
         if site is None:
             site = self._sites[key] = self._make_site(path, subject, kind)
+        if depth == 4:  # from _observe: remember the place for `_seen_before`
+            at = -1 if subject is op or at_frame >= 0 else next(
+                (k for k, a in enumerate(args) if a is subject), len(args)
+            )
+            code = sys._getframe(depth - 1).f_code  # the op's caller
+            self._known[(id(op), code)] = (distance, at, at_frame)
+            self._by_owner[(id(op), id(owner))] = (subject, site)
         return site
 
     def _next_index(self) -> int:
@@ -348,28 +407,47 @@ class Recorder:
 
     # -- during backward --------------------------------------------------------------------
 
-    def _on_backward(self, site: Site, step: int, returned: Any, arriving: Any) -> None:
-        with self._lock:
-            self._pending.append((site, step, returned, arriving))
-            if self._queued:
-                return
-            self._queued = True
-        torch.autograd.Variable._execution_engine.queue_callback(self._flush)
+    def record_transform(self, site: Site, arriving: Tensor, returned: Tensor) -> None:
+        """A grad_hook's transform ran (see `_MeasuredTransform`)."""
+        self._pending.append(((site, None), (returned,), (True,), (arriving,)))
+        self._flush_at_end()
 
-    def record_transform(self, site: Site, step: int, arriving: Tensor, returned: Tensor) -> None:
-        """A parameter hook's transform ran (see `_MeasuredTransform`)."""
-        self._on_backward(site, step, (returned,), (arriving,))
+    def _flush_at_end(self) -> None:
+        """Have `_flush` run once at the end of the backward pass running now. Passes are
+        told apart by autograd's graph task id: a pass that failed never runs its callback,
+        and must not keep the next ones from queuing theirs (what it recorded is flushed
+        with the next pass's)."""
+        task = graph_task_id()
+        if task in self._queued:
+            return
+        self._queued.add(task)
+        try:
+            queue_callback(functools.partial(self._flush, task))
+        except RuntimeError:  # not inside a backward pass (a node applied by hand)
+            self._flush(task)
 
-    def _flush(self) -> None:
-        with self._lock:
-            pending, self._pending, self._queued = self._pending, [], False
+    def _flush(self, task: int | None = None) -> None:
+        self._queued.discard(task)
+        if task is None:  # this torch does not tell passes apart: one queued at a time
+            self._queued.clear()
+        queued = self._pending  # the list the patched backwards append to: kept
+        n = len(queued)
+        pending = queued[:n]
+        del queued[:n]  # what another thread appended meanwhile stays for its own flush
         groups: dict[tuple[Site, int], Gradients] = {}
-        for site, step, gave, arriving in pending:
+        step = self.passes
+        self.passes += 1
+        for (site, span), returned, needs, arriving in pending:
+            if type(returned) is not tuple:
+                returned = (returned,)
+            if span is not None:
+                returned, needs = returned[1:span], needs[1:span]
+            gave = [g for g, n in zip(returned, needs, strict=False) if n and g is not None]
+            got = [g for g in arriving if g is not None]
             group = groups.get((site, step))
             if group is None:
                 group = groups[(site, step)] = Gradients()
             group.calls += 1
-            got = [g for g in arriving if g is not None]
             if len(got) == 1 and len(gave) == 1 and gave[0].shape == got[0].shape:
                 if group.aligned and group.arriving and not (
                     got[0].shape == group.arriving[0].shape
@@ -403,7 +481,7 @@ class _MeasuredTransform:
         out = self.transform(grad)
         recorder = self.recorder
         if recorder.recording and not is_dynamo_compiling():
-            recorder.record_transform(self.site, recorder.step, grad,
+            recorder.record_transform(self.site, grad,
                                       grad if out is None else out)
         return out
 
@@ -426,6 +504,17 @@ def _leaves(out: Any) -> Iterator[Any]:
     from torch.utils import _pytree as pytree
 
     yield from pytree.tree_leaves(out)
+
+
+def _recipe_type() -> type:
+    """The recipes' base class, or a class nothing is an instance of before any recipe was
+    imported."""
+    base = sys.modules.get("gradoverride.recipes._base")
+    return base.Recipe if base is not None else _Never
+
+
+class _Never:
+    pass
 
 
 def _subject(op: CustomBackward[..., Any], args: tuple[Any, ...]) -> tuple[Any, str]:

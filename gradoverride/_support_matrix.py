@@ -61,6 +61,8 @@ CONTEXTS: tuple[tuple[str, str], ...] = (
     ("threads", "two threads calling the same module at once"),
     ("torch.export", "`torch.export.export` of the module: an inference graph of the forward, "
      "with the same outputs (no rule applies in it)"),
+    ("go.monitor", "forward and backward in eager mode inside `with go.monitor(module)`: the "
+     "same gradients, and the override's gradients recorded"),
 )
 
 
@@ -214,6 +216,16 @@ def markdown() -> str:
     lines += ["", "## Notes (*)", ""]
     lines += [f"- {kind} in {context}: {text}" for (kind, context), text in NOTES.items()]
     lines += [
+        "",
+        "## go.monitor in other contexts",
+        "",
+        "The `go.monitor` column runs each op kind eagerly under the monitor. The monitor "
+        "itself records eager steps only: a step compiled with `torch.compile` runs (with "
+        "no graph break and its own gradients) but is not recorded, and `go.monitor` of a "
+        "compiled model raises, saying to monitor the eager model; steps under `torch.func` "
+        "transforms are not recorded either. Under DistributedDataParallel each process "
+        "records its own replica's gradients. Saving or copying a model while it is "
+        "monitored carries nothing of the monitor. See the Diagnostics page.",
         "",
         "## torch.export and ONNX",
         "",

@@ -1,9 +1,10 @@
 """One rank of the two-process DDP (and FSDP) check in test_distributed.py.
 
-    python tests/ddp_worker.py RANK WORLD PORT OUT_DIR {ddp,fsdp}
+    python tests/ddp_worker.py RANK WORLD PORT OUT_DIR {ddp,fsdp,ddp-monitor}
 
 Builds the shared model (a `go.Module` layer and an `nn.Linear` with `override_backward`),
-wraps it, runs forward+backward on this rank's half of the batch and saves the gradients.
+wraps it, runs forward+backward on this rank's half of the batch and saves the gradients
+(`ddp-monitor`: under `go.monitor` of the DDP model, and the monitor's records too).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(__file__))
 from distributed_model import make_model, rank_batch
 
+import gradoverride as go
+
 
 def main() -> None:
     rank, world, port, out_dir, mode = (
@@ -28,7 +31,7 @@ def main() -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         model = make_model()
-        if mode == "ddp":
+        if mode in ("ddp", "ddp-monitor"):
             wrapped: nn.Module = nn.parallel.DistributedDataParallel(model)
         else:
             from torch.distributed.fsdp import fully_shard
@@ -37,9 +40,14 @@ def main() -> None:
                 fully_shard(layer)
             wrapped = fully_shard(model)
         x, y = rank_batch(rank, world)
-        loss = nn.functional.mse_loss(wrapped(x), y)
-        loss.backward()
-        grads = {}
+        records: dict[str, list[float]] = {}
+        if mode == "ddp-monitor":
+            with go.monitor(wrapped) as monitor:
+                nn.functional.mse_loss(wrapped(x), y).backward()
+            records = {label: [r.grad_in, r.grad_out] for label, (r,) in monitor.history.items()}
+        else:
+            nn.functional.mse_loss(wrapped(x), y).backward()
+        grads: dict[str, object] = {"records": records}
         for name, p in model.named_parameters():
             grad = p.grad
             if hasattr(grad, "full_tensor"):  # FSDP2 shards gradients as DTensors

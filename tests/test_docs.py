@@ -115,6 +115,8 @@ def test_readme_links_reach_files_and_headings() -> None:
         ("the gradient of a tensor already computed", "register_hook"),
         ("the gradient of a tensor already computed", "recipes.reverse_grad()(y)"),
         ("the same in TensorFlow", "gradoverride.keras"),
+        ("see every override in a model", "go.overrides(model)"),
+        ("what each one does while training", "go.monitor(model)"),
     ],
 )
 def test_readme_table_answers_what_people_ask(question: str, answer: str) -> None:

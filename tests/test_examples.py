@@ -64,6 +64,8 @@ def test_example_runs(script: Path, tmp_path: Path) -> None:
         if importlib.util.find_spec("matplotlib") is None:
             pytest.skip("matplotlib is not installed (the `plot` extra)")
         args = [str(tmp_path / "surrogates.png")]
+    if script.name == "spiking_neuron.py" and importlib.util.find_spec("matplotlib") is not None:
+        args = [str(tmp_path / "monitor.png")]
     if script.name.startswith("tensorflow_") and importlib.util.find_spec("tensorflow") is None:
         if os.environ.get("GRADOVERRIDE_REQUIRE_TENSORFLOW") == "1":
             pytest.fail("TensorFlow is required here (GRADOVERRIDE_REQUIRE_TENSORFLOW=1)")
@@ -84,6 +86,8 @@ def test_example_runs(script: Path, tmp_path: Path) -> None:
         _check_rose(result.stdout, "accuracy", minimum=0.9)
         if script.name == "binarized_mlp.py":
             _check_gradient_mismatch(result.stdout)
+        if script.name == "spiking_neuron.py":
+            _check_spiking_monitor(result.stdout, tmp_path / "monitor.png" if args else None)
     elif script.name == "plot_surrogates.py":
         written = tmp_path / "surrogates.png"
         assert written.is_file() and written.stat().st_size > 0, result.stdout
@@ -117,6 +121,18 @@ def _check_gradient_mismatch(out: str) -> None:
         for _, _, cosine, _, ratio, low, high in rows:
             assert -1 <= float(cosine) <= 1 and float(ratio) > 0, table[1]
             assert low == high, table[1]
+
+
+def _check_spiking_monitor(out: str, plot: Path | None) -> None:
+    """The monitor's summary: a row for each spike layer, recorded every 10th of 81 steps,
+    25 calls (time steps) a step; and the plot, when matplotlib is there."""
+    assert "go.monitor of SpikingNet: 81 steps, every 10" in out, out
+    for layer in ("hidden", "readout"):
+        match = re.search(rf"^{layer}: spike\(.*\)\s+recipe\s+9\s+225\s", out, re.MULTILINE)
+        assert match, f"no monitor row for {layer} in:\n{out}"
+    if plot is not None:
+        assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert f"wrote {plot}" in out
 
 
 def _check_domain_adversarial(out: str) -> None:

@@ -155,6 +155,22 @@ def test_private_pieces_used_by_modules_and_recipes_exist() -> None:
     assert callable(_reparametrize_module)
     assert callable(torch._assert_async)
     assert hasattr(torch.ops.aten, "_softmax_backward_data")
+    assert callable(torch.autograd.Variable._execution_engine.queue_callback)
+    for name in ("_foreach_norm", "_foreach_sign", "_foreach_mul", "_foreach_sign_"):
+        assert callable(getattr(torch, name)), name
+
+
+def test_graph_task_id_tells_backward_passes_apart() -> None:
+    from gradoverride._internals import graph_task_id
+
+    seen: list[int | None] = []
+    x = torch.ones(2, requires_grad=True)
+    for _ in range(2):
+        y = x * 2
+        y.register_hook(lambda g: seen.append(graph_task_id()))
+        y.sum().backward()
+    assert graph_task_id() == -1
+    assert None not in seen and seen[0] != seen[1], seen
 
 
 def test_import_gradoverride_does_not_import_dynamo() -> None:

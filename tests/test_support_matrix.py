@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import io
+import math
 import re
 import threading
 from collections.abc import Callable
@@ -23,6 +24,7 @@ from torch import Tensor, nn
 from torch.func import functional_call
 from torch.utils.checkpoint import checkpoint
 
+import gradoverride as go
 from gradoverride import _support_matrix as matrix
 
 pytestmark = pytest.mark.filterwarnings(
@@ -220,6 +222,23 @@ def run_export(kind: str) -> None:
     torch.testing.assert_close(exported(X), module(X))
 
 
+def run_monitor(kind: str) -> None:
+    module = CASES[kind].build()
+    expected = eager(kind)
+    with go.monitor(module) as mon:
+        got = gradients(module, X, UP)
+    assert_same(got, expected)
+    assert mon.history, f"{kind}: nothing recorded"
+    records = [r for rows in mon.history.values() for r in rows]
+    assert all(r.calls >= 1 and math.isfinite(r.grad_in) and math.isfinite(r.grad_out)
+               for r in records), records
+    # The gradient at the module's output is the upstream one, so an override producing
+    # that output receives exactly it.
+    assert any(r.grad_in == pytest.approx(float(UP.norm()), rel=1e-6) for r in records) or (
+        kind in ("grad_hook inputs", "grad_hook parameters")  # not at the output
+    ), records
+
+
 RUN: dict[str, Callable[[str], None]] = {
     "eager": run_eager,
     "compile": run_compile,
@@ -235,6 +254,7 @@ RUN: dict[str, Callable[[str], None]] = {
     "autocast": run_autocast,
     "threads": run_threads,
     "torch.export": run_export,
+    "go.monitor": run_monitor,
 }
 
 

@@ -21,6 +21,7 @@ _ENTRY_POINTS = {
     "bridge_call": ("_bridge", "call"),
     "override_layer": ("_keras_modules", "override_layer"),
     "hook_layer": ("_keras_modules", "hook_layer"),
+    "keras_overrides": ("_inventory", "keras_overrides"),
 }
 
 

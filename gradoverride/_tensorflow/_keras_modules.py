@@ -235,10 +235,11 @@ def _layer_rule(where: str, rule: Callable[..., Any], layer_param: str) -> Calla
 
 @autograph_artifact
 class _HookedCall(_CallWrapper):
-    def __init__(self, layer: Any, at: str, transform: Callable[[Any], Any]) -> None:
+    def __init__(self, layer: Any, at: str, transform: Callable[[Any], Any], fn: Any) -> None:
         super().__init__(layer, f"grad_hook {at}")
         self.at = at
         self.transform = transform
+        self.fn = fn  # what the user gave, which `go.overrides` names (`transform` wraps it)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.at == "inputs":
@@ -296,7 +297,7 @@ def hook_layer(layer: Any, fn: Any, at: str) -> LayerHandle:
         msg = f"grad_hook: `fn` must be a function of the gradient, got {type(fn).__name__}."
         raise GradOverrideTypeError(msg)
     transform = _transform_of(fn) if at != "variables" else _gradient_function_of(fn)
-    wrapper = _HookedCall(layer, at, transform)
+    wrapper = _HookedCall(layer, at, transform, fn)
     wrapper.install()
     return LayerHandle(wrapper, f"grad_hook({name}, {fn!r}, at={at!r})")
 

@@ -1,0 +1,508 @@
+"""`go.monitor`: what it records is checked against tensor hooks on the same run (the
+gradient arriving at an override's output, the gradient reaching its input), computed by
+hand; and nothing of it is left once the `with` block ends."""
+
+from __future__ import annotations
+
+import math
+import pickle
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+import gradoverride as go
+from gradoverride import recipes
+
+# -- the hand computation -----------------------------------------------------------------
+
+
+class Taps:
+    """Tensor hooks collecting, per call of an override, the gradient at its output
+    (arriving) and at its input (returned): the reference the monitor must match."""
+
+    def __init__(self) -> None:
+        self.arriving: list[torch.Tensor] = []
+        self.returned: list[torch.Tensor] = []
+
+    def around(self, fn, x: torch.Tensor) -> torch.Tensor:
+        # `x` is a fresh tensor read only by the override, so its gradient is exactly what
+        # the override returned.
+        x = x.view_as(x) if x.requires_grad else x
+        x.register_hook(lambda g: self.returned.append(g.clone()))
+        y = fn(x)
+        y.register_hook(lambda g: self.arriving.append(g.clone()))
+        return y
+
+    def expected(self) -> tuple[float, float, float | None]:
+        grad_in = math.sqrt(sum(float(g.double().square().sum()) for g in self.arriving))
+        grad_out = math.sqrt(sum(float(g.double().square().sum()) for g in self.returned))
+        # Pair calls: the hooks fire in reverse call order on both sides.
+        nonzero = sum(int((a != 0).sum()) for a in self.arriving)
+        zeroed = sum(int(((r == 0) & (a != 0)).sum())
+                     for a, r in zip(self.arriving, self.returned, strict=True))
+        return grad_in, grad_out, zeroed / nonzero if nonzero else None
+
+    def clear(self) -> None:
+        self.arriving, self.returned = [], []
+
+
+def _only(mon: go.Monitor) -> list[go.StepRecord]:
+    history = mon.history
+    assert len(history) == 1, history
+    return next(iter(history.values()))
+
+
+class Binarized(nn.Module):
+    def __init__(self, taps: Taps | None = None) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 6)
+        self.act = recipes.binarize()
+        self.out = nn.Linear(6, 1)
+        self.taps = taps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        b = self.taps.around(self.act, h) if self.taps else self.act(h)
+        return self.out(b)
+
+
+def test_norms_and_zeroed_match_tensor_hooks_for_each_step() -> None:
+    torch.manual_seed(0)
+    taps = Taps()
+    model = Binarized(taps)
+    with go.monitor(model) as mon:
+        expected = []
+        for _ in range(3):
+            taps.clear()
+            model(torch.randn(8, 4) * 2).sum().backward()
+            expected.append(taps.expected())
+    records = _only(mon)
+    assert [r.step for r in records] == [0, 1, 2]
+    assert next(iter(mon.history)) == "(model): binarize(clip=1.0, inclusive=True, keep='input')"
+    for record, (grad_in, grad_out, zeroed) in zip(records, expected, strict=True):
+        assert record.calls == 1
+        assert record.grad_in == pytest.approx(grad_in, rel=1e-6)
+        assert record.grad_out == pytest.approx(grad_out, rel=1e-6)
+        assert zeroed is not None and 0 < zeroed < 1  # the window did zero some
+        assert record.zeroed == pytest.approx(zeroed, abs=1e-12)
+        assert (record.nan_in, record.inf_in, record.nan_out, record.inf_out) == (0, 0, 0, 0)
+
+
+class Recurrent(nn.Module):
+    """One spike recipe called at every time step, in two layers."""
+
+    def __init__(self, taps: dict[str, Taps] | None = None) -> None:
+        super().__init__()
+        self.spike = recipes.spike(surrogate="fast_sigmoid")
+        self.a = nn.Linear(3, 5)
+        self.b = nn.Linear(5, 2)
+        self.taps = taps
+
+    def _fire(self, layer: str, v: torch.Tensor) -> torch.Tensor:
+        if self.taps:
+            return self.taps[layer].around(self.spike, v)
+        return self.spike(v)
+
+    def forward(self, xs: torch.Tensor) -> torch.Tensor:
+        out = 0
+        for x in xs:
+            out = out + self._fire("b", self.b(self._fire("a", self.a(x))))
+        return out
+
+
+def test_many_calls_in_a_step_are_one_row_per_place() -> None:
+    # The same recipe, called at every time step in two layers of the model's own forward:
+    # one place, so one row, with the norms over all its calls.
+    torch.manual_seed(0)
+    taps = {"a": Taps(), "b": Taps()}
+    model = Recurrent(taps)
+    with go.monitor(model) as mon:
+        model(torch.randn(7, 4, 3)).sum().backward()
+    rows = mon.summary().rows
+    assert [r.label for r in rows] == [f"(model): {model.spike!r}"]
+    record = _only(mon)[0]
+    assert record.calls == 14
+    both = Taps()
+    both.arriving = taps["a"].arriving + taps["b"].arriving
+    both.returned = taps["a"].returned + taps["b"].returned
+    grad_in, grad_out, _ = both.expected()
+    assert record.grad_in == pytest.approx(grad_in, rel=1e-6)
+    assert record.grad_out == pytest.approx(grad_out, rel=1e-6)
+
+
+class LIF(nn.Module):
+    def __init__(self, n_in: int, n_out: int, spike: recipes.spike, taps: Taps) -> None:
+        super().__init__()
+        self.fc = nn.Linear(n_in, n_out)
+        self.spike = spike
+        self.taps = taps
+
+    def forward(self, xs: torch.Tensor) -> torch.Tensor:
+        v = xs.new_zeros(xs.shape[1], self.fc.out_features)
+        out = []
+        for x in xs:
+            v = 0.9 * v + self.fc(x)
+            s = self.taps.around(self.spike, v - 1.0)
+            v = v - s.detach()
+            out.append(s)
+        return torch.stack(out)
+
+
+def test_rows_are_at_the_module_whose_forward_calls_the_recipe() -> None:
+    torch.manual_seed(0)
+    spike = recipes.spike()
+    taps = {"hidden": Taps(), "readout": Taps()}
+    model = nn.Sequential()
+    model.add_module("hidden", LIF(3, 6, spike, taps["hidden"]))
+    model.add_module("readout", LIF(6, 2, spike, taps["readout"]))
+    with go.monitor(model) as mon:
+        model(torch.rand(5, 4, 3) * 3).sum().backward()
+    history = mon.history
+    assert list(history) == [f"hidden: {spike!r}", f"readout: {spike!r}"]
+    for name, records in zip(("hidden", "readout"), history.values(), strict=True):
+        grad_in, grad_out, zeroed = taps[name].expected()
+        assert records[0].calls == 5
+        assert records[0].grad_in == pytest.approx(grad_in, rel=1e-6)
+        assert records[0].grad_out == pytest.approx(grad_out, rel=1e-6)
+        assert records[0].zeroed == pytest.approx(zeroed, abs=1e-12)
+
+
+def test_every_records_one_step_in_n() -> None:
+    model = Binarized()
+    with go.monitor(model, every=3) as mon:
+        for _ in range(7):
+            model(torch.randn(2, 4)).sum().backward()
+    assert [r.step for r in _only(mon)] == [0, 3, 6]
+    assert mon.steps == 7
+    assert "7 steps, every 3" in str(mon.summary())
+
+
+def test_each_backward_pass_is_a_step() -> None:
+    # Two backward passes after one forward: two steps, each with its own gradients.
+    torch.manual_seed(0)
+    taps = Taps()
+    model = Binarized(taps)
+    with go.monitor(model) as mon:
+        out = model(torch.randn(8, 4) * 2)
+        out[:4].sum().backward(retain_graph=True)
+        out[4:].sum().backward()
+    records = _only(mon)
+    assert [(r.step, r.calls) for r in records] == [(0, 1), (1, 1)]
+    for record, arriving, returned in zip(records, taps.arriving, taps.returned, strict=True):
+        assert record.grad_in == pytest.approx(float(arriving.norm()), rel=1e-6)
+        assert record.grad_out == pytest.approx(float(returned.norm()), rel=1e-6)
+
+
+class Block(go.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.weight
+
+    def backward(self, grad, *, x):
+        return {"x": 2 * grad * self.weight, "weight": (grad * x).sum(0)}
+
+
+def test_a_module_rule_returns_its_parameters_gradients_too() -> None:
+    torch.manual_seed(0)
+    block = Block()
+    model = nn.Sequential(nn.Linear(3, 3), block)
+    x = torch.randn(4, 3)
+    with go.monitor(model) as mon:
+        h = model[0](x)
+        h.retain_grad()
+        y = block(h)
+        y.retain_grad()
+        y.square().sum().backward()
+    assert list(mon.history) == ["1: Block"]
+    record = mon.history["1: Block"][0]
+    assert record.grad_in == pytest.approx(float(y.grad.norm()), rel=1e-6)
+    expected = math.sqrt(float(h.grad.square().sum()) + float(block.weight.grad.square().sum()))
+    assert record.grad_out == pytest.approx(expected, rel=1e-6)
+    # The input's gradient pairs with the output's (same shape): nothing zeroed.
+    assert record.zeroed == 0.0
+
+
+def test_a_rule_owning_some_inputs_is_measured_without_the_passed_on_gradient() -> None:
+    # `owns="input"`: the weight keeps its ordinary gradient, which autograd computes
+    # through the forward's graph: not what the rule returned.
+    torch.manual_seed(0)
+    linear = nn.Linear(4, 2)
+    go.override_backward(linear, lambda g, *, module: -(g @ module.weight), owns="input")
+    x = torch.randn(3, 4, requires_grad=True)
+    with go.monitor(linear) as mon:
+        y = linear(x)
+        y.retain_grad()
+        y.sum().backward()
+    record = mon.history["(model): Linear"][0]
+    assert record.grad_in == pytest.approx(float(y.grad.norm()), rel=1e-6)
+    assert record.grad_out == pytest.approx(float(x.grad.norm()), rel=1e-6)
+
+
+@pytest.mark.parametrize("at", ["inputs", "outputs", "parameters"])
+def test_grad_hooks_are_measured_at_their_place(at: str) -> None:
+    torch.manual_seed(0)
+    layer = nn.Linear(3, 3)
+    model = nn.Sequential(layer)
+    go.grad_hook(layer, lambda g: g.clamp(-0.1, 0.1), at=at)
+    x = torch.randn(5, 3, requires_grad=True)
+    with go.monitor(model) as mon:
+        y = model(x)
+        y.square().sum().backward()
+    (label,) = mon.history
+    assert label.startswith("0: grad_hook(") and label.endswith(f"<lambda>) at {at}")
+    record = mon.history[label][0]
+    if at == "outputs":
+        grad = 2 * y.detach()  # what arrives at the output, before the transform
+        assert record.grad_in == pytest.approx(float(grad.norm()), rel=1e-6)
+        assert record.grad_out == pytest.approx(float(grad.clamp(-0.1, 0.1).norm()), rel=1e-6)
+    elif at == "inputs":
+        assert record.grad_out == pytest.approx(float(x.grad.norm()), rel=1e-6)
+        # What arrived at the input before the clamp: the plain gradient.
+        plain = torch.autograd.grad((x @ layer.weight.T + layer.bias).square().sum(), x)[0]
+        assert record.grad_in == pytest.approx(float(plain.norm()), rel=1e-5)
+    else:
+        assert record.calls == 2  # weight and bias
+        returned = math.sqrt(sum(float(p.grad.square().sum()) for p in layer.parameters()))
+        assert record.grad_out == pytest.approx(returned, rel=1e-6)
+
+
+def test_nan_and_inf_are_counted_not_raised() -> None:
+    @go.custom_backward
+    def poison(x):
+        return x.clone()
+
+    @poison.backward
+    def _(grad, *, x):
+        out = grad.clone()
+        out[0] = float("nan")
+        out[1] = float("inf")
+        return out
+
+    class M(nn.Module):
+        def forward(self, x):
+            return poison(x)
+
+    model = M()
+    x = torch.ones(4, requires_grad=True)
+    with go.monitor(model) as mon:
+        model(x).sum().backward()
+    record = _only(mon)[0]
+    assert (record.nan_in, record.inf_in, record.nan_out, record.inf_out) == (0, 0, 1, 1)
+    assert record.grad_in == pytest.approx(2.0)
+    assert record.grad_out == pytest.approx(math.sqrt(2.0))  # the finite elements
+    assert mon.summary().rows[0].nonfinite == 2
+
+
+def test_a_model_without_overrides_says_it_recorded_nothing() -> None:
+    model = nn.Linear(2, 2)
+    with go.monitor(model) as mon:
+        model(torch.randn(3, 2)).sum().backward()
+    assert mon.history == {}
+    assert str(mon.summary()) == (
+        "go.monitor of Linear: nothing recorded (no gradient override of Linear ran backward "
+        "in eager mode; steps compiled with torch.compile and torch.func transforms are not "
+        "recorded)"
+    )
+    assert mon.steps == 0
+
+
+def test_an_override_called_outside_the_model_is_not_recorded() -> None:
+    model = Binarized()
+    other = recipes.binarize()
+    with go.monitor(model) as mon:
+        other(torch.randn(3, requires_grad=True)).sum().backward()
+        model(torch.randn(2, 4)).sum().backward()
+    assert len(_only(mon)) == 1
+
+
+def test_nothing_is_left_after_the_block() -> None:
+    model = Binarized()
+    layer = nn.Linear(3, 3)
+    go.grad_hook(layer, recipes.reverse_grad(), at="parameters")
+    go.grad_hook(layer, recipes.reverse_grad(), at="outputs")
+    container = nn.ModuleList([model, layer])
+    op = model.act
+    model(torch.randn(2, 4)).sum().backward()  # the ops' first call checked
+    inner = next(o for o in go._decorators._OPS if o.__name__ == "_ste_window")
+    before_class = type(inner)
+    before_hooks = dict(layer._forward_hooks), dict(layer._forward_pre_hooks)
+    before_param_hooks = {n: list(p._backward_hooks.values()) for n, p in layer.named_parameters()}
+    at_outputs = next(h for h in layer._forward_hooks.values() if hasattr(h, "transform"))
+    before_transform = at_outputs.transform
+    with go.monitor(container):
+        model(torch.randn(2, 4)).sum().backward()
+        layer(torch.randn(2, 3)).sum().backward()
+        assert type(inner) is not before_class
+    assert type(inner) is before_class
+    function = type(model.act(torch.randn(2, requires_grad=True)).grad_fn)._forward_cls
+    assert function.__dict__["backward"].__func__.__name__ == "backward"
+    assert (dict(layer._forward_hooks), dict(layer._forward_pre_hooks)) == before_hooks
+    assert at_outputs.transform is before_transform
+    after = {n: list(p._backward_hooks.values()) for n, p in layer.named_parameters()}
+    assert after == before_param_hooks
+    assert not container._forward_pre_hooks and not container._forward_hooks
+    assert op is model.act
+
+
+def test_a_module_pickled_while_monitored_keeps_its_own_hooks() -> None:
+    layer = nn.Linear(3, 3)
+    go.grad_hook(layer, recipes.reverse_grad(), at="outputs")
+    with go.monitor(layer):
+        loaded = pickle.loads(pickle.dumps(layer))
+    hook = next(iter(loaded._forward_hooks.values()))
+    assert repr(hook.transform.__self__) == "reverse_grad(scale=1.0)"
+
+
+def test_torch_func_transforms_run_unrecorded_with_their_gradients() -> None:
+    model = Binarized()
+    x = torch.randn(3, 4)
+    params = dict(model.named_parameters())
+
+    def loss(p):
+        return torch.func.functional_call(model, p, (x,)).sum()
+
+    expected = torch.func.grad(loss)(params)
+    with go.monitor(model) as mon:
+        got = torch.func.grad(loss)(params)
+    assert mon.history == {}
+    for name in params:
+        torch.testing.assert_close(got[name], expected[name])
+
+
+@pytest.mark.compile
+@pytest.mark.filterwarnings("ignore:.*should not be instantiated:DeprecationWarning")  # dynamo's
+def test_compiled_steps_run_unrecorded_with_their_gradients() -> None:
+    torch.manual_seed(0)
+    model = Binarized()
+    x = torch.randn(3, 4)
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    model(x).sum().backward()
+    expected = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    with go.monitor(model) as mon:
+        compiled(x).sum().backward()
+    assert mon.history == {}
+    assert "steps compiled with torch.compile" in str(mon.summary())
+    for p, e in zip(model.parameters(), expected, strict=True):
+        torch.testing.assert_close(p.grad, e)
+    with pytest.raises(go.GradOverrideError, match=r"this Binarized is compiled with "
+                       r"torch\.compile.*`with go\.monitor\(model\):`"):
+        go.monitor(torch.compile(model, backend="aot_eager"))
+
+
+def test_checkpointed_forward_is_recorded_once() -> None:
+    torch.manual_seed(0)
+    taps = Taps()
+    inner = Binarized(taps)
+
+    class Checkpointed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x):
+            return torch.utils.checkpoint.checkpoint(self.inner, x, use_reentrant=False)
+
+    model = Checkpointed()
+    with go.monitor(model) as mon:
+        model(torch.randn(8, 4) * 2).sum().backward()
+    record = _only(mon)[0]
+    assert record.calls == 1
+    grad_in, grad_out, _ = taps.expected() if len(taps.arriving) == 1 else (None, None, None)
+    assert grad_in is not None
+    assert record.grad_in == pytest.approx(grad_in, rel=1e-6)
+    assert record.grad_out == pytest.approx(grad_out, rel=1e-6)
+
+
+def test_two_threads_record_every_backward() -> None:
+    model = Binarized()
+    errors: list[BaseException] = []
+
+    def train() -> None:
+        try:
+            for _ in range(5):
+                model(torch.randn(4, 4)).sum().backward()
+        except BaseException as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    with go.monitor(model) as mon:
+        threads = [threading.Thread(target=train) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert not errors
+    assert mon.steps == 10
+    assert sum(r.calls for r in _only(mon)) == 10
+
+
+def test_bad_arguments_are_named() -> None:
+    with pytest.raises(go.GradOverrideTypeError, match=r"go.monitor needs the model as an "
+                       r"nn.Module; got function"):
+        go.monitor(lambda x: x)
+    with pytest.raises(go.GradOverrideTypeError, match=r"`every` must be a positive integer.*"
+                       r"got 0"):
+        go.monitor(nn.Linear(1, 1), every=0)
+    model = nn.Linear(1, 1)
+    mon = go.monitor(model)
+    with mon, pytest.raises(go.GradOverrideError, match=r"already has an active go\.monitor"):
+        go.monitor(model).__enter__()
+    with pytest.raises(go.GradOverrideError, match="is entered once"), mon:
+        pass
+
+
+def test_plot_writes_a_png(tmp_path) -> None:
+    pytest.importorskip("matplotlib", reason="matplotlib is the `plot` extra")
+    model = Binarized()
+    with go.monitor(model) as mon:
+        for _ in range(3):
+            model(torch.randn(8, 4)).sum().backward()
+    path = mon.plot(tmp_path / "flow.png")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(go.GradOverrideError, match="writes a PNG; got the path"):
+        mon.plot(tmp_path / "flow.jpg")
+
+
+def test_plot_without_matplotlib_says_how_to_install(monkeypatch, tmp_path) -> None:
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_matplotlib(name, *args, **kwargs):
+        if name.startswith("matplotlib"):
+            raise ImportError(name)
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_matplotlib)
+    with go.monitor(nn.Linear(1, 1)) as mon:
+        pass
+    with pytest.raises(go.GradOverrideError, match=r"pip install 'gradoverride\[plot\]'"):
+        mon.plot(tmp_path / "x.png")
+
+
+def test_a_recipe_made_at_each_call_is_one_row() -> None:
+    class Inline(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(3, 3)
+
+        def forward(self, x):
+            # ste_round's op is not given the recipe: the row still names the recipe.
+            return (recipes.binarize()(self.fc(x)) + recipes.binarize(clip=2.0)(x)
+                    + recipes.ste_round()(x))
+
+    model = Inline()
+    with go.monitor(model) as mon:
+        for _ in range(3):
+            model(torch.randn(2, 3, requires_grad=True)).sum().backward()
+    assert list(mon.history) == [
+        "(model): binarize(clip=1.0, inclusive=True, keep='input')",
+        "(model): binarize(clip=2.0, inclusive=True, keep='input')",
+        "(model): ste_round()",
+    ]
+    assert [len(records) for records in mon.history.values()] == [3, 3, 3]
