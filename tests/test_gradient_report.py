@@ -236,7 +236,7 @@ def test_ste_sign_against_a_hardtanh_proxy_matches_the_hand_computation() -> Non
     h_leaf = h.clone().requires_grad_()
     (true,) = torch.autograd.grad(F.cross_entropy(F.linear(F.hardtanh(h_leaf), w2, b2), y),
                                   h_leaf)
-    row = report["1: _ste_sign"]
+    row = report["1: ste_sign()"]
     assert row.reference == "hardtanh"
     assert row.cosine == pytest.approx(cosine(override, true), abs=1e-12)
     assert row.norm_ratio == pytest.approx(float(override.norm() / true.norm()), rel=1e-12)
@@ -374,17 +374,35 @@ def test_two_overrides_with_one_label_are_told_apart() -> None:
     class Twice(nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.a, self.b = recipes.binarize(), recipes.binarize()
+            self.a, self.b = smooth_op(1.0), smooth_op(2.0)  # two ops named `smooth`
 
         def forward(self, x: Tensor) -> Tensor:
             return self.a(x) + self.b(x * 2)
 
-    report = gradient_report(nn.Sequential(nn.Linear(3, 4), Twice()).to(F64),
-                             lambda out: out.sum(), regression_batch()[0])
-    label = "1: binarize(clip=1.0, inclusive=True, keep='input')"
-    assert [r.label for r in report.rows] == [label, f"{label} #2"]
+    model = nn.Sequential(nn.Linear(3, 4), Twice()).to(F64)
+    report = gradient_report(model, lambda out: out.sum(), regression_batch()[0],
+                             reference="spsa")
+    assert [r.label for r in report.rows] == ["1: smooth", "1: smooth #2"]
+    assert report["1: smooth #2"].norm_ratio == pytest.approx(2.0, rel=1e-6)
     with pytest.raises(KeyError, match="2 overrides match"):
         report["1"]
+
+
+def test_equal_recipes_in_one_module_are_one_override() -> None:
+    # As go.monitor counts them: a recipe by its settings, also one made at each call.
+    class Twice(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = recipes.binarize()
+
+        def forward(self, x: Tensor) -> Tensor:
+            return self.a(x) + recipes.binarize()(x * 2)
+
+    report = gradient_report(nn.Sequential(nn.Linear(3, 4), Twice()).to(F64),
+                             lambda out: out.sum(), regression_batch()[0])
+    assert [(r.label, r.calls) for r in report.rows] == [
+        ("1: binarize(clip=1.0, inclusive=True, keep='input')", 2)]
+    assert report.rows[0].cosine == pytest.approx(1.0, abs=1e-12)
 
 
 # ---- reproducible, and leaves the model and the random state as they were --------------------
@@ -432,6 +450,15 @@ def test_the_report_runs_the_models_own_forward_bit_for_bit() -> None:
     model = nn.Sequential(Applied(signed))
     report = gradient_report(model, loss_fn, x, proxies={"0": lambda x: x})
     assert report.loss == float(loss_fn(model(x))) == 5.0
+
+
+def test_it_runs_under_no_grad() -> None:
+    # The report's forwards enable gradients themselves (a module rule skips its op
+    # without them), so a call from an evaluation loop gives the same numbers.
+    model, batch = smooth_model(2.0), regression_batch()
+    with torch.no_grad():
+        row = only_row(gradient_report(model, F.mse_loss, batch, reference="spsa"))
+    assert row.norm_ratio == pytest.approx(2.0, rel=1e-6)
 
 
 def test_it_runs_on_every_device(device: torch.device) -> None:

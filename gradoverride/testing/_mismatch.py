@@ -20,8 +20,6 @@ from ._mismatch_runs import (
     Position,
     Runner,
     SiteRecord,
-    SlotKey,
-    Slots,
     differentiated,
     output_shapes,
     read,
@@ -312,8 +310,8 @@ class _Found:
     """What the override run found: each override's calls and its gradient."""
 
     def __init__(self) -> None:
-        self.records: dict[SlotKey, SiteRecord] = {}
-        self.gradients: dict[SlotKey, Tensor] = {}  # flat, float64
+        self.records: dict[Site, SiteRecord] = {}
+        self.gradients: dict[Site, Tensor] = {}  # flat, float64
         self.loss = math.nan
 
 
@@ -331,37 +329,35 @@ def _probed(args: tuple[Any, ...], kwargs: dict[str, Any], positions: tuple[Posi
 
 
 def _probe_gradients(runner: Runner, loss: Tensor,
-                     calls: Mapping[SlotKey, list[list[Tensor]]]) -> dict[SlotKey, Tensor]:
+                     calls: Mapping[Site, list[list[Tensor]]]) -> dict[Site, Tensor]:
     """Each site's gradient, flat in float64: the loss's gradient at its probes."""
-    probes = [p for key in calls for call in calls[key] for p in call]
+    probes = [p for site in calls for call in calls[site] for p in call]
     grads: tuple[Tensor | None, ...] = (None,) * len(probes)
     if probes and loss.requires_grad:
         grads = torch.autograd.grad(loss, probes, allow_unused=True)
         runner.backwards += 1
-    out: dict[SlotKey, Tensor] = {}
+    out: dict[Site, Tensor] = {}
     k = 0
-    for key in calls:
+    for site in calls:
         parts = []
-        for call in calls[key]:
+        for call in calls[site]:
             for probe in call:
                 grad = grads[k]
                 k += 1
                 parts.append((torch.zeros_like(probe) if grad is None else grad).reshape(-1))
-        out[key] = torch.cat(parts).double() if parts else torch.zeros(0, dtype=torch.float64)
+        out[site] = torch.cat(parts).double() if parts else torch.zeros(0, dtype=torch.float64)
     return out
 
 
 def _override_run(runner: Runner) -> _Found:
     found = _Found()
-    probes: dict[SlotKey, list[list[Tensor]]] = {}
-    slots = Slots()
+    probes: dict[Site, list[list[Tensor]]] = {}
 
     def substitute(site: Site, op: Op, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        key = slots(site, op)
-        record = found.records.get(key)
+        record = found.records.get(site)
         if record is None:
-            record = found.records[key] = SiteRecord(site)
-            probes[key] = []
+            record = found.records[site] = SiteRecord(site)
+            probes[site] = []
         positions = differentiated(site, args, kwargs)
         if isinstance(positions, str):
             record.problem = positions
@@ -372,7 +368,7 @@ def _override_run(runner: Runner) -> _Found:
         out = runner.call(op, *new_args, **new_kwargs)
         record.calls.append(CallRecord(positions, tuple(x.shape for x in inputs),
                                        tuple(x.dtype for x in inputs), output_shapes(out)))
-        probes[key].append(call_probes)
+        probes[site].append(call_probes)
         return out
 
     loss = _check_loss(runner.loss(substitute))
@@ -382,14 +378,14 @@ def _override_run(runner: Runner) -> _Found:
     return found
 
 
-def _labels(records: Mapping[SlotKey, SiteRecord]) -> dict[SlotKey, str]:
+def _labels(records: Mapping[Site, SiteRecord]) -> dict[Site, str]:
     """Each site's label; a label two sites share gets `#2`, `#3` after the first."""
-    labels: dict[SlotKey, str] = {}
+    labels: dict[Site, str] = {}
     seen: dict[str, int] = {}
-    for key, record in records.items():
+    for site, record in records.items():
         label = record.site.label
         count = seen[label] = seen.get(label, 0) + 1
-        labels[key] = label if count == 1 else f"{label} #{count}"
+        labels[site] = label if count == 1 else f"{label} #{count}"
     return labels
 
 
@@ -455,45 +451,43 @@ def _hook_rows(model: nn.Module) -> list[_Row]:
 # ---- against proxies -------------------------------------------------------------------------
 
 
-def _against_proxies(runner: Runner, found: _Found, labels: Mapping[SlotKey, str],
+def _against_proxies(runner: Runner, found: _Found, labels: Mapping[Site, str],
                      proxies: Mapping[str, Callable[..., Any] | None]) -> list[_Row]:
     _refuse_unknown_keys("proxies", proxies, found.records, labels)
-    chosen: dict[SlotKey, Proxy | str] = {}  # a string: why it has none
-    calls: dict[SlotKey, list[list[Tensor]]] = {}
-    slots = Slots()
+    chosen: dict[Site, Proxy | str] = {}  # a string: why it has none
+    calls: dict[Site, list[list[Tensor]]] = {}
 
-    def choose(key: SlotKey, site: Site, args: tuple[Any, ...]) -> Proxy | str:
-        choice = chosen.get(key)
+    def choose(site: Site, args: tuple[Any, ...]) -> Proxy | str:
+        choice = chosen.get(site)
         if choice is None:
-            given, fn = lookup(proxies, site, labels[key])
+            given, fn = lookup(proxies, site, labels[site])
             if given:
                 choice = "left out by proxies=" if fn is None else user_proxy(fn)
             else:
                 choice = builtin_proxy(site, args) or (
                     "no proxy declared; pass one: proxies={label: fn}")
-            chosen[key] = choice
+            chosen[site] = choice
         return choice
 
     def substitute(site: Site, op: Op, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        key = slots(site, op)
-        record = found.records.get(key)
+        record = found.records.get(site)
         positions = differentiated(site, args, kwargs)
         if record is None or record.problem is not None or isinstance(positions, str):
             return runner.call(op, *args, **kwargs)
         new_args, new_kwargs, inputs, call_probes = _probed(args, kwargs, positions)
-        made = calls.setdefault(key, [])
+        made = calls.setdefault(site, [])
         made.append(call_probes)
-        proxy = choose(key, site, args)
+        proxy = choose(site, args)
         if isinstance(proxy, str):
             return runner.call(op, *new_args, **new_kwargs)
         try:
             out = runner.call(proxy.call, inputs, new_args)
         except Exception as error:
-            error.add_note(f"(raised by the proxy `{proxy.description}` of `{labels[key]}`, "
+            error.add_note(f"(raised by the proxy `{proxy.description}` of `{labels[site]}`, "
                            "called by gradient_report)")
             raise
         if len(made) <= len(record.calls):
-            _check_proxy_output(proxy, labels[key], out, record.calls[len(made) - 1])
+            _check_proxy_output(proxy, labels[site], out, record.calls[len(made) - 1])
         return out
 
     loss = _check_loss(runner.loss(substitute))
@@ -501,23 +495,23 @@ def _against_proxies(runner: Runner, found: _Found, labels: Mapping[SlotKey, str
     references = _probe_gradients(runner, loss, usable)
 
     rows: list[_Row] = []
-    for key, record in found.records.items():
-        label = labels[key]
+    for site, record in found.records.items():
+        label = labels[site]
         skipped = _skipped(record, label)
         if skipped is not None:
             rows.append(skipped)
             continue
-        choice = chosen.get(key, "the model with proxies did not call it")
-        made = [tuple(t.shape) for call in calls.get(key, []) for t in call]
+        choice = chosen.get(site, "the model with proxies did not call it")
+        made = [tuple(t.shape) for call in calls.get(site, []) for t in call]
         if isinstance(choice, str):
             rows.append(_row(record, label, note=f"not compared: {choice}"))
         elif made != [tuple(s) for call in record.calls for s in call.shapes]:
             rows.append(_row(record, label, note=(
-                f"not compared: with proxies the model called it {len(calls.get(key, []))} "
+                f"not compared: with proxies the model called it {len(calls.get(site, []))} "
                 f"times, or with inputs of other shapes, than its {len(record.calls)} calls")))
         else:
             rows.append(_row(record, label, reference=choice.description,
-                             got=found.gradients[key], expected=references[key]))
+                             got=found.gradients[site], expected=references[site]))
     return rows
 
 
@@ -542,7 +536,7 @@ def _shapes(shapes: tuple[torch.Size, ...]) -> str:
 
 
 def _refuse_unknown_keys(argument: str, table: Mapping[str, Any],
-                         records: Mapping[SlotKey, SiteRecord], labels: Mapping[SlotKey, str],
+                         records: Mapping[Site, SiteRecord], labels: Mapping[Site, str],
                          *, single: bool = False) -> None:
     """Every key must name an override the forward called (exactly one, if `single`)."""
     for name in table:
@@ -579,12 +573,12 @@ def gradient_shape(record: SiteRecord) -> tuple[int, ...]:
     return (record.elements,)
 
 
-def _against_given(found: _Found, labels: Mapping[SlotKey, str],
+def _against_given(found: _Found, labels: Mapping[Site, str],
                    given: Mapping[str, Tensor]) -> list[_Row]:
     _refuse_unknown_keys("reference", given, found.records, labels, single=True)
     rows: list[_Row] = []
-    for key, record in found.records.items():
-        label = labels[key]
+    for site, record in found.records.items():
+        label = labels[site]
         skipped = _skipped(record, label)
         if skipped is not None:
             rows.append(skipped)
@@ -607,7 +601,7 @@ def _against_given(found: _Found, labels: Mapping[SlotKey, str],
                 f"tensor; got a {expected.dtype} tensor."
             )
             raise GradOverrideTypeError(msg)
-        gradient = found.gradients[key]
+        gradient = found.gradients[site]
         rows.append(_row(record, label, reference="given", got=gradient,
                          expected=expected.detach().reshape(-1).to(gradient.device, F64)))
     return rows
@@ -626,17 +620,17 @@ def _how_shaped(record: SiteRecord) -> str:
 # ---- against finite differences and SPSA -----------------------------------------------------
 
 
-def _against_directions(runner: Runner, found: _Found, labels: Mapping[SlotKey, str],
+def _against_directions(runner: Runner, found: _Found, labels: Mapping[Site, str],
                         mode: str, samples: int, step: float | None, seed: int) -> list[_Row]:
     generator = torch.Generator().manual_seed(seed)
     rows: list[_Row] = []
-    for key, record in found.records.items():
-        label = labels[key]
+    for site, record in found.records.items():
+        label = labels[site]
         skipped = _skipped(record, label)
         if skipped is not None:
             rows.append(skipped)
             continue
-        gradient = found.gradients[key]
+        gradient = found.gradients[site]
         n = record.elements
         h = step if step is not None else _default_step(record)
         directions: list[Tensor]
@@ -652,7 +646,7 @@ def _against_directions(runner: Runner, found: _Found, labels: Mapping[SlotKey, 
             directions = list(signs)
             reference = f"{count} ±1 direction{'s' if count != 1 else ''}"
             got = signs.to(gradient.device) @ gradient
-        derivatives = [_directional(runner, key, record, label, d, h) for d in directions]
+        derivatives = [_directional(runner, record, label, d, h) for d in directions]
         expected = torch.tensor(derivatives, dtype=F64, device=gradient.device)
         note = ""
         if float(expected.abs().max()) == 0:
@@ -675,13 +669,13 @@ def _one_hot(n: int, i: int) -> Tensor:
     return d
 
 
-def _directional(runner: Runner, key: SlotKey, record: SiteRecord, label: str,
-                 direction: Tensor, h: float) -> float:
+def _directional(runner: Runner, record: SiteRecord, label: str, direction: Tensor,
+                 h: float) -> float:
     """(L(x + h d) - L(x - h d)) / 2h, the true loss's derivative along d at the site's
     inputs (every call's), by two forwards of the model (no backward)."""
     values = []
     for sign in (1.0, -1.0):
-        perturbed = _Perturbed(runner, key, record, label, direction * (sign * h))
+        perturbed = _Perturbed(runner, record, label, direction * (sign * h))
         loss = _check_loss(runner.loss(perturbed))
         perturbed.finish()
         values.append(float(loss.detach()))
@@ -692,16 +686,14 @@ class _Perturbed:
     """A substitute adding `delta` (flat over the site's calls and inputs) to the inputs of
     one site, and running every override as it is."""
 
-    def __init__(self, runner: Runner, key: SlotKey, record: SiteRecord, label: str,
-                 delta: Tensor) -> None:
-        self.runner, self.key, self.record, self.label = runner, key, record, label
+    def __init__(self, runner: Runner, record: SiteRecord, label: str, delta: Tensor) -> None:
+        self.runner, self.record, self.label = runner, record, label
         self.delta = delta
-        self.slots = Slots()
         self.calls = 0
 
     def __call__(self, site: Site, op: Op, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         runner, record = self.runner, self.record
-        if self.slots(site, op) != self.key:
+        if site is not record.site:
             return runner.call(op, *args, **kwargs)
         j = self.calls
         self.calls += 1

@@ -31,7 +31,7 @@ from .._decorators import CustomBackward
 from .._errors import GradOverrideError
 from .._recorder import Recorder, Site
 
-__all__ = ["CallRecord", "Runner", "SiteRecord", "SlotKey", "Slots"]
+__all__ = ["CallRecord", "Runner", "SiteRecord"]
 
 Op = CustomBackward[..., Any]
 Substitute = Callable[[Site, Op, tuple[Any, ...], dict[str, Any]], Any]
@@ -64,31 +64,6 @@ class SiteRecord:
     @property
     def dtypes(self) -> list[torch.dtype]:
         return [d for call in self.calls for d in call.dtypes]
-
-
-#: An override's place in one forward, the same in every run of a deterministic forward:
-#: (path, kind, name, the op's id, rank). The rank tells apart overrides alike in the rest
-#: (two equal recipes one module holds) by the order the forward first calls them; a
-#: recipe made anew in each forward (`recipes.binarize()(w)`) is a new `Site` every time
-#: but keeps its key.
-SlotKey = tuple[str, str, str, int, int]
-
-
-class Slots:
-    """The `SlotKey` of each site met in one run."""
-
-    def __init__(self) -> None:
-        self._keys: dict[Site, SlotKey] = {}
-        self._ranks: dict[tuple[str, str, str, int], int] = {}
-
-    def __call__(self, site: Site, op: Op) -> SlotKey:
-        key = self._keys.get(site)
-        if key is None:
-            base = (site.path, site.kind, site.name, id(op))
-            rank = self._ranks.get(base, 0)
-            self._ranks[base] = rank + 1
-            key = self._keys[site] = (*base, rank)
-        return key
 
 
 def _ignore(groups: Any) -> None:
@@ -166,9 +141,6 @@ class Runner:
                 if module._buffers.get(name) is not original:
                     module._buffers[name] = original  # the forward replaced it
                 original.copy_(saved)
-
-    def position(self, site: Site) -> tuple[int, int]:
-        return self.recorder.position(site)
 
 
 def _refuse_active_monitor(model: nn.Module) -> None:

@@ -129,11 +129,16 @@ def _recipe_proxy(recipe: Any) -> Proxy | None:
         binarize,
         quantize,
         ste_argmax,
+        ste_ceil,
         ste_clamp,
+        ste_floor,
+        ste_round,
+        ste_sign,
         ternarize,
     )
 
-    if isinstance(recipe, GradientTransform | ternarize):
+    if isinstance(recipe, GradientTransform | ternarize | ste_round | ste_floor | ste_ceil
+                  | ste_sign):
         return _IDENTITY
     if isinstance(recipe, binarize):
         if recipe._window is None:
