@@ -84,6 +84,8 @@ def test_example_runs(script: Path, tmp_path: Path) -> None:
         _check_shortest_path(result.stdout)
     elif script.name in ("binarized_mlp.py", "spiking_neuron.py"):
         _check_rose(result.stdout, "accuracy", minimum=0.9)
+        if script.name == "binarized_mlp.py":
+            _check_gradient_mismatch(result.stdout)
         if script.name == "spiking_neuron.py":
             _check_spiking_monitor(result.stdout, tmp_path / "monitor.png" if args else None)
     elif script.name == "plot_surrogates.py":
@@ -101,6 +103,24 @@ def _check_rose(out: str, what: str, minimum: float) -> None:
     assert match, f"no '{what} rose from A to B' line in:\n{out}"
     first, last = map(float, match.groups())
     assert last > first and last >= minimum, out
+
+
+def _check_gradient_mismatch(out: str) -> None:
+    """A gradient_report for each clip setting: the four binarizations (two activations at
+    that clip, two weights at 1), each with a cosine in [-1, 1] and a positive norm ratio
+    against its clamp proxy."""
+    for clip in ("1.0", "3.0"):
+        table = out.split(f"gradient mismatch, activations clipped at {clip}:\n", 1)
+        assert len(table) == 2, f"no gradient mismatch report for clip={clip}:\n{out}"
+        rows = re.findall(
+            r"^([0-9]): binarize\(clip=([0-9.]+), inclusive=True, keep='input'\)\s+recipe\s+1"
+            rf"\s+(-?{_NUMBER})\s+([0-9][0-9.e+-]*)\s+clamp\(x, -([0-9]), ([0-9])\)$",
+            table[1].split("\n\n", 1)[0], re.M)
+        assert [(r[0], r[1]) for r in rows] == [
+            ("2", clip), ("3", "1.0"), ("5", clip), ("6", "1.0")], table[1]
+        for _, _, cosine, _, ratio, low, high in rows:
+            assert -1 <= float(cosine) <= 1 and float(ratio) > 0, table[1]
+            assert low == high, table[1]
 
 
 def _check_spiking_monitor(out: str, plot: Path | None) -> None:
