@@ -99,18 +99,18 @@ class Monitor:
     def history(self) -> dict[str, list[StepRecord]]:
         """Per override (by its label, `path: name`), the records of the recorded steps,
         in step order."""
-        return {site.label: records for site, records in self._records()}
+        return dict(self._labelled())
 
     def summary(self) -> MonitorSummary:
         """A table with one row per override: calls, the mean norms of the gradient arriving
         and returned per recorded step, the last step's zeroed fraction, and NaN/inf
         elements over all steps. `print(monitor.summary())`; `.rows` has the numbers."""
         rows = []
-        for site, records in self._records():
+        for (site, records), (label, _) in zip(self._records(), self._labelled(), strict=True):
             if not records:
                 continue
             rows.append(SummaryRow(
-                label=site.label,
+                label=label,
                 kind=site.kind,
                 steps=len(records),
                 calls=sum(r.calls for r in records),
@@ -128,6 +128,17 @@ class Monitor:
         from ._monitor_plot import plot_history
 
         return plot_history(self.history, Path(path), type(self._model).__name__)
+
+    def _labelled(self) -> list[tuple[str, list[StepRecord]]]:
+        """Each override's label and records; a label met again (two ops of one name in one
+        module) gets `#2`, `#3`, ..., so none hides another."""
+        out = []
+        used: dict[str, int] = {}
+        for site, records in self._records():
+            label = site.label
+            used[label] = used.get(label, 0) + 1
+            out.append((label if used[label] == 1 else f"{label} #{used[label]}", records))
+        return out
 
     def _records(self) -> list[tuple[Site, list[StepRecord]]]:
         """Per override, in the order of their modules in the model."""

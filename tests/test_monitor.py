@@ -603,3 +603,25 @@ def test_large_stacked_gradients_match_tensor_hooks() -> None:
         assert record.grad_out == pytest.approx(grad_out, rel=1e-5)
         assert zeroed is not None and zeroed > 0
         assert record.zeroed == pytest.approx(zeroed, abs=1e-9)
+
+
+def test_two_overrides_with_one_name_in_one_module_are_two_rows() -> None:
+    def make(scale: float) -> go.CustomBackward:
+        def q(x):
+            return x.round()
+
+        return go.custom_backward(q, backward=lambda grad, *, x: scale * grad)
+
+    first, second = make(1.0), make(3.0)
+
+    class Two(nn.Module):
+        def forward(self, x):
+            return first(x) + second(x)
+
+    model = Two()
+    with go.monitor(model) as mon:
+        model(torch.ones(4, requires_grad=True)).sum().backward()
+    assert list(mon.history) == ["(model): q", "(model): q #2"]
+    outs = sorted(records[0].grad_out for records in mon.history.values())
+    assert outs == pytest.approx([2.0, 6.0])
+    assert [r.label for r in mon.summary().rows] == ["(model): q", "(model): q #2"]
