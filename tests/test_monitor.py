@@ -298,6 +298,37 @@ def test_nan_and_inf_are_counted_not_raised() -> None:
     assert mon.summary().rows[0].nonfinite == 2
 
 
+@pytest.mark.parametrize("scale", [1e-24, 1e-20, 1.0, 1e20])
+def test_tiny_and_huge_float32_gradients_keep_their_norms_and_zeroed(scale: float) -> None:
+    # A vanishing gradient is what the monitor is for: its squares (and the product of
+    # the arriving and returned gradients) underflow in float32, and must not read as zero.
+    torch.manual_seed(0)
+    taps = Taps()
+
+    @go.custom_backward
+    def halve(x):
+        return x / 2
+
+    @halve.backward
+    def _(grad, *, x):
+        return grad * (x > 0) / 2  # zeroes the negative half
+
+    class M(nn.Module):
+        def forward(self, x):
+            return taps.around(halve, x) * scale
+
+    model = M()
+    with go.monitor(model) as mon:
+        model(torch.randn(1000, requires_grad=True)).sum().backward()
+    record = _only(mon)[0]
+    grad_in, grad_out, zeroed = taps.expected()
+    assert grad_in > 0
+    # (approx's default absolute tolerance, 1e-12, would pass a zero norm here)
+    assert record.grad_in == pytest.approx(grad_in, rel=1e-6, abs=0)
+    assert record.grad_out == pytest.approx(grad_out, rel=1e-6, abs=0)
+    assert record.zeroed == pytest.approx(zeroed, abs=1e-12)
+
+
 def test_a_model_without_overrides_says_it_recorded_nothing() -> None:
     model = nn.Linear(2, 2)
     with go.monitor(model) as mon:
