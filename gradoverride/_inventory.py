@@ -270,7 +270,8 @@ def _called_in_forward(model: nn.Module, args: tuple[Any, ...],
         previous = seen.get(key)
         seen[key] = (subject, 1 if previous is None else previous[1] + 1)
 
-    recorder = Recorder(model, lambda groups: None, on_call=called)
+    recorder = Recorder(model, lambda groups: None, on_call=called,
+                        purpose=f"go.overrides({type(model).__name__}, example inputs)")
     recorder.start()
     try:
         with torch.no_grad():

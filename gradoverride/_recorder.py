@@ -38,6 +38,7 @@ from torch.compiler import is_dynamo_compiling
 from torch.utils.hooks import RemovableHandle
 
 from ._decorators import _OPS, CustomBackward
+from ._errors import GradOverrideError
 from ._internals import transforms_active
 from ._module import Module, _ParameterIds
 from ._signature import describe
@@ -92,12 +93,19 @@ def model_paths(model: nn.Module) -> dict[int, str]:
     return {id(m): name for name, m in model.named_modules()}
 
 
+# The recorder started now, if any: one at a time (see `Recorder.start`).
+_STARTED: list[Recorder] = []
+
+
 class Recorder:
     """See the module docstring. `sink` receives each backward pass's gradients."""
 
     def __init__(self, model: nn.Module, sink: Sink, *, every: int = 1,
-                 on_call: Callable[[str, Any], None] | None = None) -> None:
+                 on_call: Callable[[str, Any], None] | None = None,
+                 purpose: str = "a recorder") -> None:
         self.model = model
+        # What started it, as an error message names it ("go.monitor of Net").
+        self.purpose = purpose
         self.sink = sink
         # Told of every op call inside the model's forward, in any grad mode, with the path
         # and what the call's row names (what go.overrides lists from an example forward).
@@ -135,6 +143,20 @@ class Recorder:
     # -- starting and stopping ------------------------------------------------------------
 
     def start(self) -> None:
+        if _STARTED:
+            # A second recorder would find every op's class already swapped and leave it
+            # (recording nothing), and would wrap the Functions' backward a second time,
+            # where the first recorder's wrapper would take the second one's gradients.
+            msg = (
+                f"{self.purpose} cannot start while {_STARTED[0].purpose} is recording: one "
+                "model is recorded at a time (a second recorder would silently record "
+                "nothing). To watch several models at once, monitor one container holding "
+                "them (`go.monitor(nn.ModuleList([generator, discriminator]))`); to list a "
+                "model's overrides during a monitored run, call `go.overrides(model)` "
+                "without example inputs, or with them outside the monitor's `with` block."
+            )
+            raise GradOverrideError(msg)
+        _STARTED.append(self)
         self.paths = model_paths(self.model)
         self._positions = {path: k for k, path in enumerate(self.paths.values())}
         for op in list(_OPS):
@@ -161,6 +183,8 @@ class Recorder:
             hook.transform = transform
         self._retransformed = []
         self.started = False
+        if self in _STARTED:
+            _STARTED.remove(self)
 
     def _swap(self, op: CustomBackward[..., Any]) -> None:
         previous = type(op)

@@ -487,6 +487,33 @@ def test_bad_arguments_are_named() -> None:
         pass
 
 
+def test_a_second_recorder_while_one_records_is_refused() -> None:
+    # Two models sharing a recipe's op (the recipes' ops are module-level): a second
+    # monitor, or go.overrides' example forward, used to record nothing, silently.
+    generator, discriminator = Binarized(), Binarized()
+    x = torch.randn(2, 4)
+    with go.monitor(generator) as mon:
+        with pytest.raises(go.GradOverrideError, match=(
+            r"go\.monitor of Binarized cannot start while go\.monitor of Binarized is "
+            r"recording.*monitor one container holding them \(`go\.monitor\(nn\.ModuleList"
+        )):
+            go.monitor(discriminator).__enter__()
+        with pytest.raises(go.GradOverrideError, match=(
+            r"go\.overrides\(Binarized, example inputs\) cannot start while go\.monitor of "
+            r"Binarized is recording.*`go\.overrides\(model\)` without example inputs"
+        )):
+            go.overrides(discriminator, x)
+        assert [r.name for r in go.overrides(discriminator)] == [
+            "binarize(clip=1.0, inclusive=True, keep='input')"]
+        generator(x).sum().backward()
+    assert len(_only(mon)) == 1
+    # Refused starts leave nothing behind: both work once the first monitor is left.
+    assert [r.active for r in go.overrides(discriminator, x)] == [True]
+    with go.monitor(discriminator) as second:
+        discriminator(x).sum().backward()
+    assert len(_only(second)) == 1
+
+
 def test_plot_writes_a_png(tmp_path) -> None:
     pytest.importorskip("matplotlib", reason="matplotlib is the `plot` extra")
     model = Binarized()
