@@ -92,9 +92,10 @@ def overrides(model: Any, *example_args: Any, **example_kwargs: Any) -> Override
 
     model = nn.Sequential(nn.Linear(4, 4), go.recipes.binarize().module())
     go.grad_hook(model[0], go.recipes.clip_grad_value(0.5), at="parameters")
-    for record in go.overrides(model):
-        print(record.path, record.kind, record.name)
+    hook, module = go.overrides(model)
+    print(hook.path, hook.kind, hook.name)
     #> 0 grad_hook clip_grad_value(clip_value=0.5)
+    print(module.path, module.kind, module.name)
     #> 1 recipe module binarize(clip=1.0, inclusive=True, keep='input')
     ```
 
