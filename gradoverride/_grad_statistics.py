@@ -35,6 +35,10 @@ FIELDS = ("calls", "in_sq", "out_sq", "zeroed", "paired", "nan_in", "inf_in", "n
 # Below this many elements, a count read as the squared float32 2-norm of signs is exact
 # once rounded (the square root's relative error is below 2**-23).
 _EXACT_FLOAT32 = 2**22
+# Below this float32 sum of squares, some elements' squares may have been denormal or zero
+# (float32's smallest normal number is about 1.2e-38): such a sum is taken again in float64.
+# From here up, what underflowed is below 2**-60 of the sum for any realistic element count.
+_UNDERFLOW_FLOAT32 = 2.0**-60
 # From this many elements, a CPU temporary goes to a kept buffer.
 _SCRATCH_FROM = 2**14
 
@@ -71,9 +75,10 @@ class GradientStatistics:
         gaves = [gave for _, _, gave in groups]
         signs = torch._foreach_sign(gots)
         # The nonzero elements of got * gave: where neither is zero. Their count subtracted
-        # from got's is what the override zeroed.
-        both = torch._foreach_mul(gots, gaves)
-        torch._foreach_sign_(both)
+        # from got's is what the override zeroed. The product of the signs, not of the
+        # values: two float32 gradients of 1e-23 multiply to an exact zero.
+        both = torch._foreach_sign(gaves)
+        torch._foreach_mul_(both, signs)
         # One multi-tensor call for every 2-norm; a count is the squared 2-norm of signs,
         # rounded (the 1-norm is several times slower on a CPU).
         norms = torch._foreach_norm([*gots, *gaves, *signs, *both])
@@ -83,6 +88,8 @@ class GradientStatistics:
         for k in range(n):
             in_sq, out_sq = values[k], values[n + k]
             if math.isfinite(in_sq) and math.isfinite(out_sq):
+                in_sq = _unless_underflowed(in_sq, gots[k])
+                out_sq = _unless_underflowed(out_sq, gaves[k])
                 nonzero, kept = round(values[2 * n + k]), round(values[3 * n + k])
                 out.append([in_sq, out_sq, float(nonzero - kept), float(nonzero),
                             0.0, 0.0, 0.0, 0.0])
@@ -140,6 +147,16 @@ def _nonfinite_pair(got: Tensor, gave: Tensor) -> list[float]:
     zeroed = int(((gave == 0) & (got != 0)).sum())
     return [in_sq, out_sq, float(zeroed), float(paired), float(nan_in), float(inf_in),
             float(nan_out), float(inf_out)]
+
+
+def _unless_underflowed(squares: float, x: Tensor) -> float:
+    """`squares`, the float32 sum of squares of `x`, or that sum taken again in float64 when
+    it is small enough that squares of `x`'s elements may have underflowed (a vanishing
+    gradient, below about 1e-19 per element, would read as a zero or a rounded norm). A
+    gradient that is all zeros is taken again too (one more pass over it, in float64)."""
+    if x.dtype != torch.float32 or squares >= _UNDERFLOW_FLOAT32:
+        return squares
+    return float(_dot(x))
 
 
 def _dot(x: Tensor) -> Tensor:

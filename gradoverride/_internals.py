@@ -37,8 +37,8 @@ Private torch pieces used elsewhere, each with a test that fails if it goes miss
   C call under `torch.jit.is_tracing`, which mypy sees untyped).
 * `torch.autograd.Variable._execution_engine.queue_callback` (`_recorder.py`): run a function
   when the backward pass ends (what DDP's reducer uses); and `torch._C._current_graph_task_id`
-  (`graph_task_id`), which backward pass is running, so that the monitor queues one callback
-  per pass even after a pass that failed (without it: one per pass while none fails).
+  (`graph_task_id`), which backward pass is running, so that the monitor keeps each pass's
+  gradients apart (two threads' passes, a failed pass; without it they would share a step).
 * `torch._foreach_norm`, `_foreach_sign`, `_foreach_mul` (`_grad_statistics.py`): the
   multi-tensor calls the monitor reduces gradients with.
 """

@@ -52,7 +52,8 @@ class Monitor:
     def __init__(self, model: nn.Module, every: int) -> None:
         self._model = model
         self._every = every
-        self._recorder = Recorder(model, self._take, every=every)
+        self._recorder = Recorder(model, self._take, every=every,
+                                  purpose=f"go.monitor of {type(model).__name__}")
         self._raw: dict[Site, list[tuple[int, list[float]]]] = {}
         self._statistics = GradientStatistics()
         self._entered = False
@@ -71,9 +72,9 @@ class Monitor:
                     "it before starting another on the same model."
                 )
                 raise GradOverrideError(msg)
+        self._recorder.start()
         self._entered = True
         _ACTIVE.append(self)
-        self._recorder.start()
         return self
 
     def __exit__(self, *exc: object) -> None:

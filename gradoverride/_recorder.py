@@ -17,9 +17,11 @@ While a recorder is started:
 
 Nothing is registered on the model itself, so a model saved or copied while recorded carries
 none of it. A step is one backward pass that reaches an override of the model: the
-gradients of a pass are handed to the recorder's `sink` at its end (`queue_callback`),
-grouped by override. With `every=N`, the ops of an unrecorded step only mark one node, whose
-backward counts the pass.
+gradients of a pass (autograd's graph task, so that two threads' passes running at once
+stay apart) are handed to the recorder's `sink` at its end (`queue_callback`), grouped by
+override; a pass that fails is handed on when autograd drops its callback, and a reentrant
+checkpoint's nested pass is part of the pass that recomputed it. With `every=N`, the ops
+of an unrecorded step only mark one node, whose backward counts the pass.
 
 Stopping restores every class, method and transform: afterwards nothing of the recorder is
 left and an op call costs what it did before.
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,6 +42,7 @@ from torch.compiler import is_dynamo_compiling
 from torch.utils.hooks import RemovableHandle
 
 from ._decorators import _OPS, ON_REGISTER, CustomBackward
+from ._errors import GradOverrideError
 from ._internals import graph_task_id, transforms_active
 from ._module import Module, _ParameterIds
 from ._signature import describe
@@ -85,6 +89,13 @@ def queue_callback(callback: Callable[[], None]) -> None:
     """Run `callback` when the backward pass running now ends (what DDP uses)."""
     torch.autograd.Variable._execution_engine.queue_callback(callback)
 
+
+def current_pass() -> int:
+    """The id of the backward pass (autograd's graph task) running in this thread, -1
+    outside one (and always, on a torch that does not say: passes then share one id)."""
+    task = graph_task_id()
+    return -1 if task is None else task
+
 Sink = Callable[[dict[tuple[Site, int], Gradients]], None]
 
 
@@ -93,12 +104,19 @@ def model_paths(model: nn.Module) -> dict[int, str]:
     return {id(m): name for name, m in model.named_modules()}
 
 
+# The recorder started now, if any: one at a time (see `Recorder.start`).
+_STARTED: list[Recorder] = []
+
+
 class Recorder:
     """See the module docstring. `sink` receives each backward pass's gradients."""
 
     def __init__(self, model: nn.Module, sink: Sink, *, every: int = 1,
-                 on_call: Callable[[str, Any], None] | None = None) -> None:
+                 on_call: Callable[[str, Any], None] | None = None,
+                 purpose: str = "a recorder") -> None:
         self.model = model
+        # What started it, as an error message names it ("go.monitor of Net").
+        self.purpose = purpose
         self.sink = sink
         # Told of every op call inside the model's forward, in any grad mode, with the path
         # and what the call's row names (what go.overrides lists from an example forward).
@@ -128,15 +146,30 @@ class Recorder:
         self._outside: set[int] = set()  # ids of modules met that are not in the model
         self._count = 0
         self._sites: dict[tuple[Any, ...], Site] = {}
-        # (site, span) or _MARK, returned, needs_input_grad, arriving: one per backward call
-        # (appended from autograd's threads; list.append is atomic).
-        self._pending: list[tuple[Any, Any, tuple[bool, ...], tuple[Any, ...]]] = []
-        self._queued: set[int | None] = set()  # the backward passes whose flush is queued
+        # Per backward pass (autograd's graph task id): (site, span), returned,
+        # needs_input_grad, arriving, one per backward call (appended from autograd's
+        # threads; list.append is atomic). Two threads' passes, running at once, stay apart.
+        self._pending: dict[int, list[tuple[Any, Any, tuple[bool, ...], tuple[Any, ...]]]] = {}
+        self._counting = threading.Lock()  # `passes += 1` from two threads' flushes
         self.started = False
 
     # -- starting and stopping ------------------------------------------------------------
 
     def start(self) -> None:
+        if _STARTED:
+            # A second recorder would find every op's class already swapped and leave it
+            # (recording nothing), and would wrap the Functions' backward a second time,
+            # where the first recorder's wrapper would take the second one's gradients.
+            msg = (
+                f"{self.purpose} cannot start while {_STARTED[0].purpose} is recording: one "
+                "model is recorded at a time (a second recorder would silently record "
+                "nothing). To watch several models at once, monitor one container holding "
+                "them (`go.monitor(nn.ModuleList([generator, discriminator]))`); to list a "
+                "model's overrides during a monitored run, call `go.overrides(model)` "
+                "without example inputs, or with them outside the monitor's `with` block."
+            )
+            raise GradOverrideError(msg)
+        _STARTED.append(self)
         self.paths = model_paths(self.model)
         self._positions = {path: k for k, path in enumerate(self.paths.values())}
         for op in list(_OPS):
@@ -155,8 +188,8 @@ class Recorder:
             cls.backward = backward  # type: ignore[attr-defined]
         self._patched = {}
         self._originals = {}
-        if self._pending:
-            self._flush()  # a backward pass that did not finish (an error in it)
+        for task in sorted(self._pending):
+            self._flush(task)  # a backward pass still running in another thread
         for handle, original in self._wrapped:
             hooks = handle.hooks_dict_ref()
             if hooks is not None and handle.id in hooks:
@@ -166,6 +199,8 @@ class Recorder:
             hook.transform = transform
         self._retransformed = []
         self.started = False
+        if self in _STARTED:
+            _STARTED.remove(self)
 
     def _swap(self, op: CustomBackward[..., Any]) -> None:
         previous = type(op)
@@ -248,9 +283,14 @@ class Recorder:
         span = self._patched.get(function, _UNPATCHED)
         if span is _UNPATCHED:
             span = self._patch(function)
+        # A forward inside a backward pass (a reentrant checkpoint recomputing a segment,
+        # whose backward then runs as a pass of its own): the nodes belong to the outer pass.
+        outer = current_pass()
+        if outer >= 0 and outer not in self._pending:
+            self._open(outer)  # (the outer pass is the one running: queued at its end)
         if self.passes % self.every != 0:
             # Not a recorded step: the mark only counts the backward pass when it runs.
-            node._gradoverride_seen = _MARK
+            node._gradoverride_seen = (_MARK, None, outer)
             return
         site = self._seen_before(op, args)
         if site is None:
@@ -263,7 +303,7 @@ class Recorder:
             # for each residual.
             span = 1 + node.gradoverride[0].n_in
         # Read by the patched backward (the node is the Function's ctx).
-        node._gradoverride_seen = (site, span)
+        node._gradoverride_seen = (site, span, outer)
 
     def _seen_before(self, op: CustomBackward[..., Any], args: tuple[Any, ...]) -> Site | None:
         """The site of a call from a place seen before (the same op, calling code and
@@ -307,9 +347,16 @@ class Recorder:
                 return returned  # a compiled backward: nothing was tagged
             seen = ctx.__dict__.get("_gradoverride_seen")
             if seen is not None:
-                if seen is not _MARK:
-                    pending.append((seen, returned, ctx.needs_input_grad, grads))
-                recorder._flush_at_end()
+                site, span, task = seen
+                if task < 0:
+                    task = current_pass()
+                # (else: a node made by a forward inside a backward pass, a reentrant
+                # checkpoint's recomputation, which belongs to that outer pass)
+                entries = pending.get(task)
+                if entries is None:
+                    entries = recorder._open(task)
+                if site is not _MARK:
+                    entries.append(((site, span), returned, ctx.needs_input_grad, grads))
             return returned
 
         attaches = True if getattr(function, "_gradoverride_attaches", False) else None
@@ -433,34 +480,31 @@ class Recorder:
 
     def record_transform(self, site: Site, arriving: Tensor, returned: Tensor) -> None:
         """A grad_hook's transform ran (see `_MeasuredTransform`)."""
-        self._pending.append(((site, None), (returned,), (True,), (arriving,)))
-        self._flush_at_end()
+        task = current_pass()
+        entries = self._pending.get(task)
+        if entries is None:
+            entries = self._open(task)
+        entries.append(((site, None), (returned,), (True,), (arriving,)))
 
-    def _flush_at_end(self) -> None:
-        """Have `_flush` run once at the end of the backward pass running now. Passes are
-        told apart by autograd's graph task id: a pass that failed never runs its callback,
-        and must not keep the next ones from queuing theirs (what it recorded is flushed
-        with the next pass's)."""
-        task = graph_task_id()
-        if task in self._queued:
-            return
-        self._queued.add(task)
-        try:
-            queue_callback(functools.partial(self._flush, task))
-        except RuntimeError:  # not inside a backward pass (a node applied by hand)
-            self._flush(task)
+    def _open(self, task: int) -> list[Any]:
+        """The entries of backward pass `task`, handed to the sink at its end. A pass that
+        fails (an error in a backward) never runs its callbacks; autograd then drops them,
+        and the entries are handed on as that pass's step when `_PassEnd` is freed, so
+        that the next passes are steps of their own and nothing is kept."""
+        fresh: list[Any] = []
+        entries = self._pending.setdefault(task, fresh)  # (atomic: two threads of one pass)
+        if entries is fresh:
+            queue_callback(_PassEnd(self, task))
+        return entries
 
-    def _flush(self, task: int | None = None) -> None:
-        self._queued.discard(task)
-        if task is None:  # this torch does not tell passes apart: one queued at a time
-            self._queued.clear()
-        queued = self._pending  # the list the patched backwards append to: kept
-        n = len(queued)
-        pending = queued[:n]
-        del queued[:n]  # what another thread appended meanwhile stays for its own flush
+    def _flush(self, task: int) -> None:
+        pending = self._pending.pop(task, None)
+        if pending is None:
+            return  # flushed already (by `stop`)
         groups: dict[tuple[Site, int], Gradients] = {}
-        step = self.passes
-        self.passes += 1
+        with self._counting:
+            step = self.passes
+            self.passes += 1
         for (site, span), returned, needs, arriving in pending:
             if type(returned) is not tuple:
                 returned = (returned,)
@@ -488,6 +532,26 @@ class Recorder:
             group.arriving += got
             group.returned += gave
         self.sink(groups)
+
+
+class _PassEnd:
+    """Queued at a backward pass's end: hands the pass's entries to the recorder; if the
+    pass failed, autograd frees it without calling it, and it hands them on then."""
+
+    __slots__ = ("done", "recorder", "task")
+
+    def __init__(self, recorder: Recorder, task: int) -> None:
+        self.recorder = recorder
+        self.task = task
+        self.done = False
+
+    def __call__(self) -> None:
+        self.done = True
+        self.recorder._flush(self.task)
+
+    def __del__(self) -> None:
+        if not self.done:
+            self.recorder._flush(self.task)
 
 
 class _MeasuredTransform:

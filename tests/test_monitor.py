@@ -300,6 +300,37 @@ def test_nan_and_inf_are_counted_not_raised() -> None:
     assert mon.summary().rows[0].nonfinite == 2
 
 
+@pytest.mark.parametrize("scale", [1e-24, 1e-20, 1.0, 1e20])
+def test_tiny_and_huge_float32_gradients_keep_their_norms_and_zeroed(scale: float) -> None:
+    # A vanishing gradient is what the monitor is for: its squares (and the product of
+    # the arriving and returned gradients) underflow in float32, and must not read as zero.
+    torch.manual_seed(0)
+    taps = Taps()
+
+    @go.custom_backward
+    def halve(x):
+        return x / 2
+
+    @halve.backward
+    def _(grad, *, x):
+        return grad * (x > 0) / 2  # zeroes the negative half
+
+    class M(nn.Module):
+        def forward(self, x):
+            return taps.around(halve, x) * scale
+
+    model = M()
+    with go.monitor(model) as mon:
+        model(torch.randn(1000, requires_grad=True)).sum().backward()
+    record = _only(mon)[0]
+    grad_in, grad_out, zeroed = taps.expected()
+    assert grad_in > 0
+    # (approx's default absolute tolerance, 1e-12, would pass a zero norm here)
+    assert record.grad_in == pytest.approx(grad_in, rel=1e-6, abs=0)
+    assert record.grad_out == pytest.approx(grad_out, rel=1e-6, abs=0)
+    assert record.zeroed == pytest.approx(zeroed, abs=1e-12)
+
+
 def test_a_model_without_overrides_says_it_recorded_nothing() -> None:
     model = nn.Linear(2, 2)
     with go.monitor(model) as mon:
@@ -443,6 +474,118 @@ def test_two_threads_record_every_backward() -> None:
     assert sum(r.calls for r in _only(mon)) == 10
 
 
+def test_passes_of_two_threads_running_at_once_are_separate_steps() -> None:
+    # Thread A's backward waits, between its two overrides, until thread B's whole pass
+    # has run: B's pass is a step of its own, and A's still is one.
+    b_done = threading.Event()
+    waiting = threading.Event()
+
+    @go.custom_backward
+    def gate(x):
+        return x.clone()
+
+    @gate.backward
+    def _(grad, *, x):
+        if threading.current_thread().name == "A":
+            waiting.set()
+            assert b_done.wait(10)
+        return grad
+
+    class M(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.act = recipes.binarize()
+
+        def forward(self, x):
+            return self.act(gate(x))  # backward: binarize, then the gate
+
+    model = M()
+
+    def run(name: str) -> None:
+        model(torch.randn(3, requires_grad=True)).sum().backward()
+        if name == "B":
+            b_done.set()
+
+    with go.monitor(model) as mon:
+        a = threading.Thread(target=run, args=("A",), name="A")
+        a.start()
+        assert waiting.wait(10)
+        b = threading.Thread(target=run, args=("B",), name="B")
+        b.start()
+        b.join()
+        a.join()
+    assert mon.steps == 2
+    for records in mon.history.values():
+        assert [r.calls for r in records] == [1, 1]
+
+
+def test_an_error_in_a_backward_pass_leaves_the_next_steps_recorded() -> None:
+    # The error skips the pass's end (its queued callbacks): the next passes must still be
+    # steps of their own, not merged into one and kept until the block ends.
+    fail = [False]
+
+    @go.custom_backward
+    def fragile(x):
+        return x.clone()
+
+    @fragile.backward
+    def _(grad, *, x):
+        if fail[0]:
+            raise RuntimeError("a rule that fails")
+        return grad
+
+    class M(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.act = recipes.binarize()
+
+        def forward(self, x):
+            return self.act(fragile(x))  # backward: binarize, then fragile
+
+    model = M()
+    with go.monitor(model) as mon:
+        model(torch.randn(3, requires_grad=True)).sum().backward()
+        fail[0] = True
+        with pytest.raises(RuntimeError, match="a rule that fails"):
+            model(torch.randn(3, requires_grad=True)).sum().backward()
+        fail[0] = False
+        for _ in range(2):
+            model(torch.randn(3, requires_grad=True)).sum().backward()
+            assert not mon._recorder._pending  # no gradient kept past its pass
+    assert mon.steps == 4
+    history = mon.history
+    # The failed pass is step 1, with what ran before the error.
+    binarize = history["(model): binarize(clip=1.0, inclusive=True, keep='input')"]
+    assert [(r.step, r.calls) for r in binarize] == [(0, 1), (1, 1), (2, 1), (3, 1)]
+    assert [(r.step, r.calls) for r in history["(model): fragile"]] == [(0, 1), (2, 1), (3, 1)]
+
+
+@pytest.mark.filterwarnings("ignore:.*use_reentrant:UserWarning")
+@pytest.mark.parametrize("every", [1, 2])
+def test_a_reentrant_checkpoint_is_part_of_the_step_it_runs_in(every: int) -> None:
+    # A reentrant checkpoint recomputes each segment and runs its backward as a nested
+    # pass: each segment is still part of the one step of the loss's backward.
+    torch.manual_seed(0)
+
+    class Segments(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList([Binarized() for _ in range(3)])
+
+        def forward(self, x):
+            return sum(torch.utils.checkpoint.checkpoint(b, x, use_reentrant=True)
+                       for b in self.blocks)
+
+    model = Segments()
+    with go.monitor(model, every=every) as mon:
+        for _ in range(4):
+            model(torch.randn(8, 4, requires_grad=True)).sum().backward()
+    assert mon.steps == 4
+    assert len(mon.history) == 3
+    for records in mon.history.values():
+        assert [(r.step, r.calls) for r in records] == [(s, 1) for s in range(0, 4, every)]
+
+
 def test_bad_arguments_are_named() -> None:
     with pytest.raises(go.GradOverrideTypeError, match=r"go.monitor needs the model as an "
                        r"nn.Module; got function"):
@@ -456,6 +599,33 @@ def test_bad_arguments_are_named() -> None:
         go.monitor(model).__enter__()
     with pytest.raises(go.GradOverrideError, match="is entered once"), mon:
         pass
+
+
+def test_a_second_recorder_while_one_records_is_refused() -> None:
+    # Two models sharing a recipe's op (the recipes' ops are module-level): a second
+    # monitor, or go.overrides' example forward, used to record nothing, silently.
+    generator, discriminator = Binarized(), Binarized()
+    x = torch.randn(2, 4)
+    with go.monitor(generator) as mon:
+        with pytest.raises(go.GradOverrideError, match=(
+            r"go\.monitor of Binarized cannot start while go\.monitor of Binarized is "
+            r"recording.*monitor one container holding them \(`go\.monitor\(nn\.ModuleList"
+        )):
+            go.monitor(discriminator).__enter__()
+        with pytest.raises(go.GradOverrideError, match=(
+            r"go\.overrides\(Binarized, example inputs\) cannot start while go\.monitor of "
+            r"Binarized is recording.*`go\.overrides\(model\)` without example inputs"
+        )):
+            go.overrides(discriminator, x)
+        assert [r.name for r in go.overrides(discriminator)] == [
+            "binarize(clip=1.0, inclusive=True, keep='input')"]
+        generator(x).sum().backward()
+    assert len(_only(mon)) == 1
+    # Refused starts leave nothing behind: both work once the first monitor is left.
+    assert [r.active for r in go.overrides(discriminator, x)] == [True]
+    with go.monitor(discriminator) as second:
+        discriminator(x).sum().backward()
+    assert len(_only(second)) == 1
 
 
 def test_plot_writes_a_png(tmp_path) -> None:
