@@ -29,7 +29,6 @@ left and an op call costs what it did before.
 
 from __future__ import annotations
 
-import functools
 import sys
 import threading
 from collections.abc import Callable, Iterator
@@ -137,10 +136,11 @@ class Recorder:
         self._retransformed: list[tuple[Any, Any]] = []
         self._patched: dict[type, bool | None] = {}
         self._originals: dict[type, Any] = {}
-        # Places seen before (see `_seen_before`): (op, calling code) -> (frames up to the
-        # module's frame, the recipe argument's index or -1), and (op, module) -> (the
-        # recipe of the last call, its site). Ids of ops and modules, which stay alive.
-        self._known: dict[tuple[int, Any], tuple[int, int, int]] = {}
+        # Places seen before (see `_seen_before`): (op, calling code) -> [(the codes of the
+        # frames up to the module's, the recipe argument's index or -1, the frame holding
+        # the recipe or -1)], and (op, module) -> (the recipe of the last call, its site).
+        # Ids of ops and modules, which stay alive.
+        self._known: dict[tuple[int, Any], list[tuple[tuple[Any, ...], int, int]]] = {}
         self._by_owner: dict[tuple[int, int], tuple[Any, Site]] = {}
         self._positions: dict[str, int] = {}
         self._outside: set[int] = set()  # ids of modules met that are not in the model
@@ -288,15 +288,15 @@ class Recorder:
         outer = current_pass()
         if outer >= 0 and outer not in self._pending:
             self._open(outer)  # (the outer pass is the one running: queued at its end)
-        if self.passes % self.every != 0:
-            # Not a recorded step: the mark only counts the backward pass when it runs.
-            node._gradoverride_seen = (_MARK, None, outer)
-            return
         site = self._seen_before(op, args)
         if site is None:
             site = self._site_of(op, args)
             if site is None:
-                return
+                return  # called outside the model
+        if self.passes % self.every != 0:
+            # Not a recorded step: the mark only counts the backward pass when it runs.
+            node._gradoverride_seen = (_MARK, None, outer)
+            return
         if span is not None:
             # A rule owning some inputs: after the gradients for its inputs, the Function
             # returns the outputs' gradients, passed on into the ordinary graph, and None
@@ -306,30 +306,36 @@ class Recorder:
         node._gradoverride_seen = (site, span, outer)
 
     def _seen_before(self, op: CustomBackward[..., Any], args: tuple[Any, ...]) -> Site | None:
-        """The site of a call from a place seen before (the same op, calling code and
-        calling module, and the same recipe argument): what `_site_of` found then, with one
-        frame's locals read. None for anything else, which `_site_of` resolves."""
+        """The site of a call from a place seen before: the same op, the same chain of
+        calling code up to the module's frame (compared frame by frame, so a helper called
+        from two modules, or a child's `forward` called directly, are told apart), the same
+        module and the same recipe argument; what `_site_of` found then, with one frame's
+        locals read. None for anything else, which `_site_of` resolves."""
         start = sys._getframe(3)  # the op's caller (above this, _observe and __call__)
-        known = self._known.get((id(op), start.f_code))
-        if known is None:
+        places = self._known.get((id(op), start.f_code))
+        if places is None:
             return None
-        distance, at, at_frame = known
-        frame: Any = start
-        recipe = None
-        for k in range(distance):
-            if k == at_frame:
-                recipe = frame.f_locals.get("self")
-            frame = frame.f_back
-        owner = frame.f_locals.get("self")
-        entry = self._by_owner.get((id(op), id(owner)))
-        if entry is None:
-            return None
-        subject, site = entry
-        if at_frame >= 0:
-            return site if recipe is subject else None
-        if at < 0 or (at < len(args) and args[at] is subject):
-            return site
-        return None  # another recipe object than last time (one made at each call, say)
+        for chain, at, at_frame in places:
+            frame: Any = start
+            recipe = None
+            for k, code in enumerate(chain):
+                if frame is None or frame.f_code is not code:
+                    break
+                if k == at_frame:
+                    recipe = frame.f_locals.get("self")
+                if k < len(chain) - 1:
+                    frame = frame.f_back
+            else:
+                entry = self._by_owner.get((id(op), id(frame.f_locals.get("self"))))
+                if entry is None:
+                    return None
+                subject, site = entry
+                if at_frame >= 0:
+                    return site if recipe is subject else None
+                if at < 0 or (at < len(args) and args[at] is subject):
+                    return site
+                return None  # another recipe object than last time (one made each call)
+        return None
 
     def _patch(self, function: type) -> Any:
         """`function.backward`, while recording, also hands what a node the forward tagged
@@ -454,8 +460,15 @@ class Recorder:
             at = -1 if subject is op or at_frame >= 0 else next(
                 (k for k, a in enumerate(args) if a is subject), len(args)
             )
-            code = sys._getframe(depth - 1).f_code  # the op's caller
-            self._known[(id(op), code)] = (distance, at, at_frame)
+            frame: Any = sys._getframe(depth - 1)  # the op's caller
+            chain = []
+            for _ in range(distance + 1):  # the codes up to the module's frame, included
+                chain.append(frame.f_code)
+                frame = frame.f_back
+            places = self._known.setdefault((id(op), chain[0]), [])
+            place = (tuple(chain), at, at_frame)
+            if place not in places:
+                places.append(place)
             self._by_owner[(id(op), id(owner))] = (subject, site)
         return site
 

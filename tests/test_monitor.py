@@ -795,3 +795,53 @@ def test_two_overrides_with_one_name_in_one_module_are_two_rows() -> None:
     outs = sorted(records[0].grad_out for records in mon.history.values())
     assert outs == pytest.approx([2.0, 6.0])
     assert [r.label for r in mon.summary().rows] == ["(model): q", "(model): q #2"]
+
+
+def test_rows_stay_at_their_module_over_steps() -> None:
+    # The second step resolves rows from the places the first one met: a helper called
+    # from the model, a child's forward called directly, a loop, a forward hook.
+    spike = recipes.spike()
+
+    def helper(x):
+        return spike(x)
+
+    class Child(nn.Module):
+        def forward(self, x):
+            return spike(x) * 10
+
+    class Parent(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.child = Child()
+            self.blocks = nn.ModuleList([nn.Linear(3, 3) for _ in range(2)])
+            self.hooked = nn.Linear(3, 3)
+            self.hooked.register_forward_hook(lambda mod, inp, out: recipes.ste_round()(out))
+
+        def forward(self, x):
+            a = (lambda t: helper(t))(x)
+            b = self.child.forward(x)  # not through __call__
+            for block in self.blocks:
+                x = spike(block(x))
+            return a.sum() + b.sum() + self.hooked(x).sum()
+
+    model = Parent()
+    with go.monitor(model) as mon:
+        for _ in range(3):
+            model(torch.randn(2, 3, requires_grad=True)).backward()
+    calls = {label: [r.calls for r in records] for label, records in mon.history.items()}
+    assert calls == {
+        f"(model): {spike!r}": [3, 3, 3],
+        f"child: {spike!r}": [1, 1, 1],
+        "hooked: ste_round()": [1, 1, 1],
+    }
+
+
+def test_with_every_n_passes_outside_the_model_are_not_steps() -> None:
+    model = Binarized()
+    other = recipes.binarize()  # the same op, used outside the model
+    with go.monitor(model, every=2) as mon:
+        for _ in range(4):
+            model(torch.randn(2, 4)).sum().backward()
+            other(torch.randn(3, requires_grad=True)).sum().backward()
+    assert mon.steps == 4
+    assert [r.step for r in _only(mon)] == [0, 2]
