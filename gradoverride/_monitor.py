@@ -29,8 +29,9 @@ class StepRecord:
         grad_out: the norm of the gradient it returned, for its inputs and (a module's
             rule) its parameters.
         zeroed: of the elements whose arriving gradient was not zero, the fraction the
-            override returned as exactly zero (a window or clip at work); None when no
-            returned gradient has its output's shape (a module that changes the shape).
+            override returned as exactly zero (a window or clip at work), pairing the
+            gradient at its one output with each returned gradient of that shape; None for
+            several outputs, or when no returned gradient has the output's shape.
         nan_in, inf_in: NaN and infinite elements in the arriving gradients.
         nan_out, inf_out: NaN and infinite elements in the returned gradients.
     """
