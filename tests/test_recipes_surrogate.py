@@ -567,3 +567,14 @@ def test_the_peers_non_finite_gradients_are_not_reproduced(preset: str, peer: An
     _, ours = _run(R.spike.preset(preset, **params), xs, torch.ones_like(xs))
     assert not torch.isfinite(theirs).all()
     assert torch.isfinite(ours).all()
+
+
+@pytest.mark.parametrize("leak", [0.0, 0.1])
+def test_rectangular_proxy_is_strict_at_its_window_ends(leak: float) -> None:
+    # The rule gives the leak at |x| = 1/(2a) (a strict window, as SpikingJelly's Rect); the
+    # proxy's autograd derivative must too (a clamp would give a there).
+    recipe = R.spike("rectangular", alpha=2.0, leak=leak)
+    x = torch.tensor([-0.25, 0.25, -0.2, 0.2, 0.3], dtype=torch.float64)
+    _, gx = _grad(recipe, x, torch.ones_like(x))
+    assert gx.tolist() == [leak, leak, 2.0, 2.0, leak]
+    torch.testing.assert_close(_proxy_grad(recipe, x, torch.ones_like(x)), gx)
