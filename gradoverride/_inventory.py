@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from ._decorators import CustomBackward, CustomBackwardModule
-from ._errors import GradOverrideTypeError
+from ._errors import GradOverrideError, GradOverrideTypeError
 from ._frameworks import is_keras_layer
 from ._signature import describe
 from ._table import format_table
@@ -25,7 +25,8 @@ class OverrideRecord:
 
     Attributes:
         path: the module's path in the model, as `named_modules()` gives it (`""` for the
-            model itself).
+            model itself); for a Keras layer, the attributes or layer names leading to it
+            (see `go.overrides`).
         kind: `"go.Module"`, `"override_backward"`, `"grad_hook"`, `"recipe module"`,
             `"op module"`, `"recipe"` or `"op"` (a recipe or op held by a module or called
             in its forward); on Keras, `"keras.Layer"` and `"recipe layer"` too.
@@ -112,7 +113,15 @@ def overrides(model: Any, *example_args: Any, **example_kwargs: Any) -> Override
     (batch-norm statistics, a neuron's membrane) sees it.
 
     Args:
-        model: an `nn.Module`, or a Keras 3 model or layer.
+        model: an `nn.Module`, or a Keras 3 model or layer. On Keras the records are the
+            layers' own rules (`gradoverride.keras.Layer`), `override_backward`s,
+            `grad_hook`s (one at variables is inactive on a layer without trainable
+            variables, unknown before it is built), recipe layers (`Spike`, ...) and
+            recipes or ops held as attributes. A layer's path is dotted, each part the
+            attribute that holds it in a subclassed layer or model (`block.parts.0`) or its
+            layer name in a functional or Sequential model (`head`), so a functional model
+            holding a subclassed `block` whose `inner` is a Sequential gives
+            `block.inner.dense`. Example inputs are for torch models only.
         *example_args: inputs for one forward call (optional).
         **example_kwargs: keyword inputs for it.
 
@@ -122,10 +131,18 @@ def overrides(model: Any, *example_args: Any, **example_kwargs: Any) -> Override
     """
     if not isinstance(model, nn.Module):
         if is_keras_layer(model):
+            if example_args or example_kwargs:
+                msg = (
+                    f"go.overrides got example inputs for the Keras model "
+                    f"{type(model).__name__}; finding the ops called in a forward is for "
+                    "torch models only. Call `go.overrides(model)` without inputs: it lists "
+                    "the overrides of the model's layers."
+                )
+                raise GradOverrideError(msg)
             from ._backends import backend
 
-            keras_records = backend("tensorflow").keras_overrides(model)
-            return Overrides(type(model).__name__, keras_records)
+            layers: list[OverrideRecord] = backend("tensorflow").keras_overrides(model)
+            return Overrides(type(model).__name__, layers)
         msg = (
             f"go.overrides needs a model (an nn.Module or a Keras model); got "
             f"{type(model).__name__} {model!r:.60}. Pass the module whose overrides to list."
