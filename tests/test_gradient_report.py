@@ -288,6 +288,49 @@ def test_each_builtin_proxy_has_its_recipes_rule_as_derivative(recipe: Any) -> N
     assert row.norm_ratio == pytest.approx(1.0, rel=1e-12), row
 
 
+@pytest.mark.parametrize(("recipe", "x", "rule"), [
+    # rectangular: a where |x| < 1/(2a), else the leak (strict)
+    (recipes.spike(surrogate="rectangular"), [-0.5, -0.49, 0.0, 0.49, 0.5], [0, 1, 1, 1, 0]),
+    (recipes.spike(surrogate="rectangular", alpha=2.0, leak=0.1), [-0.25, -0.2, 0.2, 0.25],
+     [0.1, 2, 2, 0.1]),
+    # quantize: 1 where qmin <= round(x / s) + z <= qmax, round half to even: with s = 1,
+    # x = ±3.5 rounds to ±4 (outside the codes -3..3), x = -0.5 to 0 (inside 0..3)
+    (recipes.quantize(bits=3, bound=3.0), [-3.5, -3.49, 3.49, 3.5], [0, 1, 1, 0]),
+    (recipes.quantize(bits=2, symmetric=False, bound=(0.0, 3.0)), [-0.51, -0.5, 3.49, 3.5],
+     [0, 1, 1, 0]),
+], ids=["rectangular", "rectangular-leak", "quantize", "quantize-asymmetric"])
+def test_a_proxy_counts_its_windows_ends_as_the_rule_does(recipe: Any, x: list[float],
+                                                         rule: list[float]) -> None:
+    upstream = torch.linspace(0.5, 2.0, len(x), dtype=F64)
+    model = nn.Sequential(recipe.module())
+    row = only_row(gradient_report(model, lambda out: (out * upstream).sum(),
+                                   torch.tensor(x, dtype=F64)))
+    by_hand = upstream * torch.tensor(rule, dtype=F64)
+    torch.testing.assert_close(row.got, by_hand, rtol=0, atol=1e-15)
+    torch.testing.assert_close(row.expected, by_hand, rtol=0, atol=1e-15)
+    assert row.cosine == pytest.approx(1.0, abs=1e-12)
+
+
+def test_learned_clamp_bounds_get_no_proxy_gradient_as_the_rule_gives_none() -> None:
+    class LearnedClip(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.low = nn.Parameter(torch.tensor(-1.0, dtype=F64))
+            self.high = nn.Parameter(torch.tensor(1.0, dtype=F64))
+
+        def forward(self, x: Tensor) -> Tensor:
+            return recipes.ste_clamp(self.low, self.high, outside="zero")(x)
+
+    x = torch.tensor([-2.0, -1.0, -0.5, 0.0, 0.5, 1.0, 2.0], dtype=F64)
+    upstream = torch.linspace(-1.0, 2.0, 7, dtype=F64)
+    row = only_row(gradient_report(LearnedClip(), lambda out: (out * upstream).sum(), x))
+    # x's gradient: upstream inside [-1, 1], ends included; the bounds' (last two): none
+    by_hand = torch.cat([upstream * (x.abs() <= 1), torch.zeros(2, dtype=F64)])
+    torch.testing.assert_close(row.expected, by_hand, rtol=0, atol=0)
+    assert row.cosine == pytest.approx(1.0, abs=1e-12)
+    assert row.norm_ratio == pytest.approx(1.0, rel=1e-12)
+
+
 _UPSTREAM = torch.linspace(-1.0, 2.0, 12, dtype=F64).reshape(2, 6)
 
 
@@ -559,6 +602,8 @@ def test_a_proxy_that_raises_is_named() -> None:
     ({"samples": 0}, go.GradOverrideError, r"`samples` must be a positive integer; got 0"),
     ({"step": -1.0}, go.GradOverrideError, r"`step` must be a positive finite number or None"),
     ({"seed": 1.5}, go.GradOverrideTypeError, r"`seed` must be an integer; got float 1.5"),
+    ({"seed": 2**64}, go.GradOverrideError, r"`seed` must be in \[-2\*\*63, 2\*\*64\); got "
+     r"18446744073709551616"),
 ])
 def test_bad_numbers_are_refused(kwargs: dict[str, Any], error: type[Exception],
                                  pattern: str) -> None:
@@ -575,6 +620,16 @@ def test_bad_models_losses_and_batches_are_refused() -> None:
     with pytest.raises(go.GradOverrideError, match=r"runs the model eagerly; got the "
                        r"torch.compile'd Sequential. Pass the module itself: `model._orig_mod`"):
         gradient_report(torch.compile(model, backend="eager"), F.mse_loss, batch)
+    inner = smooth_model()
+    inner[1] = torch.compile(inner[1], backend="eager")  # type: ignore[assignment]
+    with pytest.raises(go.GradOverrideError, match=r"runs the model eagerly, but `1` "
+                       r"\(OptimizedModule\) is torch.compile'd .* Pass an uncompiled copy"):
+        gradient_report(inner, F.mse_loss, batch)
+    in_place = smooth_model()
+    in_place.compile(backend="eager")
+    with pytest.raises(go.GradOverrideError, match=r"runs the model eagerly, but the model "
+                       r"itself \(Sequential\) is torch.compile'd"):
+        gradient_report(in_place, F.mse_loss, batch)
     with pytest.raises(go.GradOverrideTypeError, match="`loss_fn` must be callable"):
         gradient_report(model, "mse", batch)  # type: ignore[arg-type]
     with pytest.raises(go.GradOverrideError, match=(
