@@ -478,6 +478,37 @@ def test_seeded_runs_are_reproducible_and_leave_no_trace() -> None:
     assert different.cosine == pytest.approx(1.0, abs=1e-6)
 
 
+def test_state_kept_in_plain_attributes_starts_every_run_as_it_was() -> None:
+    class Neuron(nn.Module):
+        """A spiking neuron keeping its membrane in a plain attribute, None when reset."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.v: Tensor | None = None
+            self.memories: dict[str, Any] = {"u": 0.0}  # as SpikingJelly's _memories
+
+        def forward(self, x: Tensor) -> Tensor:
+            self.v = x if self.v is None else 0.5 * self.v + x
+            self.memories["u"] = self.memories["u"] + x
+            return recipes.spike()(self.v + self.memories["u"] - 1.0)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 5), Neuron(), nn.Linear(5, 2)).to(F64)
+    batch = regression_batch()
+    row = only_row(gradient_report(model, F.mse_loss, batch))
+    assert model[1].v is None and model[1].memories == {"u": 0.0}
+
+    def by_hand(step: Callable[[Tensor], Tensor]) -> Tensor:  # from the fresh state
+        x, y = batch
+        h = model[0](x).detach().requires_grad_()
+        (grad,) = torch.autograd.grad(F.mse_loss(model[2](step(2 * h - 1.0)), y), h)
+        return grad / 2  # at the spike's input 2h - 1
+
+    override, proxy = by_hand(recipes.spike()), by_hand(recipes.spike().proxy)
+    assert row.cosine == pytest.approx(cosine(override, proxy), abs=1e-12)
+    assert row.norm_ratio == pytest.approx(float(override.norm() / proxy.norm()), rel=1e-12)
+
+
 def test_the_report_runs_the_models_own_forward_bit_for_bit() -> None:
     # The probe the report adds to an input leaves it unchanged, the sign of zero included.
     @go.straight_through

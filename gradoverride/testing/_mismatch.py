@@ -126,9 +126,12 @@ def gradient_report(
     with its proxy.
 
     Reproducible: every forward starts from the random state `seed` gives (dropout draws
-    the same mask in each) and from the model's buffers as they were, which are put back
-    afterwards (the batch-norm statistics do not move), and the directions are drawn from
-    `seed` too. Gradients are computed with `torch.autograd.grad`: no parameter's `.grad`
+    the same mask in each) and from the model's state as it was, which is put back
+    afterwards: its buffers (the batch-norm statistics do not move) and what its modules
+    keep in plain attributes (a neuron's membrane `self.v`, None until its first call, or a
+    dict of them); the directions are drawn from `seed` too. Randomness not drawn from
+    torch's generators (numpy's, Python's `random`) differs from run to run: the rows
+    then include it. Gradients are computed with `torch.autograd.grad`: no parameter's `.grad`
     changes. The model runs in its current mode (`train()` or `eval()`), eagerly (not a
     `torch.compile`d module). Finite differences and SPSA are as accurate as the loss's
     dtype allows: in float32 the relative error is about 1e-7 / step; use a float64 model
