@@ -288,6 +288,49 @@ def test_each_builtin_proxy_has_its_recipes_rule_as_derivative(recipe: Any) -> N
     assert row.norm_ratio == pytest.approx(1.0, rel=1e-12), row
 
 
+@pytest.mark.parametrize(("recipe", "x", "rule"), [
+    # rectangular: a where |x| < 1/(2a), else the leak (strict)
+    (recipes.spike(surrogate="rectangular"), [-0.5, -0.49, 0.0, 0.49, 0.5], [0, 1, 1, 1, 0]),
+    (recipes.spike(surrogate="rectangular", alpha=2.0, leak=0.1), [-0.25, -0.2, 0.2, 0.25],
+     [0.1, 2, 2, 0.1]),
+    # quantize: 1 where qmin <= round(x / s) + z <= qmax, round half to even: with s = 1,
+    # x = ±3.5 rounds to ±4 (outside the codes -3..3), x = -0.5 to 0 (inside 0..3)
+    (recipes.quantize(bits=3, bound=3.0), [-3.5, -3.49, 3.49, 3.5], [0, 1, 1, 0]),
+    (recipes.quantize(bits=2, symmetric=False, bound=(0.0, 3.0)), [-0.51, -0.5, 3.49, 3.5],
+     [0, 1, 1, 0]),
+], ids=["rectangular", "rectangular-leak", "quantize", "quantize-asymmetric"])
+def test_a_proxy_counts_its_windows_ends_as_the_rule_does(recipe: Any, x: list[float],
+                                                         rule: list[float]) -> None:
+    upstream = torch.linspace(0.5, 2.0, len(x), dtype=F64)
+    model = nn.Sequential(recipe.module())
+    row = only_row(gradient_report(model, lambda out: (out * upstream).sum(),
+                                   torch.tensor(x, dtype=F64)))
+    by_hand = upstream * torch.tensor(rule, dtype=F64)
+    torch.testing.assert_close(row.got, by_hand, rtol=0, atol=1e-15)
+    torch.testing.assert_close(row.expected, by_hand, rtol=0, atol=1e-15)
+    assert row.cosine == pytest.approx(1.0, abs=1e-12)
+
+
+def test_learned_clamp_bounds_get_no_proxy_gradient_as_the_rule_gives_none() -> None:
+    class LearnedClip(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.low = nn.Parameter(torch.tensor(-1.0, dtype=F64))
+            self.high = nn.Parameter(torch.tensor(1.0, dtype=F64))
+
+        def forward(self, x: Tensor) -> Tensor:
+            return recipes.ste_clamp(self.low, self.high, outside="zero")(x)
+
+    x = torch.tensor([-2.0, -1.0, -0.5, 0.0, 0.5, 1.0, 2.0], dtype=F64)
+    upstream = torch.linspace(-1.0, 2.0, 7, dtype=F64)
+    row = only_row(gradient_report(LearnedClip(), lambda out: (out * upstream).sum(), x))
+    # x's gradient: upstream inside [-1, 1], ends included; the bounds' (last two): none
+    by_hand = torch.cat([upstream * (x.abs() <= 1), torch.zeros(2, dtype=F64)])
+    torch.testing.assert_close(row.expected, by_hand, rtol=0, atol=0)
+    assert row.cosine == pytest.approx(1.0, abs=1e-12)
+    assert row.norm_ratio == pytest.approx(1.0, rel=1e-12)
+
+
 _UPSTREAM = torch.linspace(-1.0, 2.0, 12, dtype=F64).reshape(2, 6)
 
 
@@ -435,6 +478,37 @@ def test_seeded_runs_are_reproducible_and_leave_no_trace() -> None:
     assert different.cosine == pytest.approx(1.0, abs=1e-6)
 
 
+def test_state_kept_in_plain_attributes_starts_every_run_as_it_was() -> None:
+    class Neuron(nn.Module):
+        """A spiking neuron keeping its membrane in a plain attribute, None when reset."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.v: Tensor | None = None
+            self.memories: dict[str, Any] = {"u": 0.0}  # as SpikingJelly's _memories
+
+        def forward(self, x: Tensor) -> Tensor:
+            self.v = x if self.v is None else 0.5 * self.v + x
+            self.memories["u"] = self.memories["u"] + x
+            return recipes.spike()(self.v + self.memories["u"] - 1.0)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 5), Neuron(), nn.Linear(5, 2)).to(F64)
+    batch = regression_batch()
+    row = only_row(gradient_report(model, F.mse_loss, batch))
+    assert model[1].v is None and model[1].memories == {"u": 0.0}
+
+    def by_hand(step: Callable[[Tensor], Tensor]) -> Tensor:  # from the fresh state
+        x, y = batch
+        h = model[0](x).detach().requires_grad_()
+        (grad,) = torch.autograd.grad(F.mse_loss(model[2](step(2 * h - 1.0)), y), h)
+        return grad / 2  # at the spike's input 2h - 1
+
+    override, proxy = by_hand(recipes.spike()), by_hand(recipes.spike().proxy)
+    assert row.cosine == pytest.approx(cosine(override, proxy), abs=1e-12)
+    assert row.norm_ratio == pytest.approx(float(override.norm() / proxy.norm()), rel=1e-12)
+
+
 def test_the_report_runs_the_models_own_forward_bit_for_bit() -> None:
     # The probe the report adds to an input leaves it unchanged, the sign of zero included.
     @go.straight_through
@@ -559,6 +633,8 @@ def test_a_proxy_that_raises_is_named() -> None:
     ({"samples": 0}, go.GradOverrideError, r"`samples` must be a positive integer; got 0"),
     ({"step": -1.0}, go.GradOverrideError, r"`step` must be a positive finite number or None"),
     ({"seed": 1.5}, go.GradOverrideTypeError, r"`seed` must be an integer; got float 1.5"),
+    ({"seed": 2**64}, go.GradOverrideError, r"`seed` must be in \[-2\*\*63, 2\*\*64\); got "
+     r"18446744073709551616"),
 ])
 def test_bad_numbers_are_refused(kwargs: dict[str, Any], error: type[Exception],
                                  pattern: str) -> None:
@@ -575,6 +651,16 @@ def test_bad_models_losses_and_batches_are_refused() -> None:
     with pytest.raises(go.GradOverrideError, match=r"runs the model eagerly; got the "
                        r"torch.compile'd Sequential. Pass the module itself: `model._orig_mod`"):
         gradient_report(torch.compile(model, backend="eager"), F.mse_loss, batch)
+    inner = smooth_model()
+    inner[1] = torch.compile(inner[1], backend="eager")  # type: ignore[assignment]
+    with pytest.raises(go.GradOverrideError, match=r"runs the model eagerly, but `1` "
+                       r"\(OptimizedModule\) is torch.compile'd .* Pass an uncompiled copy"):
+        gradient_report(inner, F.mse_loss, batch)
+    in_place = smooth_model()
+    in_place.compile(backend="eager")
+    with pytest.raises(go.GradOverrideError, match=r"runs the model eagerly, but the model "
+                       r"itself \(Sequential\) is torch.compile'd"):
+        gradient_report(in_place, F.mse_loss, batch)
     with pytest.raises(go.GradOverrideTypeError, match="`loss_fn` must be callable"):
         gradient_report(model, "mse", batch)  # type: ignore[arg-type]
     with pytest.raises(go.GradOverrideError, match=(

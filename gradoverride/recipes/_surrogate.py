@@ -359,15 +359,13 @@ def _proxy_triangle(x: Tensor, r: spike) -> Tensor:
 
 
 def _proxy_rectangular(x: Tensor, r: spike) -> Tensor:
-    # The window is strict, as the rule's (a clamp would give a at |x| = 1/(2a)): at the
-    # ends autograd takes the outside branch, whose slope is the leak.
+    # The window is strict, as the rule's |x| < 1/(2a): torch.clamp would count its ends
+    # in (gradient a at x = ±1/(2a), where the rule gives the leak).
     a, leak = _set(r.alpha), _set(r.leak)
     h = 0.5 / a
     inside = x.abs() < h
-    step = torch.where(inside, a * x + 0.5, (x > 0).to(x.dtype))
-    if leak == 0:
-        return step
-    return step + torch.where(inside, 0.0, leak * (x - torch.sign(x) * h))
+    outside = torch.where(x > 0, 1 + leak * (x - h), leak * (x + h))
+    return torch.where(inside, a * x + 0.5, outside)
 
 
 def _proxy_piecewise_exp(x: Tensor, r: spike) -> Tensor:

@@ -126,9 +126,12 @@ def gradient_report(
     with its proxy.
 
     Reproducible: every forward starts from the random state `seed` gives (dropout draws
-    the same mask in each) and from the model's buffers as they were, which are put back
-    afterwards (the batch-norm statistics do not move), and the directions are drawn from
-    `seed` too. Gradients are computed with `torch.autograd.grad`: no parameter's `.grad`
+    the same mask in each) and from the model's state as it was, which is put back
+    afterwards: its buffers (the batch-norm statistics do not move) and what its modules
+    keep in plain attributes (a neuron's membrane `self.v`, None until its first call, or a
+    dict of them); the directions are drawn from `seed` too. Randomness not drawn from
+    torch's generators (numpy's, Python's `random`) differs from run to run: the rows
+    then include it. Gradients are computed with `torch.autograd.grad`: no parameter's `.grad`
     changes. The model runs in its current mode (`train()` or `eval()`), eagerly (not a
     `torch.compile`d module). Finite differences and SPSA are as accurate as the loss's
     dtype allows: in float32 the relative error is about 1e-7 / step; use a float64 model
@@ -230,6 +233,7 @@ def _check_arguments(model: object, loss_fn: object, mode: str, proxies: object,
             f"{type(model._orig_mod).__name__}. Pass the module itself: `model._orig_mod`."
         )
         raise GradOverrideError(msg)
+    _refuse_compiled_parts(model)
     if not callable(loss_fn):
         msg = (
             f"gradient_report: `loss_fn` must be callable as loss_fn(output, *targets); got "
@@ -263,6 +267,27 @@ def _check_arguments(model: object, loss_fn: object, mode: str, proxies: object,
     if isinstance(seed, bool) or not isinstance(seed, int):
         msg = f"gradient_report: `seed` must be an integer; got {type(seed).__name__} {seed!r}."
         raise GradOverrideTypeError(msg)
+    if not -(2**63) <= seed < 2**64:  # what torch's generators take
+        msg = f"gradient_report: `seed` must be in [-2**63, 2**64); got {seed!r}."
+        raise GradOverrideError(msg)
+
+
+def _refuse_compiled_parts(model: nn.Module) -> None:
+    """A compiled module inside the model (`torch.compile(child)`, `module.compile()`) runs
+    its overrides inside compiled code, where the report cannot replace or probe them: its
+    rows would be missing, silently."""
+    for path, module in model.named_modules():
+        compiled = hasattr(module, "_orig_mod") or getattr(
+            module, "_compiled_call_impl", None) is not None
+        if compiled:
+            where = f"`{path}`" if path else "the model itself"
+            msg = (
+                f"gradient_report runs the model eagerly, but {where} "
+                f"({type(module).__name__}) is torch.compile'd (`torch.compile(module)` or "
+                "`module.compile()`): the overrides inside it would not be seen. Pass an "
+                "uncompiled copy of the model."
+            )
+            raise GradOverrideError(msg)
 
 
 def _loss_call(model: nn.Module, loss_fn: Callable[..., Any], batch: Any) -> Callable[[], Any]:

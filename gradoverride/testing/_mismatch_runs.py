@@ -86,6 +86,7 @@ class Runner:
             for name, buffer in module._buffers.items()
             if buffer is not None
         ]
+        self._state = _plain_state(model)
         self._devices = sorted({
             t.device.index or 0
             for t in (*model.parameters(), *model.buffers())
@@ -136,11 +137,48 @@ class Runner:
                 torch.cuda.manual_seed(self.seed)
 
     def _restore_buffers(self) -> None:
+        _restore_plain_state(self._state)
         with torch.no_grad():
             for module, name, original, saved in self._buffers:
                 if module._buffers.get(name) is not original:
                     module._buffers[name] = original  # the forward replaced it
                 original.copy_(saved)
+
+
+# What every nn.Module holds in its __dict__ (hooks, flags): not the model's state.
+_MODULE_OWN = frozenset(nn.Module().__dict__)
+
+#: (module, attribute, its value, a copy of a dict value's entries)
+_PlainState = list[tuple[nn.Module, str, Any, dict[Any, Any] | None]]
+
+
+def _is_state(value: object) -> bool:
+    return value is None or isinstance(value, Tensor | float | int)
+
+
+def _plain_state(model: nn.Module) -> _PlainState:
+    """The state a module keeps in plain attributes rather than buffers (a spiking neuron's
+    membrane `self.v`, None until the first call; a dict of them, as SpikingJelly's
+    `_memories`): each forward of the report starts from it, as from the buffers."""
+    saved: _PlainState = []
+    for module in model.modules():
+        for name, value in module.__dict__.items():
+            if name in _MODULE_OWN or isinstance(value, nn.Parameter):
+                continue
+            if _is_state(value) and not isinstance(value, bool):
+                saved.append((module, name, value, None))
+            elif type(value) is dict and value and all(_is_state(v) for v in value.values()):
+                saved.append((module, name, value, dict(value)))
+    return saved
+
+
+def _restore_plain_state(saved: _PlainState) -> None:
+    """Each attribute bound to what it held (the same objects), a dict's entries too."""
+    for module, name, value, entries in saved:
+        module.__dict__[name] = value
+        if entries is not None:
+            value.clear()
+            value.update(entries)
 
 
 def _refuse_active_monitor(model: nn.Module) -> None:

@@ -172,21 +172,26 @@ def _clamp_proxy(recipe: Any) -> Proxy:
         return _window_proxy(low, high, ends)
 
     def tensor_bounds(inputs: list[Tensor], args: tuple[Any, ...]) -> Tensor:
-        # The op's call is (x, low, high, recipe): the bounds in x's dtype and device.
-        return window(inputs[0], args[1], args[2], ends)
+        # The op's call is (x, low, high, recipe): the bounds in x's dtype and device. The
+        # rule gives the bounds no gradient (learned bounds included), so neither does this.
+        low, high = args[1], args[2]
+        return window(inputs[0], low.detach(), high.detach(), ends)
 
     return Proxy(tensor_bounds, "clamp(x, low, high)")
 
 
 def _quantize_window(recipe: Any, x: Tensor) -> Tensor:
-    """clamp to the inputs whose code round(x / s) + z the recipe keeps: its gradient is
-    the rule's window, (qmin - z - 1/2) s <= x <= (qmax - z + 1/2) s."""
+    """clamp to the inputs whose code round(x / s) + z the recipe keeps, about
+    (qmin - z - 1/2) s <= x <= (qmax - z + 1/2) s: the recipe's own test of the code decides
+    which inputs pass (round halves to even, so an end at an odd code is counted out), so
+    that the gradient is exactly the rule's window."""
     qmin, qmax = recipe._codes
     s, z = recipe.scale_and_zero_point(x.float() if x.dtype in (torch.float16, torch.bfloat16)
                                        else x)
     low = torch.as_tensor((qmin - z - 0.5) * s, device=x.device).to(x.dtype)
     high = torch.as_tensor((qmax - z + 0.5) * s, device=x.device).to(x.dtype)
-    return window(x, low, high, (True, True))
+    clamped = torch.clamp(x.detach(), low, high)
+    return torch.where(recipe._outside(x.detach()), clamped, x)
 
 
 def lookup(table: Mapping[str, Any], site: Site, label: str) -> tuple[bool, Any]:
