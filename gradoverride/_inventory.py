@@ -14,7 +14,7 @@ from ._decorators import CustomBackward, CustomBackwardModule
 from ._errors import GradOverrideError, GradOverrideTypeError
 from ._frameworks import is_keras_layer
 from ._signature import describe
-from ._table import format_table
+from ._table import format_table, one_line
 
 __all__ = ["OverrideRecord", "Overrides", "overrides"]
 
@@ -189,11 +189,12 @@ def _module_records(path: str, module: nn.Module) -> list[OverrideRecord]:
     records += _hook_records(path, module)
     recipes = sys.modules.get("gradoverride.recipes._base")
     if recipes is not None and isinstance(module, recipes.RecipeModule):
-        records.append(OverrideRecord(path, "recipe module", repr(module.recipe), "", True))
+        records.append(OverrideRecord(path, "recipe module", one_line(repr(module.recipe)), "",
+                                      True))
     elif recipes is not None and type(module).__module__.startswith("gradoverride.recipes"):
         recipe = getattr(module, "recipe", None)
         records.append(OverrideRecord(path, "recipe module", type(module).__name__,
-                                      "" if recipe is None else repr(recipe), True))
+                                      "" if recipe is None else one_line(repr(recipe)), True))
     if isinstance(module, CustomBackwardModule):
         fixed = ", ".join(f"{k}={v!r}" for k, v in module.fixed.items())
         records.append(OverrideRecord(path, "op module", _name_of(module.op), fixed, True))
@@ -266,7 +267,7 @@ def _kind_of(value: Any) -> str:
 def _name_of(value: Any) -> str:
     if isinstance(value, CustomBackward):
         return str(getattr(value, "__name__", value._name))
-    return repr(value)
+    return one_line(repr(value))
 
 
 def _identity(value: Any) -> object:

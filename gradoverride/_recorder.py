@@ -45,6 +45,7 @@ from ._errors import GradOverrideError
 from ._internals import graph_task_id, transforms_active
 from ._module import Module, _ParameterIds
 from ._signature import describe
+from ._table import one_line
 
 __all__ = ["Gradients", "Recorder", "Site", "model_paths"]
 
@@ -486,7 +487,7 @@ class Recorder:
         elif kind == "grad_hook":
             name = f"grad_hook({describe_transform(subject)}){suffix}"
         else:
-            name = repr(subject)
+            name = one_line(repr(subject))
         return Site(path, name, kind, subject, index=self._next_index())
 
     # -- during backward --------------------------------------------------------------------
@@ -649,6 +650,6 @@ def describe_transform(fn: Any) -> str:
     if owner is not None and not isinstance(owner, type):
         base = sys.modules.get("gradoverride.recipes._base")
         if base is not None and isinstance(owner, base.Recipe | nn.Module):
-            return repr(owner)
+            return one_line(repr(owner))
     return describe(fn)
 

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-__all__ = ["format_table"]
+__all__ = ["format_table", "one_line"]
+
+
+def one_line(text: str, limit: int = 120) -> str:
+    """`text` on one line for a table cell: runs of whitespace (a tensor's multi-line repr
+    in a recipe's) made one space, and cut at `limit` characters."""
+    flat = " ".join(text.split())
+    return flat if len(flat) <= limit else flat[: limit - 3] + "..."
 
 
 def format_table(headers: Sequence[str], rows: Sequence[Sequence[str]],

@@ -678,3 +678,13 @@ def test_it_refuses_to_run_inside_a_monitor() -> None:
             r"cannot run while a go.monitor is recording .* call it outside the `with "
             r"go.monitor\(...\)` block")):
         gradient_report(model, F.mse_loss, batch)
+
+
+def test_direction_settings_with_another_reference_are_refused() -> None:
+    model = nn.Sequential(nn.Linear(2, 3), recipes.binarize().module())
+    batch = torch.randn(4, 2)
+    for name, value in (("samples", 8), ("step", 1e-3)):
+        with pytest.raises(go.GradOverrideError, match=rf"`{name}=` applies to "
+                           r"reference='finite_differences' or 'spsa'; the reference here is "
+                           r"'proxy'"):
+            gradient_report(model, lambda out: out.sum(), batch, **{name: value})

@@ -845,3 +845,20 @@ def test_with_every_n_passes_outside_the_model_are_not_steps() -> None:
             other(torch.randn(3, requires_grad=True)).sum().backward()
     assert mon.steps == 4
     assert [r.step for r in _only(mon)] == [0, 2]
+
+
+def test_a_recipe_with_tensor_settings_is_a_one_line_row() -> None:
+    low = nn.Parameter(torch.tensor(-0.5))
+    clamp = recipes.ste_clamp(low, 0.5, "zero")
+
+    class M(nn.Module):
+        def forward(self, x):
+            return clamp(x)
+
+    model = M()
+    with go.monitor(model) as mon:
+        model(torch.randn(5, requires_grad=True)).sum().backward()
+    (label,) = mon.history
+    assert "\n" not in label and label.startswith("(model): ste_clamp(")
+    table = str(go.overrides(nn.Sequential(clamp.module())))
+    assert len(table.splitlines()) == 4, table  # title, header, rule, one row

@@ -31,6 +31,8 @@ __all__ = ["REFERENCES", "Reference", "gradient_report"]
 
 F64 = torch.float64
 
+_SAMPLES = 32  # directions per override, by default
+
 #: The references `gradient_report` computes itself.
 REFERENCES = ("proxy", "finite_differences", "spsa")
 
@@ -46,7 +48,7 @@ def gradient_report(
     *,
     reference: Reference = "proxy",
     proxies: Mapping[str, Callable[..., Any] | None] | None = None,
-    samples: int = 32,
+    samples: int | None = None,
     step: float | None = None,
     seed: int = 0,
 ) -> GradientReport:
@@ -150,9 +152,11 @@ def gradient_report(
         reference: `"proxy"`, `"finite_differences"`, `"spsa"`, or `{label: gradient}`.
         proxies: with `reference="proxy"`, proxies by label, name or module path (None:
             leave that override out).
-        samples: with finite differences or SPSA, the directions per override.
+        samples: with finite differences or SPSA, the directions per override (default 32);
+            refused with the other references, which it does not apply to.
         step: the finite-difference step h, in the input's units (default: the cube root
-            of the input dtype's machine epsilon: 4.9e-3 for float32, 6.1e-6 for float64).
+            of the input dtype's machine epsilon: 4.9e-3 for float32, 6.1e-6 for float64);
+            with finite differences or SPSA only.
         seed: seeds the random state of every forward and the directions.
 
     Returns:
@@ -167,7 +171,7 @@ def gradient_report(
     """
     mode = _check_reference(reference)
     _check_arguments(model, loss_fn, mode, proxies, samples, step, seed)
-    runner = Runner(model, _loss_call(model, loss_fn, batch), seed)
+    runner = Runner(model, _loss_call(model, loss_fn, batch), seed, batch)
     with runner.active():
         found = _override_run(runner)
         labels = _labels(found.records)
@@ -179,7 +183,8 @@ def gradient_report(
             rows = _against_given(found, labels, reference)
             description = "the given gradients"
         else:
-            rows = _against_directions(runner, found, labels, mode, samples, step, seed)
+            rows = _against_directions(runner, found, labels, mode,
+                                       _SAMPLES if samples is None else samples, step, seed)
             description = ("finite differences of the true loss" if mode == "finite_differences"
                            else "SPSA directional derivatives of the true loss")
     rows += _hook_rows(model)
@@ -255,7 +260,17 @@ def _check_arguments(model: object, loss_fn: object, mode: str, proxies: object,
                 f"to functions of the override's input(s), or None; got {proxies!r:.80}."
             )
             raise GradOverrideTypeError(msg)
-    if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
+    directional = mode in ("finite_differences", "spsa")
+    for name, value in (("samples", samples), ("step", step)):
+        if value is not None and not directional:
+            msg = (
+                f"gradient_report: `{name}=` applies to reference='finite_differences' or "
+                f"'spsa'; the reference here is {mode!r}. Drop `{name}=`, or pass one of those."
+            )
+            raise GradOverrideError(msg)
+    if samples is not None and (
+        isinstance(samples, bool) or not isinstance(samples, int) or samples < 1
+    ):
         msg = f"gradient_report: `samples` must be a positive integer; got {samples!r}."
         raise GradOverrideError(msg)
     if step is not None and (

@@ -73,7 +73,8 @@ def _ignore(groups: Any) -> None:
 class Runner:
     """Runs the model's forward (and the loss) with a substitute for the override calls."""
 
-    def __init__(self, model: nn.Module, loss_of: Callable[[], Any], seed: int) -> None:
+    def __init__(self, model: nn.Module, loss_of: Callable[[], Any], seed: int,
+                 inputs: Any = None) -> None:
         self.model = model
         self.loss_of = loss_of  # runs model and loss_fn on the batch
         self.seed = seed
@@ -87,9 +88,14 @@ class Runner:
             if buffer is not None
         ]
         self._state = _plain_state(model)
+        # The CUDA generators to reseed: of the model's tensors and of the batch's (a model
+        # without parameters, or fed CUDA inputs, draws on the batch's device).
+        from torch.utils import _pytree as pytree
+
+        given = [t for t in pytree.tree_leaves(inputs) if isinstance(t, torch.Tensor)]
         self._devices = sorted({
             t.device.index or 0
-            for t in (*model.parameters(), *model.buffers())
+            for t in (*model.parameters(), *model.buffers(), *given)
             if t.device.type == "cuda"
         })
 
