@@ -255,8 +255,8 @@ def monitor(model: nn.Module, *, every: int = 1) -> Monitor:
             `custom_backward` / `straight_through` op or recipe called in a forward of
             `model` or its submodules.
         every: record one step in `every` (the first, then every `every`-th); on the
-            others an override call costs a microsecond or two more than outside the
-            monitor (it marks its node, so that the step is counted).
+            others an override call costs a few microseconds more than outside the monitor
+            (it finds its row and marks its node, so that the step is counted).
 
     Returns:
         A `Monitor`, to use as a context manager: `with go.monitor(model) as mon: ...`.
@@ -265,10 +265,11 @@ def monitor(model: nn.Module, *, every: int = 1) -> Monitor:
 
     Where it records: eager training, on any device (each recorded step reads a few numbers
     back from the device at the end of the backward pass). Under `torch.compile`, the
-    compiled steps are not recorded (see the support matrix); under `torch.func`
-    transforms neither. Under DistributedDataParallel each process records its own
-    replica's gradients (the gradients before DDP's all-reduce, which happens on the
-    parameters' `.grad`, not at the overrides). One monitor per model at a time.
+    compiled steps run but are not recorded, and a compiled model is refused (see the
+    support matrix); steps under `torch.func` transforms are not recorded either. Under
+    DistributedDataParallel each process records its own replica's gradients (the
+    gradients before DDP's all-reduce, which happens on the parameters' `.grad`, not at the
+    overrides). One recording at a time: a second monitor, of any model, raises.
     """
     if not isinstance(model, nn.Module):
         from ._frameworks import is_keras_layer
