@@ -263,6 +263,22 @@ def grad_hook(
     return HookHandle(description, [handle], module)
 
 
+def grad_hooks_on(module: nn.Module) -> list[tuple[Place, _Transforming | _ParameterHooks]]:
+    """The grad_hooks on `module` with their places: at inputs, at outputs, then at
+    parameters, each in the order they were registered (what `go.overrides` lists and
+    `go.monitor` wraps)."""
+    found: list[tuple[Place, _Transforming | _ParameterHooks]] = []
+    found += [("inputs", h) for h in module._forward_pre_hooks.values()
+              if isinstance(h, _AtInputs)]
+    found += [("outputs", h) for h in module._forward_hooks.values()
+              if isinstance(h, _AtOutputs)]
+    for hook in module._forward_pre_hooks.values():
+        owner = getattr(hook, "__self__", None)  # its before_forward, a bound method
+        if isinstance(owner, _ParameterHooks):
+            found.append(("parameters", owner))
+    return found
+
+
 def _hook_entries(module: nn.Module) -> list[_Removable]:
     """Every grad_hook on `module`, as removable entries."""
     entries: list[_Removable] = []

@@ -224,24 +224,14 @@ def _hook_records(path: str, module: nn.Module) -> list[OverrideRecord]:
         return []  # no grad_hook was ever made
     from ._recorder import describe_transform
 
-    records = []
-    places = ((module._forward_pre_hooks, hooks._AtInputs, "inputs"),
-              (module._forward_hooks, hooks._AtOutputs, "outputs"))
-    for table, cls, place in places:
-        for hook in table.values():
-            if isinstance(hook, cls):
-                records.append(OverrideRecord(
-                    path, "grad_hook", describe_transform(hook.transform), f"at {place}", True,
-                ))
-    for hook in module._forward_pre_hooks.values():
-        owner = getattr(hook, "__self__", None)
-        if isinstance(owner, hooks._ParameterHooks):
-            trainable = any(p.requires_grad for p in module.parameters())
-            records.append(OverrideRecord(
-                path, "grad_hook", describe_transform(owner.transform), "at parameters",
-                trainable,
-            ))
-    return records
+    return [
+        OverrideRecord(
+            path, "grad_hook", describe_transform(hook.transform), f"at {place}",
+            # At parameters none of which requires grad, it acts on nothing.
+            place != "parameters" or any(p.requires_grad for p in module.parameters()),
+        )
+        for place, hook in hooks.grad_hooks_on(module)
+    ]
 
 
 def _held(module: nn.Module) -> Iterator[tuple[str, Any]]:

@@ -244,22 +244,18 @@ class Recorder:
             return  # no grad_hook was ever made
         for module in self.model.modules():
             path = self.paths[id(module)]
-            for place, table, cls in (("inputs", module._forward_pre_hooks, hooks_module._AtInputs),
-                                      ("outputs", module._forward_hooks, hooks_module._AtOutputs)):
-                for hook in table.values():
-                    if isinstance(hook, cls) and not isinstance(hook.transform, _MeasuredTransform):
-                        # Read at each forward call (a tensor hook on the fresh tensors).
-                        site = self._make_site(path, hook.transform, "grad_hook", f" at {place}")
-                        self._retransformed.append((hook, hook.transform))
-                        hook.transform = _MeasuredTransform(hook.transform, site, self)
-            for hook in module._forward_pre_hooks.values():
-                owner = getattr(hook, "__self__", None)
-                if not isinstance(owner, hooks_module._ParameterHooks):
+            for place, hook in hooks_module.grad_hooks_on(module):
+                if isinstance(hook.transform, _MeasuredTransform):
+                    continue
+                site = self._make_site(path, hook.transform, "grad_hook", f" at {place}")
+                if place != "parameters":
+                    # Read at each forward call (a tensor hook on the fresh tensors).
+                    self._retransformed.append((hook, hook.transform))
+                    hook.transform = _MeasuredTransform(hook.transform, site, self)
                     continue
                 # A tensor hook on each parameter, registered once: replaced in place in the
                 # parameter's hook dict, which keeps its order among the other hooks.
-                site = self._make_site(path, owner.transform, "grad_hook", " at parameters")
-                for handle in owner.handles:
+                for handle in hook.handles:
                     hooks = handle.hooks_dict_ref()
                     if hooks is None or handle.id not in hooks:
                         continue
