@@ -101,14 +101,14 @@ class Monitor:
     def history(self) -> dict[str, list[StepRecord]]:
         """Per override (by its label, `path: name`), the records of the recorded steps,
         in step order."""
-        return dict(self._labelled())
+        return {label: records for _, label, records in self._labelled()}
 
     def summary(self) -> MonitorSummary:
         """A table with one row per override: calls, the mean norms of the gradient arriving
         and returned per recorded step, the last step's zeroed fraction, and NaN/inf
         elements over all steps. `print(monitor.summary())`; `.rows` has the numbers."""
         rows = []
-        for (site, records), (label, _) in zip(self._records(), self._labelled(), strict=True):
+        for site, label, records in self._labelled():
             if not records:
                 continue
             rows.append(SummaryRow(
@@ -131,21 +131,18 @@ class Monitor:
 
         return plot_history(self.history, Path(path), type(self._model).__name__)
 
-    def _labelled(self) -> list[tuple[str, list[StepRecord]]]:
-        """Each override's label and records; a label met again (two ops of one name in one
-        module) gets `#2`, `#3`, ..., so none hides another."""
+    def _labelled(self) -> list[tuple[Site, str, list[StepRecord]]]:
+        """Per override, in the order of their modules in the model: its site, its label
+        and its records. A label met again (two ops of one name in one module) gets `#2`,
+        `#3`, ..., so none hides another."""
         out = []
         used: dict[str, int] = {}
-        for site, records in self._records():
+        for site in sorted(self._raw, key=self._recorder.position):
             label = site.label
             used[label] = used.get(label, 0) + 1
-            out.append((label if used[label] == 1 else f"{label} #{used[label]}", records))
+            records = [_record(step, v) for step, v in self._raw[site]]
+            out.append((site, label if used[label] == 1 else f"{label} #{used[label]}", records))
         return out
-
-    def _records(self) -> list[tuple[Site, list[StepRecord]]]:
-        """Per override, in the order of their modules in the model."""
-        sites = sorted(self._raw, key=self._recorder.position)
-        return [(site, [_record(step, v) for step, v in self._raw[site]]) for site in sites]
 
     def __repr__(self) -> str:
         state = "recording" if self._recorder.started else "stopped"
