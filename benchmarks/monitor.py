@@ -32,13 +32,14 @@ import spiking_neuron
 from _timing import _time_block, add_device_argument, synchronizer
 
 
-def spiking(device: str) -> tuple[nn.Module, Callable[[], Any]]:
-    generator = torch.Generator().manual_seed(0)
-    torch.manual_seed(0)
-    x, y = spiking_neuron.make_data(256, generator)
+def _training(make_data: Callable[[int, torch.Generator], tuple[torch.Tensor, torch.Tensor]],
+              n: int, model: nn.Module, lr: float,
+              device: str) -> tuple[nn.Module, Callable[[], Any]]:
+    """`model` and one training step of it (cross-entropy, Adam) on `make_data`'s data."""
+    x, y = make_data(n, torch.Generator().manual_seed(0))
     x, y = x.to(device), y.to(device)
-    model = spiking_neuron.SpikingNet().to(device)
-    optimizer = torch.optim.Adam(model.parameters(), lr=5e-3)
+    model = model.to(device)
+    optimizer = torch.optim.Adam(model.parameters(), lr=lr)
 
     def step() -> None:
         loss = nn.functional.cross_entropy(model(x), y)
@@ -47,23 +48,16 @@ def spiking(device: str) -> tuple[nn.Module, Callable[[], Any]]:
         optimizer.step()
 
     return model, step
+
+
+def spiking(device: str) -> tuple[nn.Module, Callable[[], Any]]:
+    torch.manual_seed(0)
+    return _training(spiking_neuron.make_data, 256, spiking_neuron.SpikingNet(), 5e-3, device)
 
 
 def binarized(device: str) -> tuple[nn.Module, Callable[[], Any]]:
-    generator = torch.Generator().manual_seed(0)
     torch.manual_seed(0)
-    x, y = binarized_mlp.make_spirals(512, generator)
-    x, y = x.to(device), y.to(device)
-    model = binarized_mlp.make_model().to(device)
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
-
-    def step() -> None:
-        loss = nn.functional.cross_entropy(model(x), y)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-
-    return model, step
+    return _training(binarized_mlp.make_spirals, 512, binarized_mlp.make_model(), 1e-2, device)
 
 
 def measure(model: nn.Module, step: Callable[[], Any], every: int, *, rounds: int,
