@@ -5,7 +5,7 @@ surrogate-gradient papers)."""
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Literal, TypeAlias
 
 import torch
@@ -464,10 +464,16 @@ def _zero_note(got_norm: float, expected_norm: float) -> str:
     return ""
 
 
-def _skipped(record: SiteRecord, label: str) -> _Row | None:
-    if record.problem is not None:
-        return _row(record, label, note=f"not compared: {record.problem}")
-    return None
+def _comparable(found: _Found, labels: Mapping[Site, str],
+                rows: list[_Row]) -> Iterator[tuple[Site, SiteRecord, str]]:
+    """Each site found, with its record and label, for a reference to compare; a site that
+    cannot be compared gets its "not compared" row in `rows` instead."""
+    for site, record in found.records.items():
+        label = labels[site]
+        if record.problem is not None:
+            rows.append(_row(record, label, note=f"not compared: {record.problem}"))
+        else:
+            yield site, record, label
 
 
 def _hook_rows(model: nn.Module) -> list[_Row]:
@@ -535,12 +541,7 @@ def _against_proxies(runner: Runner, found: _Found, labels: Mapping[Site, str],
     references = _probe_gradients(runner, loss, usable)
 
     rows: list[_Row] = []
-    for site, record in found.records.items():
-        label = labels[site]
-        skipped = _skipped(record, label)
-        if skipped is not None:
-            rows.append(skipped)
-            continue
+    for site, record, label in _comparable(found, labels, rows):
         choice = chosen.get(site, "the model with proxies did not call it")
         made = [tuple(t.shape) for call in calls.get(site, []) for t in call]
         if isinstance(choice, str):
@@ -617,12 +618,7 @@ def _against_given(found: _Found, labels: Mapping[Site, str],
                    given: Mapping[str, Tensor]) -> list[_Row]:
     _refuse_unknown_keys("reference", given, found.records, labels, single=True)
     rows: list[_Row] = []
-    for site, record in found.records.items():
-        label = labels[site]
-        skipped = _skipped(record, label)
-        if skipped is not None:
-            rows.append(skipped)
-            continue
+    for site, record, label in _comparable(found, labels, rows):
         present, expected = lookup(given, record.site, label)
         if not present:
             rows.append(_row(record, label, note="not compared: no gradient given"))
@@ -664,12 +660,7 @@ def _against_directions(runner: Runner, found: _Found, labels: Mapping[Site, str
                         mode: str, samples: int, step: float | None, seed: int) -> list[_Row]:
     generator = torch.Generator().manual_seed(seed)
     rows: list[_Row] = []
-    for site, record in found.records.items():
-        label = labels[site]
-        skipped = _skipped(record, label)
-        if skipped is not None:
-            rows.append(skipped)
-            continue
+    for site, record, label in _comparable(found, labels, rows):
         gradient = found.gradients[site]
         n = record.elements
         h = step if step is not None else _default_step(record)
