@@ -94,7 +94,10 @@ class GradientStatistics:
                 out.append([in_sq, out_sq, float(nonzero - kept), float(nonzero),
                             0.0, 0.0, 0.0, 0.0])
             else:
-                out.append(_nonfinite_pair(gots[k], gaves[k]))
+                # NaN or infinity in them: the general reduction, which counts them.
+                got, gave = gots[k], gaves[k]
+                out.append(_general(Gradients(arriving=[got], returned=[gave],
+                                              pairs=[(gave, got)])))
         return out
 
     def _stack(self, name: str, tensors: list[Tensor], k: int) -> Tensor:
@@ -136,15 +139,6 @@ def _general(grads: Gradients) -> list[float]:
     for gave, got in grads.pairs:
         paired += int(torch.count_nonzero(got))
         zeroed += int(((gave == 0) & (got != 0)).sum())
-    return [in_sq, out_sq, float(zeroed), float(paired), float(nan_in), float(inf_in),
-            float(nan_out), float(inf_out)]
-
-
-def _nonfinite_pair(got: Tensor, gave: Tensor) -> list[float]:
-    nan_in, inf_in, in_sq = _nonfinite(got)
-    nan_out, inf_out, out_sq = _nonfinite(gave)
-    paired = int(torch.count_nonzero(got))
-    zeroed = int(((gave == 0) & (got != 0)).sum())
     return [in_sq, out_sq, float(zeroed), float(paired), float(nan_in), float(inf_in),
             float(nan_out), float(inf_out)]
 
