@@ -415,7 +415,7 @@ def test_two_threads_forward_backward(op_kind: str) -> None:
     for t in threads:
         t.start()
     for t in threads:
-        t.join(timeout=60)
+        t.join()
     assert not any(t.is_alive() for t in threads)
     if errors:
         raise errors[0]

@@ -12,6 +12,8 @@ import ast
 import importlib.util
 import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -68,6 +70,38 @@ def test_example_runs_and_prints_what_the_page_shows(
         # cannot render on Python 3.11 (an INTERNALERROR that ends the session): say where it
         # failed from the frames' line numbers alone.
         raise AssertionError(_where_it_failed(error)) from None
+
+
+def _numpy_dispatch() -> list[str]:
+    """The SIMD code paths numpy chose on this CPU beyond its baseline (`AVX512_SKX`, ...)."""
+    try:
+        from numpy._core import _multiarray_umath as umath
+    except ImportError:  # numpy 1.x
+        from numpy.core import _multiarray_umath as umath  # type: ignore[no-redef]
+    return [f for f in umath.__cpu_dispatch__ if umath.__cpu_features__.get(f)]
+
+
+_NUMPY_EXAMPLES = [e for e in EXAMPLES if "import numpy" in e.source]
+
+
+def test_numpy_examples_print_the_same_on_any_cpu() -> None:
+    # numpy's float32 transcendental functions (`arctan2`, `degrees`, `exp`) take a SIMD path
+    # chosen by the CPU, and their last bits differ between paths: a page printing them would
+    # pass on one machine and fail on another. Run every example that uses numpy again with
+    # numpy held to its baseline path (what an older CPU runs).
+    dispatched = _numpy_dispatch()
+    if not dispatched:
+        pytest.skip("numpy runs its baseline code path on this CPU already")
+    assert _NUMPY_EXAMPLES, "no docs example imports numpy: update this test"
+    here = Path(__file__).resolve()
+    node = f"{here}::test_example_runs_and_prints_what_the_page_shows"
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+         *(f"{node}[{_id(e)}]" for e in _NUMPY_EXAMPLES)],
+        cwd=ROOT, capture_output=True, text=True, check=False,
+        env={**os.environ, "NPY_DISABLE_CPU_FEATURES": " ".join(dispatched)},
+    )
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
 
 
 def _where_it_failed(error: BaseException) -> str:

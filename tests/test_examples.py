@@ -13,7 +13,6 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = sorted((ROOT / "examples").glob("*.py"))
-TIMEOUT_S = 120
 
 
 def _run(*args: str) -> subprocess.CompletedProcess[str]:
@@ -22,7 +21,6 @@ def _run(*args: str) -> subprocess.CompletedProcess[str]:
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=TIMEOUT_S,
         check=False,
     )
     assert result.returncode == 0, (
@@ -229,7 +227,7 @@ NO_CUDA = pytest.mark.skipif(
 def test_a_benchmark_with_device_cuda_fails_clearly_without_cuda() -> None:
     result = subprocess.run(
         [sys.executable, "benchmarks/modules.py", "--quick", "--device", "cuda"],
-        cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT_S, check=False,
+        cwd=ROOT, capture_output=True, text=True, check=False,
     )
     assert result.returncode != 0
     assert "--device cuda: CUDA is not available to this torch" in result.stderr, result.stderr
@@ -239,7 +237,7 @@ def test_a_benchmark_with_device_cuda_fails_clearly_without_cuda() -> None:
 def test_gpu_script_fails_clearly_without_cuda() -> None:
     result = subprocess.run(
         ["bash", "benchmarks/gpu.sh"], cwd=ROOT, capture_output=True, text=True,
-        timeout=TIMEOUT_S, check=False, env={**os.environ, "PYTHON": sys.executable},
+        check=False, env={**os.environ, "PYTHON": sys.executable},
     )
     assert result.returncode == 2, result
     assert "benchmarks/gpu.sh: CUDA is not available to torch" in result.stderr, result.stderr
@@ -279,7 +277,7 @@ def test_tensorflow_example_without_tensorflow_says_what_to_install(tmp_path: Pa
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])}
     result = subprocess.run(
         [sys.executable, "examples/tensorflow_ste.py"], cwd=ROOT, env=env, capture_output=True,
-        text=True, timeout=TIMEOUT_S, check=False,
+        text=True, check=False,
     )
     assert result.returncode == 1, result.stderr[-2000:]
     assert "pip install -e '.[tensorflow]'" in result.stderr, result.stderr[-2000:]
