@@ -9,15 +9,18 @@
   hands the rule the changed value, and autograd never learns that the caller's tensor
   changed.
 
-Each op checks its first eager call with grad enabled (one call: the check runs the forward
-under a `TorchFunctionMode`, which costs a little, once), and `gradoverride.testing` checks
-every call it makes (`check_backward`, `assert_consistent`). A finding is a
-`GradOverrideError` naming the op, the tensor and the fix.
+Each op checks its first eager call with grad enabled, and each module with a rule
+(`go.Module`, `override_backward`) the first of each instance, a copy included (one call:
+the check runs the forward under a `TorchFunctionMode`, which costs a little, once);
+`gradoverride.testing` checks every call it makes (`check_backward`, `assert_consistent`).
+A module's checked call also checks its rule, in backward, for a write to a parameter's
+`.grad`. A finding is a `GradOverrideError` naming the op, the tensor and the fix.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -26,12 +29,15 @@ from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
 from ._errors import GradOverrideError
+from ._function import wrote_grad_message
 from ._passthrough import AUDITS
 
 if TYPE_CHECKING:
     from ._decorators import CustomBackward
+    from ._function import CallState
+    from ._module_op import ModuleOp
 
-__all__ = ["audit_call"]
+__all__ = ["ModuleAudit", "audit_call", "audit_module_call", "watching_grads"]
 
 # Calls whose result carries no gradient of their tensor arguments, so reading a captured
 # tensor through them loses nothing: metadata (`.shape` and other property reads, `size()`),
@@ -185,128 +191,231 @@ class _ForwardAudit(TorchFunctionMode):
         return None
 
 
-def audit_call(op: CustomBackward[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """Run `op(*args, **kwargs)` and check it for captured tensors and in-place changes."""
-    leaves = [leaf for leaf in pytree.tree_leaves((args, kwargs)) if isinstance(leaf, Tensor)]
-    versions = [leaf._version for leaf in leaves]
-    run = op._run
-    assert run is not None
-    rule = op._rule
-    assert rule is not None
-    audit = None
-    if not rule.owns_all:
-        # The forward runs on the ordinary graph: a captured tensor gets its autograd
-        # gradient there, so only in-place changes are checked.
-        result = run(op, *args, **kwargs)
-    else:
-        audit = _ForwardAudit(leaves)
-        with audit:
-            result = run(op, *args, **kwargs)
-        captured = audit.lost(result)
-        if captured is not None:
-            raise GradOverrideError(_captured_message(op, captured, args, kwargs))
-    if not op._tracks_inplace:
-        for leaf, version in zip(leaves, versions, strict=True):
-            if leaf._version == version or not _matters(op, leaf, args, kwargs):
+class _Check:
+    """One checked call: what `_ForwardAudit` follows, and the findings said for the op.
+
+    `names` and `values`: the call's slots, by name (a module op's slot 0 holds the module);
+    `fn`: the forward, whose closure and globals name a captured tensor."""
+
+    def __init__(self, op: str, names: tuple[str, ...], values: tuple[Any, ...],
+                 fn: Any, owns_all: bool, tracks_inplace: bool,
+                 requested: tuple[str, ...], labels: dict[str, str]) -> None:
+        self.op = op
+        self.names = names
+        self.values = values
+        self.fn = fn
+        self.owns_all = owns_all
+        self.tracks_inplace = tracks_inplace
+        self.requested = requested
+        self.labels = labels
+        self.leaves = [
+            leaf for leaf in pytree.tree_leaves(values) if isinstance(leaf, Tensor)
+        ]
+        self.versions: list[int] = []
+        self.audit: _ForwardAudit | None = None
+
+    def begin(self) -> None:
+        self.versions = [leaf._version for leaf in self.leaves]
+        if self.owns_all:
+            # A rule owning only some inputs lets the forward run on the ordinary graph: a
+            # captured tensor gets its autograd gradient there, so only in-place changes are
+            # checked.
+            self.audit = _ForwardAudit(self.leaves)
+            self.audit.__enter__()
+
+    def end(self) -> None:
+        if self.audit is not None and self.audit in AUDITS:
+            self.audit.__exit__(None, None, None)
+
+    def finish(self, result: Any) -> None:
+        audit = self.audit
+        if audit is not None:
+            captured = audit.lost(result)
+            if captured is not None:
+                raise GradOverrideError(self._captured_message(captured))
+        if self.tracks_inplace:
+            return
+        for leaf, version in zip(self.leaves, self.versions, strict=True):
+            if leaf._version == version or not self._matters(leaf):
                 continue
             # A parameter changed under no_grad before the forward reads it (a constraint,
             # `w.clamp_(min=0)`) has no history to lose, and the rule reads what the forward
             # used: allowed. Changed after it was read, or a tensor with a history: refused.
             if leaf.is_leaf and audit is not None and id(leaf) not in audit.changed_after_read:
                 continue
-            raise GradOverrideError(_inplace_message(op, leaf, args, kwargs))
-    return result
+            raise GradOverrideError(self._inplace_message(leaf))
+
+    def run(self, call: Callable[[], Any]) -> Any:
+        self.begin()
+        try:
+            result = call()
+        finally:
+            self.end()
+        self.finish(result)
+        return result
+
+    def _matters(self, t: Tensor) -> bool:
+        """An input changed in place matters when it needs a gradient or the rule reads it."""
+        if t.requires_grad:
+            return True
+        name = self._slot_of(t)
+        return name is not None and name in self.requested
+
+    def _slot_of(self, t: Tensor) -> str | None:
+        """The forward parameter holding `t` in this call, if any."""
+        for name, value in zip(self.names, self.values, strict=False):
+            if any(leaf is t for leaf in pytree.tree_leaves(value)):
+                return self.labels.get(name, name) or None
+        return None
+
+    def _describe(self, t: Tensor) -> str:
+        """Where a captured tensor comes from, as far as the forward's code tells."""
+        fn = self.fn
+        code = getattr(fn, "__code__", None)
+        if code is not None:
+            for name, cell in zip(code.co_freevars, fn.__closure__ or (), strict=False):
+                try:
+                    if cell.cell_contents is t:
+                        return f"`{name}` (a variable of an enclosing function)"
+                except ValueError:  # an empty cell
+                    continue
+            namespace = getattr(fn, "__globals__", {})
+            for name in code.co_names:
+                if namespace.get(name) is t:
+                    return f"`{name}` (a global)"
+        for name, value in zip(self.names, self.values, strict=False):
+            if isinstance(value, nn.Module):
+                for pname, p in value.named_parameters():
+                    if p is t:
+                        return f"`{name}.{pname}` (a parameter of the module passed as `{name}`)"
+                for mname, sub in value.named_modules():
+                    for attr, item in vars(sub).items():
+                        if item is t:
+                            path = f"{name}.{mname + '.' if mname else ''}{attr}"
+                            return f"`{path}` (a tensor attribute, not a parameter)"
+            else:
+                for attr, item in getattr(value, "__dict__", {}).items():
+                    if item is t:
+                        return f"`{name}.{attr}`"
+        return f"a tensor of shape {tuple(t.shape)}, dtype {t.dtype}"
+
+    def _captured_message(self, t: Tensor) -> str:
+        name = self.op
+        return (
+            f"the forward of `{name}` reads {self._describe(t)}, which requires grad but is "
+            f"not one of its inputs; its gradient would be silently lost, because the rule of "
+            f"`{name}` gives the gradients of the inputs only (the forward runs where "
+            "autograd records nothing). Pass it as an argument (the rule then returns its "
+            "gradient, or None), use `go.Module` for a module's parameters, register the rule "
+            "with `owns=` naming the inputs it owns (the rest, captured tensors included, keep "
+            "their autograd gradient), or `.detach()` it if it should get no gradient."
+        )
+
+    def _inplace_message(self, t: Tensor) -> str:
+        name = self.op
+        slot = self._slot_of(t)
+        which = f"its input `{slot}`" if slot is not None else "one of its tensor inputs"
+        if t.is_leaf:
+            return (
+                f"the forward of `{name}` changed {which} in place after reading it (its "
+                "version counter moved during the call): the rule would read the changed "
+                "value, not the one the forward used. Change it before the forward reads it "
+                "(a constraint such as `w.clamp_(min=0)` first), or outside the forward, after "
+                "the optimizer step."
+            )
+        return (
+            f"the forward of `{name}` changed {which} in place (its version counter moved "
+            "during the call): the rule would read the changed value, and autograd would not "
+            "see the caller's tensor change. Change it out of place (`x = x.relu()` instead "
+            "of `x.relu_()`, or `x = x.clone()` first); for a module built with "
+            "`inplace=True`, build it with `inplace=False`."
+        )
 
 
-def _matters(op: CustomBackward[..., Any], t: Tensor, args: tuple[Any, ...],
-             kwargs: dict[str, Any]) -> bool:
-    """An input changed in place matters when it needs a gradient or the rule reads it."""
-    if t.requires_grad:
-        return True
+def audit_call(op: CustomBackward[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Run `op(*args, **kwargs)` and check it for captured tensors and in-place changes."""
     rule = op._rule
     assert rule is not None
-    name = _slot_of(op, t, args, kwargs)
-    return name is not None and name in rule.requested
-
-
-def _slot_of(op: CustomBackward[..., Any], t: Tensor, args: tuple[Any, ...],
-             kwargs: dict[str, Any]) -> str | None:
-    """The forward parameter holding `t` in this call, if any."""
     sig = op._signature
     try:
         values = sig.bind(args, kwargs)
     except GradOverrideError:
-        return None
-    for name, value in zip(sig.names, values, strict=True):
-        if any(leaf is t for leaf in pytree.tree_leaves(value)):
-            return op._labels.get(name, name) or None
-    return None
+        return op._run(args, kwargs)  # the call's own error, raised by the call itself
+    check = _Check(
+        op._name, sig.names, values, getattr(op, "__wrapped__", None), rule.owns_all,
+        op._tracks_inplace, rule.requested, op._labels,
+    )
+    return check.run(lambda: op._run(args, kwargs))
 
 
-def _describe(t: Tensor, op: CustomBackward[..., Any], args: tuple[Any, ...],
-              kwargs: dict[str, Any]) -> str:
-    """Where a captured tensor comes from, as far as the forward's code tells."""
-    fn = getattr(op, "__wrapped__", None)
-    code = getattr(fn, "__code__", None)
-    if code is not None:
-        for name, cell in zip(code.co_freevars, fn.__closure__ or (), strict=False):  # type: ignore[union-attr]
-            try:
-                if cell.cell_contents is t:
-                    return f"`{name}` (a variable of an enclosing function)"
-            except ValueError:  # an empty cell
-                continue
-        namespace = getattr(fn, "__globals__", {})
-        for name in code.co_names:
-            if namespace.get(name) is t:
-                return f"`{name}` (a global)"
-    sig = op._signature
-    try:
-        values = sig.bind(args, kwargs)
-    except GradOverrideError:
-        values = ()
-    for name, value in zip(sig.names, values, strict=False):
-        if isinstance(value, nn.Module):
-            for pname, p in value.named_parameters():
-                if p is t:
-                    return f"`{name}.{pname}` (a parameter of the module passed as `{name}`)"
-        else:
-            for attr, item in getattr(value, "__dict__", {}).items():
-                if item is t:
-                    return f"`{name}.{attr}`"
-    return f"a tensor of shape {tuple(t.shape)}, dtype {t.dtype}"
-
-
-def _captured_message(op: CustomBackward[..., Any], t: Tensor, args: tuple[Any, ...],
-                      kwargs: dict[str, Any]) -> str:
-    name = op._name
-    return (
-        f"the forward of `{name}` reads {_describe(t, op, args, kwargs)}, which requires grad "
-        f"but is not one of its inputs; its gradient would be silently lost, because the "
-        f"rule of `{name}` gives the gradients of the inputs only (the forward runs where "
-        "autograd records nothing). Pass it as an argument (the rule then returns its "
-        "gradient, or None), use `go.Module` for a module's parameters, register the rule "
-        "with `owns=` naming the inputs it owns (the rest, captured tensors included, keep "
-        "their autograd gradient), or `.detach()` it if it should get no gradient."
+def _module_check(op: ModuleOp, values: tuple[Any, ...]) -> _Check:
+    rule = op._rule
+    return _Check(
+        op._name, op.slots.names, values, op.forward, rule.owns_all, op.inplace,
+        rule.requested, {},
     )
 
 
-def _inplace_message(op: CustomBackward[..., Any], t: Tensor, args: tuple[Any, ...],
-                     kwargs: dict[str, Any]) -> str:
-    name = op._name
-    slot = _slot_of(op, t, args, kwargs)
-    which = f"its input `{slot}`" if slot is not None else "one of its tensor inputs"
-    if t.is_leaf:
-        return (
-            f"the forward of `{name}` changed {which} in place after reading it (its "
-            "version counter moved during the call): the rule would read the changed value, "
-            "not the one the forward used. Change it before the forward reads it (a "
-            "constraint such as `w.clamp_(min=0)` first), or outside the forward, after "
-            "the optimizer step."
-        )
-    return (
-        f"the forward of `{name}` changed {which} in place (its version counter moved "
-        "during the call): the rule would read the changed value, and autograd would not "
-        "see the caller's tensor change. Change it out of place (`x = x.relu()` instead of "
-        "`x.relu_()`, or `x = x.clone()` first); for a module built with `inplace=True`, "
-        "build it with `inplace=False`."
-    )
+def audit_module_call(op: ModuleOp, values: tuple[Any, ...], state: CallState) -> Any:
+    """Run a module's op on `values` and check it as `audit_call` does; its backward checks
+    that the rule writes no parameter's `.grad` (see `watching_grads`)."""
+    state.watch = watching_grads
+    return _module_check(op, values).run(lambda: op._route.run_bound(values, state))
+
+
+class ModuleAudit:
+    """The check of a module call whose forward the module runs itself, between its forward
+    hooks (`override_backward`): `begin` in the pre-hook, `end` and `finish` after."""
+
+    def __init__(self, op: ModuleOp, values: tuple[Any, ...], state: CallState) -> None:
+        self.check = _module_check(op, values)
+        state.watch = watching_grads
+
+    def begin(self) -> None:
+        self.check.begin()
+
+    def end(self) -> None:
+        self.check.end()
+
+    def finish(self, result: Any) -> None:
+        self.check.finish(result)
+
+
+class _GradWrites(TorchFunctionMode):
+    """Raises when a rule writes the `.grad` of one of `tensors` (by name): sets it, or
+    changes it in place. Thread-local, as every mode is, so another thread's backward
+    accumulating into the same `.grad` is not mistaken for the rule's write."""
+
+    def __init__(self, op: str, tensors: dict[str, Tensor]) -> None:
+        super().__init__()
+        self.op = op
+        self.named = {id(t): name for name, t in tensors.items()}
+        self.grads: dict[int, str] = {}  # id of a `.grad` read -> its tensor's name
+
+    def __torch_function__(
+        self, func: Callable[..., Any], types: Any, args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        owner = getattr(getattr(func, "__self__", None), "__name__", "")
+        if owner == "grad" and args and id(args[0]) in self.named:
+            if name == "__set__":
+                raise GradOverrideError(wrote_grad_message(self.op, self.named[id(args[0])]))
+            result = func(*args, **kwargs)
+            if isinstance(result, Tensor):
+                self.grads[id(result)] = self.named[id(args[0])]
+            return result
+        if (
+            name.endswith("_") and not name.endswith("__") and args
+            and isinstance(args[0], Tensor) and id(args[0]) in self.grads
+        ):
+            raise GradOverrideError(wrote_grad_message(self.op, self.grads[id(args[0])]))
+        return func(*args, **kwargs)
+
+
+@contextmanager
+def watching_grads(op: str, tensors: dict[str, Tensor]) -> Iterator[None]:
+    """While a checked call's rule runs: a `.grad` it writes raises (see `_GradWrites`)."""
+    with _GradWrites(op, tensors):
+        yield

@@ -15,7 +15,7 @@ from typing_extensions import ParamSpec
 from ._backends import backend
 from ._errors import GradOverrideError, GradOverrideTypeError
 from ._frameworks import any_tensorflow, autograph_artifact
-from ._function import build_call
+from ._function import RECORDERS, OpPlan, Route, build_route
 from ._internals import transforms_active
 from ._jit import refuse_scripting
 from ._pickling import found_at_its_name, require_importable
@@ -47,13 +47,17 @@ _OPS: weakref.WeakSet[CustomBackward[..., Any]] = weakref.WeakSet()
 #: Told of each op when its rule is registered (a running `go.monitor`, for ops made while it
 #: records); empty otherwise.
 ON_REGISTER: list[Callable[[CustomBackward[..., Any]], None]] = []
+#: Told when every op and module is to be checked again (`arm_all`).
+ON_ARM: list[Callable[[], None]] = []
 
 
 def arm_all() -> None:
-    """Make every op check its next eager call (see `_audit`): what the testing tools do
-    before each run."""
+    """Make every op and module check its next eager call (see `_audit`): what the testing
+    tools do before each run."""
     for op in list(_OPS):
-        op._arm_audit()
+        op._check_next = True
+    for listener in ON_ARM:
+        listener()
 
 
 @autograph_artifact
@@ -78,8 +82,8 @@ class CustomBackward(Generic[P, R]):
     # Set when the rule is registered (class defaults until then).
     _tracks_inplace = False  # the forward's in-place changes to its inputs are marked dirty
     _labels: dict[str, str] = {}  # noqa: RUF012 - replaced per op; names shown in messages
-    _fast_class: type | None = None
-    _audit_class: type | None = None
+    # Whether the next eager call with grad enabled is checked (see `_audit`): the first.
+    _check_next = False
     # (factory, args, kwargs) that rebuild this op when pickled by value; set by the
     # factories that make ops (straight_through) whose rule is generated.
     _rebuild: tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]] | None = None
@@ -122,8 +126,9 @@ class CustomBackward(Generic[P, R]):
         self._residuals = residuals
         self._rule_options = rule_options or {}
         self._rule: RuleSpec | None = None
-        self._run: Callable[..., Any] | None = None
-        self._function: type[torch.autograd.Function] | None = None
+        self._route: Route | None = None
+        # The entry a call takes: the route's once a rule is registered.
+        self._run: Callable[[tuple[Any, ...], dict[str, Any]], Any] = self._no_rule
         # The TensorFlow side, built when the first TensorFlow tensor arrives. A rule written
         # in torch ops by gradoverride itself (straight_through's) has a TensorFlow twin here.
         self._tensorflow_call: Callable[[tuple[Any, ...], dict[str, Any]], Any] | None = None
@@ -133,18 +138,39 @@ class CustomBackward(Generic[P, R]):
         self._tensorflow_variable_names: Callable[[dict[str, Any], Any], str | None] | None = None
 
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
-        run = self._run
-        if run is None:
-            short = getattr(self, "__name__", self._name)
-            msg = (
-                f"`{self._name}` has no backward rule yet; register one before calling it:\n\n"
-                f"    @{short}.backward\n"
-                f"    def _(grad, *, ...):  # name the inputs the rule needs\n"
-                f"        return ...\n"
-            )
-            raise GradOverrideError(msg)
-        result: R = run(self, *args, **kwargs)
+        if self._check_next or RECORDERS:
+            return self._watched_call(args, kwargs)  # type: ignore[no-any-return]
+        result: R = self._run(args, kwargs)
         return result
+
+    def _no_rule(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        short = getattr(self, "__name__", self._name)
+        msg = (
+            f"`{self._name}` has no backward rule yet; register one before calling it:\n\n"
+            f"    @{short}.backward\n"
+            f"    def _(grad, *, ...):  # name the inputs the rule needs\n"
+            f"        return ...\n"
+        )
+        raise GradOverrideError(msg)
+
+    def _watched_call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """A call to check (the first eager call with grad enabled: captured tensors, inputs
+        changed in place; see `_audit`) or to record (see `_recorder`)."""
+        if is_dynamo_compiling() or any_tensorflow(args, kwargs):
+            return self._run(args, kwargs)
+        if not self._check_next or transforms_active() or not torch.is_grad_enabled():
+            run = functools.partial(self._run, args, kwargs)
+        else:
+            from ._audit import audit_call  # imported at the first check, not with the package
+
+            def run() -> Any:
+                result = audit_call(self, args, kwargs)
+                self._check_next = False
+                return result
+
+        if RECORDERS:
+            return RECORDERS[0].op_call(self, args, kwargs, run)
+        return run()
 
     @overload
     def backward(
@@ -249,36 +275,23 @@ class CustomBackward(Generic[P, R]):
         module = getattr(self.__wrapped__, "__module__", None) or __name__
         self._tracks_inplace = bool(options.get("track_inplace", False))
         self._labels = dict(options.get("labels", {}))
-        self._run, self._function = build_call(
-            self._name, module, self._signature, spec, self._residuals, self._run_tensorflow,
-            track_inplace=self._tracks_inplace, labels=self._labels,
-        )
-        # The op's `__call__` (AutoGraph converts a callable object's `__call__` unless the
-        # function itself is marked).
-        autograph_artifact(self._run)
+        sig = self._signature
+        self._route = build_route(OpPlan(
+            op=self._name, module=module, names=sig.names, labels=self._labels,
+            bind=sig.bind, call=sig.call, plain=sig.fn if sig.is_plain else None, rule=spec,
+            residuals=self._residuals, track_inplace=self._tracks_inplace, form=None,
+            run_tensorflow=self._run_tensorflow,
+        ))
+        # (AutoGraph converts the functions a callable object calls unless they are marked.)
+        self._run = autograph_artifact(self._route.run)
         self._rule = spec
-        # Calls then go straight to the generated entry point: `op(x)` looks `__call__` up on
-        # the type, so a per-op subclass whose `__call__` is that entry point saves a Python
-        # frame on every call (the small-tensor overhead budget is a few microseconds).
-        # A plain method, not a staticmethod: dynamo traces user `__call__` methods.
-        base = type(self)
-        namespace = {"__module__": base.__module__, "__qualname__": base.__qualname__}
-        self._fast_class = type(base.__name__, (base,), {**namespace, "__call__": self._run})
         # The first eager call with grad enabled is checked (captured tensors, inputs changed
-        # in place; see _audit), then the op switches to the fast class.
-        self._audit_class = type(
-            base.__name__, (self._fast_class,), {**namespace, "__call__": _first_call}
-        )
-        self.__class__ = self._audit_class
+        # in place; see _audit).
+        self._check_next = True
         _OPS.add(self)
         for listener in ON_REGISTER:
             listener(self)
         return rule
-
-    def _arm_audit(self) -> None:
-        """Check the next eager call (see `gradoverride._audit`)."""
-        if self._audit_class is not None:
-            self.__class__ = self._audit_class
 
     def _run_tensorflow(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """A call with TensorFlow tensors: the same rule contract on `tf.custom_gradient`."""
@@ -313,10 +326,10 @@ class CustomBackward(Generic[P, R]):
     @property
     def function(self) -> type[torch.autograd.Function]:
         """The generated `torch.autograd.Function` class (after a rule is registered)."""
-        if self._function is None:
+        if self._route is None:
             msg = f"`{self._name}` has no backward rule yet, so no Function was generated."
             raise GradOverrideError(msg)
-        return self._function
+        return self._route.function
 
     @property
     def parameters(self) -> tuple[str, ...]:
@@ -568,25 +581,6 @@ def custom_backward(
     if fn is None:
         return autograph_artifact(decorate)
     return decorate(fn)
-
-
-@autograph_artifact
-def _first_call(op: CustomBackward[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """`__call__` until an eager call with grad enabled has been checked (see `_audit`)."""
-    run = op._run
-    assert run is not None
-    if (
-        is_dynamo_compiling()
-        or transforms_active()
-        or not torch.is_grad_enabled()
-        or any_tensorflow(args, kwargs)
-    ):
-        return run(op, *args, **kwargs)
-    from ._audit import audit_call  # imported at the first checked call, not with the package
-
-    result = audit_call(op, args, kwargs)
-    op.__class__ = op._fast_class  # type: ignore[assignment]
-    return result
 
 
 def _rebuild_with(factory: Callable[..., Any], args: tuple[Any, ...],

@@ -1,67 +1,98 @@
-"""Building the `torch.autograd.Function` for a forward and its rule, once per registration.
+"""The one route of an op: from a call to its Function, and from backward to its rule.
 
-Two shapes, chosen by what the rule owns:
+Every op (`custom_backward`, `straight_through`, the recipes, and the op built around a
+module's forward for `go.Module` and `override_backward`) is built here from an `OpPlan`,
+once, when its rule is registered. A call goes one way:
 
-* the rule owns every input (the default): the forward runs inside `Function.forward`, where
-  autograd records nothing, and the rule supplies every gradient;
-* the rule owns some inputs: the forward runs outside, on the ordinary graph, with the owned
-  inputs detached, so the others get their ordinary autograd gradient; an "attach" Function
-  then passes the outputs through unchanged and adds the rule's gradients for the owned
-  inputs. Nothing is recomputed in backward, which keeps this form traceable by
-  `torch.compile` and usable under `torch.func`.
+1. `run(args, kwargs)` binds the call to one value per slot (`run_bound` starts here for a
+   module, whose values are its forward's inputs and its parameters); containers of
+   tensors are spread into their leaves (`CallState.layout`);
+2. when no gradient can be computed (grad mode off, `inference_mode`; while compiling, no
+   tensor that requires grad), the plain forward runs and nothing else: compiled inference
+   and `torch.jit.trace` see the forward alone;
+3. otherwise a Function runs the forward and keeps what the rule names. Two shapes, chosen
+   by what the rule owns:
 
-Both are written in the `forward` + `setup_context` form with `generate_vmap_rule = True`, as
-`torch.func` requires, and are named after the user's function (`CustomBackward_quantize`), so
-`grad_fn` reprs, tracebacks and profiles say where they come from.
+   * the rule owns every input (the default): the forward runs inside `Function.forward`,
+     where autograd records nothing, and the rule supplies every gradient;
+   * the rule owns some inputs: the forward runs outside, on the ordinary graph, with the
+     owned inputs detached, so the others get their ordinary autograd gradient; an
+     "attach" Function then passes the outputs through unchanged and adds the rule's
+     gradients for the owned inputs. Nothing is recomputed in backward, which keeps this
+     form traceable by `torch.compile` and usable under `torch.func`. A module's forward
+     hooks (`override_backward`) use it too, with the forward run by the module itself.
 
-Each call passes a `CallState` as the first, non-tensor argument: how the inputs were
-flattened and, written by the forward, how to rebuild the outputs. It holds no tensors.
+   Each shape has one Function in the `forward` + `setup_context` form, which
+   `torch.compile` and `torch.func` need (with `generate_vmap_rule = True`), and the owning
+   shape has an eager twin in the classic `forward(ctx, ...)` form, generated for its
+   parameter count (`_generate`): `Function.apply` binds its signature on every call for
+   the `setup_context` form (about 1.5x a classic Function on small tensors), so an eager
+   call without a `torch.func` transform takes the twin through `_C._FunctionBase.apply`;
+4. `backward` calls `run_rule`, the one place that calls a rule: under the forward's
+   autocast state, with the names it asks for, with a module's parameters as the forward
+   saw them; what the rule returned becomes checked gradients in `_gradients`.
 
-The common call (plain tensor and non-tensor arguments, one tensor output, no residuals) has
-a fast path in `setup_context` and `backward`; the performance contract (at most 1.05x a
-hand-written classic Function on small tensors) is measured by `benchmarks/overhead.py`.
+The Functions are named after the user's function (`CustomBackward_quantize`), so `grad_fn`
+reprs, tracebacks and profiles say where they come from. Each call passes a `CallState` as
+the first, non-tensor argument: how the inputs were flattened and, written by the forward,
+how to rebuild the outputs.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from typing import Any
+import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from typing import Any, NamedTuple
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 from torch.compiler import is_dynamo_compiling
 from torch.utils import _pytree as pytree
 
 from ._errors import GradOverrideError, GradOverrideTypeError
-from ._fastpath import generate
 from ._frameworks import any_tensorflow
-from ._gradients import SKIP, check_gradient, flat_gradients, slot_ranges, takes_gradient
+from ._gradients import SKIP, ModuleForm, flat_gradients, slot_ranges, takes_gradient
 from ._internals import (
     FAST_APPLY,
     any_autocast_enabled,
     raw_apply,
+    tracing_state,
     transforms_active,
 )
+from ._jit import jit_message
 from ._passthrough import as_output, related, shows_input
 from ._rule import RuleSpec
-from ._signature import ForwardSignature
 
 __all__ = [
+    "RECORDERS",
     "CallState",
-    "build_call",
+    "OpPlan",
+    "Route",
+    "build_route",
     "check_output_count",
+    "current_parameter",
     "flatten_inputs",
+    "parameters_as",
+    "saved_for",
     "unflatten_inputs",
     "unpack_residuals",
 ]
 
 _CONTAINERS = (tuple, list, dict)
 
+#: The diagnostics recorder running now, if any (`go.monitor`, `go.overrides` with inputs,
+#: `gradient_report`): every op and module call consults it, in eager mode.
+RECORDERS: list[Any] = []
+
 
 class CallState:
-    """Per-call, tensor-free bookkeeping shared by the wrapper, forward and backward.
+    """Per-call bookkeeping shared by the entry, the forward and backward.
 
-    Class attributes are the defaults, so the common call allocates an empty object.
+    Class attributes are the defaults, so the common call allocates an empty object. It holds
+    no tensors, but for a module op's floating buffers (`buffers`), which the rule reads as
+    the forward saw them and which get no gradient (nor a version check: a forward updating
+    its running statistics in place must not trip it).
     """
 
     layout: Any = None  # None, or per parameter: None | (treespec, n_leaves)
@@ -71,13 +102,64 @@ class CallState:
     # per declared residual: index into the residual tensors | _Static | _OutputRef | _InputRef
     residuals: tuple[Any, ...] = ()
     n_in = 0  # flat inputs (set by the attach form)
+    n_tensor_in = 0  # of which tensors (the attach form)
     dirty: tuple[int, ...] = ()  # flat inputs the forward changed in place (tracked ops only)
     input_views: tuple[int, ...] = ()  # outputs showing an input (the attach form)
+    buffers: dict[str, Tensor] | None = None  # a module op's floating buffers
+    # Copies of inputs the rule reads, taken before a forward that changes its inputs in
+    # place (by flat index): saved instead of the inputs.
+    copies: dict[int, Tensor] | None = None
+    # The attach form, for a forward the module ran itself: the inputs' version counters
+    # before it, and the outputs that are inputs it changed in place (marked dirty).
+    versions: tuple[int | None, ...] | None = None
+    dirty_outputs: tuple[int, ...] = ()
+    eager = False  # applied through the eager entry (see `setup`'s `held`)
+    # A checked call's watch on its rule (see `_audit`): `watch(op, parameters)` is a
+    # context manager under which writing a parameter's `.grad` raises.
+    watch: Callable[[str, dict[str, Tensor]], Any] | None = None
 
     def __repr__(self) -> str:
         # The same text for every call: torch.jit.trace compares the graphs of two calls,
         # and prints this object (a constant argument of the recorded op) in them.
         return "CallState()"
+
+
+class OpPlan(NamedTuple):
+    """Everything an op's route needs, read once when its rule is registered."""
+
+    op: str  # the name messages use
+    module: str  # `__module__` of the generated classes
+    names: tuple[str, ...]  # one per slot
+    labels: Mapping[str, str]  # names shown in messages where they differ
+    bind: Callable[[tuple[Any, ...], dict[str, Any]], tuple[Any, ...]]
+    call: Callable[[Sequence[Any]], Any]  # the forward, given one value per slot
+    plain: Callable[..., Any] | None  # the forward as `fn(*values)`, where it takes that
+    rule: RuleSpec
+    residuals: tuple[str, ...]
+    track_inplace: bool  # the forward may change its inputs in place (marked dirty)
+    form: ModuleForm | None  # a module's op
+    run_tensorflow: Callable[[tuple[Any, ...], dict[str, Any]], Any]
+    # False: the forward runs outside the route, and only `attach` is used (a module's
+    # forward hooks run it, under no_grad when the rule owns everything).
+    runs_forward: bool = True
+
+
+class Route:
+    """An op's built route: the entries a call takes, and the Function behind them."""
+
+    __slots__ = ("attach", "function", "run", "run_bound")
+
+    def __init__(
+        self,
+        run: Callable[[tuple[Any, ...], dict[str, Any]], Any],
+        run_bound: Callable[[tuple[Any, ...], CallState], Any],
+        attach: Callable[[tuple[Any, ...], CallState, Any], Any] | None,
+        function: type[torch.autograd.Function],
+    ) -> None:
+        self.run = run
+        self.run_bound = run_bound
+        self.attach = attach
+        self.function = function
 
 
 class _Static:
@@ -136,7 +218,7 @@ def flatten_inputs(
     return tuple(flat), tuple(layout)
 
 
-def unflatten_inputs(flat: tuple[Any, ...], layout: Any) -> tuple[Any, ...]:
+def unflatten_inputs(flat: Sequence[Any], layout: Any) -> tuple[Any, ...]:
     values: list[Any] = []
     i = 0
     for entry in layout:
@@ -148,11 +230,6 @@ def unflatten_inputs(flat: tuple[Any, ...], layout: Any) -> tuple[Any, ...]:
             values.append(pytree.tree_unflatten(list(flat[i : i + n]), spec))
             i += n
     return tuple(values)
-
-
-def _leaf_ranges(layout: Any, n_params: int) -> list[tuple[int, int]]:
-    """Per parameter, the range of flat inputs holding it."""
-    return [(start, stop) for start, stop, _ in slot_ranges(layout, n_params)]
 
 
 def unpack_residuals(result: Any, names: tuple[str, ...], op: str) -> tuple[Any, dict[str, Any]]:
@@ -172,6 +249,682 @@ def unpack_residuals(result: Any, names: tuple[str, ...], op: str) -> tuple[Any,
         )
         raise GradOverrideError(msg)
     return output, given
+
+
+def check_output_count(n_grads: int | None, n_top: int, rule_name: str, op: str) -> None:
+    """A rule takes one upstream gradient per output (any number with `*grads`)."""
+    if n_grads is not None and n_grads != n_top:
+        msg = (
+            f"backward rule `{rule_name}` of `{op}` takes {n_grads} upstream "
+            f"gradient(s), but `{op}` returned {n_top} output(s); give the rule "
+            "one positional parameter per output (or `*grads`)."
+        )
+        raise GradOverrideTypeError(msg)
+
+
+def saved_for(
+    ctx: Any, op: str, names: Sequence[str], labels: Mapping[str, str] | None = None
+) -> tuple[Tensor, ...]:
+    """`ctx.saved_tensors`, with PyTorch's error for a saved tensor changed in place since
+    the forward said in the op's terms: which values the rule reads, and the fix. (Any other
+    error is raised as is.)"""
+    try:
+        saved: tuple[Tensor, ...] = ctx.saved_tensors
+    except RuntimeError as exc:
+        if "modified by an inplace operation" not in str(exc):
+            raise
+        shown = [(labels or {}).get(n, n) for n in names]
+        listed = ", ".join(f"`{n}`" for n in shown if n)
+        msg = (
+            f"the backward rule of `{op}` reads {listed}, and one of them was changed in "
+            "place after the forward (an in-place op such as `relu_()` on the result or on "
+            "an input), so the rule would read a value the forward never saw. Make that op "
+            "out of place (`y = torch.relu(y)`), or apply it to a copy (`y.clone()`)."
+        )
+        raise GradOverrideError(msg) from exc
+    return saved
+
+
+# ---- a module's parameters, as the forward or the rule sees them ----------------------------
+
+try:  # the context manager `torch.func.functional_call` is built on
+    from torch.nn.utils.stateless import _reparametrize_module as _reparametrize
+except ImportError:  # pragma: no cover - depends on torch version
+    _reparametrize = None  # type: ignore[assignment]
+
+
+def current_parameter(module: nn.Module, name: str) -> Tensor | None:
+    """The tensor `module` holds as parameter `name` now (a dotted name for a submodule's)."""
+    if "." not in name:
+        found: Any = module._parameters.get(name)
+        return found  # type: ignore[no-any-return]
+    try:
+        return module.get_parameter(name)
+    except AttributeError:
+        return None
+
+
+@contextmanager
+def parameters_as(module: nn.Module, values: Mapping[str, Tensor]) -> Iterator[None]:
+    """Run with `module`'s parameters and buffers (by dotted name) replaced by `values`
+    where they differ (what `torch.func.functional_call` does for a call)."""
+    swap = {name: v for name, v in values.items() if _held(module, name) is not v}
+    if not swap:
+        yield
+        return
+    if _reparametrize is None:  # pragma: no cover
+        msg = (
+            "this torch has no `torch.nn.utils.stateless._reparametrize_module`, which a module "
+            "rule needs to see the parameters its forward saw; call the module directly, "
+            "not through functional_call."
+        )
+        raise GradOverrideError(msg)
+    with _reparametrize(module, swap):
+        yield
+
+
+def _held(module: nn.Module, name: str) -> Any:
+    prefix, _, leaf = name.rpartition(".")
+    owner: Any = module.get_submodule(prefix) if prefix else module
+    if leaf in owner._parameters:
+        return owner._parameters[leaf]
+    return owner._buffers.get(leaf)
+
+
+class _StaleParameter(Tensor):
+    """What a rule reads for a parameter changed in place between its forward and backward:
+    any use beyond its metadata raises, naming the parameter (a rule that never reads it runs,
+    as plain autograd runs when no saved tensor was changed)."""
+
+    _gradoverride_stale: tuple[str, str]
+
+    @classmethod
+    def __torch_function__(
+        cls, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None
+    ) -> Any:
+        name = getattr(func, "__name__", "")
+        if name == "__get__":
+            prop = getattr(getattr(func, "__self__", None), "__name__", "")
+            if prop in ("shape", "dtype", "device", "layout", "requires_grad", "ndim"):
+                with torch._C.DisableTorchFunctionSubclass():
+                    return func(*args, **(kwargs or {}))
+        if name in ("size", "dim", "numel", "__repr__", "__format__", "is_floating_point"):
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **(kwargs or {}))
+        stale = next(
+            a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, _StaleParameter)
+        )
+        op, parameter = stale._gradoverride_stale
+        msg = (
+            f"the backward rule of `{op}` reads the parameter `{parameter}`, which was changed "
+            "in place after the forward (an optimizer step, or an in-place update such as "
+            "`.mul_()` or `.copy_()`, between forward and backward), so it would compute with "
+            "a value the forward never used. Run backward before changing the parameter, or "
+            "change it out of place."
+        )
+        raise GradOverrideError(msg)
+
+
+def _stale(p: Tensor, op: str, name: str) -> Tensor:
+    # `.data`: the new tensor's version counter is its own, so saving it trips nothing.
+    stale = torch.Tensor._make_subclass(_StaleParameter, p.data, False)
+    stale._gradoverride_stale = (op, name)
+    return stale
+
+
+# ---- building an op's route ------------------------------------------------------------------
+
+
+def _identifier(name: str) -> str:
+    return "".join(c if c.isalnum() else "_" for c in name.split(".")[-1]) or "op"
+
+
+# What `setup` leaves on `ctx.gradoverride` for backward, as a tuple (built on every call,
+# so no class): (state, meta, plan, out_meta, autocast, unowned, held), where
+#   meta     per flat input: None (not a tensor) | SKIP | (shape, dtype, device);
+#   plan     per named value: (name, None | treespec, entries), an entry being an index
+#            into saved_tensors or a _Static;
+#   out_meta output metadata, when we materialize zero gradients ourselves, else None;
+#   autocast (device_type, dtype, enabled) the forward ran under, else None;
+#   unowned  (flat index, shape, dtype, device) of inputs needing a gradient the rule does
+#            not give (for the zeros a compiled backward needs, see `_fill_none`);
+#   held     a module op's (module, parameters, versions): the parameters the forward saw,
+#            as tensors (the eager twin, where the module holds them anyway) or as indices
+#            into saved_tensors, and their version counters then (or None).
+# The generated eager twin leaves its own, shorter record (see `_generate`). Tensors go
+# through save_for_backward, but for a module's parameters in the eager twin (see `held`).
+
+
+def build_route(plan: OpPlan) -> Route:
+    """The route of the op `plan` describes (see the module docstring)."""
+    op, names, rule = plan.op, plan.names, plan.rule
+    labels = plan.labels
+    n_params = len(names)
+    owned = rule.owned
+    form = plan.form
+    residuals = plan.residuals
+    requested_slots = rule.requested_slots
+    wants_output = rule.wants_output
+    wants_needs_grad = rule.wants_needs_grad
+    materialize = rule.materialize_grads
+    once = rule.once_differentiable
+    # Plain values only in these closures: dynamo cannot wrap a RuleSpec object met while
+    # speculating a Function's forward.
+    n_grads = rule.n_grads
+    rule_name = rule.name
+    user_rule = rule.rule
+    method = rule.method
+    requested_residuals = rule.requested_residuals
+    note = f"(raised in backward rule `{rule_name}` of `{op}`)"
+    param_slots = () if form is None else form.params
+    param_names = tuple(names[i] for i in param_slots)
+    owned_params = tuple(names[i] for i in param_slots if owned[i])
+
+    # ---- forward-side bookkeeping ---------------------------------------------------------
+
+    def setup(
+        ctx: Any,
+        state: CallState,
+        flat: tuple[Any, ...],
+        outputs: tuple[Any, ...],
+        residual_tensors: tuple[Any, ...],
+    ) -> None:
+        check_output_count(n_grads, state.n_top, rule_name, op)
+        needs = ctx.needs_input_grad  # [0] is the CallState
+        ranges = slot_ranges(state.layout, n_params)
+        meta: list[Any] = []
+        # Inputs that need a gradient the rule does not give (not owned): their metadata, for
+        # the zeros a compiled backward returns instead of None (see `_fill_none`). Owned
+        # ones have theirs in `meta`.
+        unowned: list[tuple[int, Any, Any, Any]] = []
+        for slot, (start, stop, _) in enumerate(ranges):
+            for i in range(start, stop):
+                value = flat[i]
+                if not takes_gradient(value):
+                    # Not a tensor, or an integer/bool tensor (an index): never owned, so a
+                    # lone returned tensor belongs to the one floating input.
+                    meta.append(None)
+                elif needs[i + 1]:
+                    if owned[slot]:
+                        meta.append((value.shape, value.dtype, value.device))
+                    else:
+                        meta.append(SKIP)
+                        unowned.append((i, value.shape, value.dtype, value.device))
+                else:
+                    meta.append(SKIP)
+
+        to_save: list[Tensor] = []
+        plan_: list[tuple[str, Any, tuple[Any, ...]]] = []
+
+        def keep(name: str, spec: Any, leaves: Sequence[Any]) -> None:
+            entries: list[Any] = []
+            for leaf in leaves:
+                if isinstance(leaf, Tensor):
+                    entries.append(len(to_save))
+                    to_save.append(leaf)
+                else:
+                    entries.append(_Static(leaf))
+            plan_.append((name, spec, tuple(entries)))
+
+        copies = state.copies
+        for name, slot in requested_slots:
+            start, stop, spec = ranges[slot]
+            values = flat[start:stop]
+            if copies:
+                values = tuple(copies.get(i, v) for i, v in zip(range(start, stop), values))
+            keep(name, spec, values)
+        if wants_output:
+            keep("output", state.out_spec, outputs)
+        for name, index in requested_residuals:
+            entry = state.residuals[index]
+            if isinstance(entry, _Static):
+                plan_.append((name, None, (entry,)))
+            elif isinstance(entry, _OutputRef):
+                keep(name, None, (outputs[entry.index],))
+            elif isinstance(entry, _InputRef):
+                keep(name, None, (flat[entry.index],))
+            else:
+                keep(name, None, (residual_tensors[entry],))
+        held = None
+        if form is not None:
+            # The parameters the forward saw, for the rule (under functional_call the module
+            # holds others by then): in the eager twin by reference, with their version
+            # counters (the module holds them anyway; a rule reading one changed in place
+            # since gets an error, one that does not read it runs); else saved.
+            module = flat[0]
+            params = tuple(flat[ranges[i][0]] for i in param_slots)
+            if state.eager:
+                held = (module, params, tuple(p._version for p in params))
+            else:
+                held = (module, tuple(range(len(to_save), len(to_save) + len(params))), None)
+                to_save.extend(params)
+        if state.dirty:
+            dirty = [flat[i] for i in state.dirty]
+            if not all(any(t is o for o in outputs) for t in dirty):
+                msg = (
+                    f"the forward of `{op}` changed one of its tensor inputs in place but did "
+                    "not return it; an input changed in place must be returned as an output "
+                    "(as `x.relu_()` returns `x`), or changed out of place."
+                )
+                raise GradOverrideError(msg)
+            ctx.mark_dirty(*dirty)
+        if to_save:
+            ctx.save_for_backward(*to_save)
+
+        out_meta = None
+        # Residual tensors are extra outputs and stay differentiable: a second
+        # differentiation that reaches one arrives in backward as a gradient for it, and is
+        # refused there (a residual is a constant to autograd: silently wrong otherwise).
+        if residual_tensors or not materialize:
+            # Residual outputs would get materialized zero gradients; when the rule wants
+            # materialized gradients we make zeros for the real outputs only.
+            ctx.set_materialize_grads(False)
+            if residual_tensors and materialize:
+                out_meta = tuple(
+                    (o.shape, o.dtype, o.device) if isinstance(o, Tensor) else None
+                    for o in outputs
+                )
+        autocast = _autocast_state(flat) if any_autocast_enabled() else None
+        ctx.gradoverride = (state, meta, tuple(plan_), out_meta, autocast, tuple(unowned), held)
+
+    # ---- backward: the one place that calls the rule ----------------------------------------
+
+    def run_rule(ctx: Any, grads: tuple[Any, ...]) -> list[Tensor | None]:
+        """Call the rule; one checked gradient per flat input."""
+        state, meta, plan_, out_meta, autocast, _, held = ctx.gradoverride
+        kwargs: dict[str, Any] = {}
+        saved: tuple[Tensor, ...] = ()
+        if plan_ or (held is not None and held[2] is None):
+            read = [name for name, _, _ in plan_]
+            if held is not None and held[2] is None:
+                read += list(param_names)
+            saved = saved_for(ctx, op, read, labels)
+        for name, spec, entries in plan_:
+            leaves = [saved[e] if type(e) is int else e.value for e in entries]
+            kwargs[name] = leaves[0] if spec is None else pytree.tree_unflatten(leaves, spec)
+        if wants_needs_grad:
+            kwargs["needs_grad"] = _needs_grad_map(ctx.needs_input_grad, state)
+
+        if state.out_spec is None:
+            rule_grads = grads[:1]
+        else:
+            upstream = grads[: state.n_out]
+            if out_meta is not None:
+                upstream = tuple(
+                    torch.zeros(m[0], dtype=m[1], device=m[2]) if g is None and m else g
+                    for g, m in zip(upstream, out_meta, strict=True)
+                )
+            tree = pytree.tree_unflatten(list(upstream), state.out_spec)
+            rule_grads = tuple(tree) if state.n_top > 1 or type(tree) is tuple else (tree,)
+
+        if held is None:
+            result = call_rule(user_rule, rule_grads, kwargs, autocast, once, note)
+        else:
+            module, params, versions = held
+            if versions is None:
+                params = tuple(saved[i] for i in params)
+            result = _call_module_rule(
+                module, params, versions, state, rule_grads, kwargs, autocast
+            )
+        flat_grads = flat_gradients(
+            result, op=op, names=names, owned=owned, layout=state.layout, meta=meta,
+            module=form,
+        )
+        if once and torch.is_grad_enabled():
+            flat_grads = _guard(op, flat_grads, rule_grads, saved)
+        return flat_grads
+
+    def _needs_grad_map(needs: tuple[bool, ...], state: CallState) -> dict[str, bool]:
+        ranges = slot_ranges(state.layout, n_params)
+        shown = range(n_params) if form is None else range(1, n_params)
+        return {
+            names[slot]: owned[slot] and any(needs[ranges[slot][0] + 1 : ranges[slot][1] + 1])
+            for slot in shown
+        }
+
+    def _call_module_rule(
+        module: nn.Module,
+        params: tuple[Tensor, ...],
+        versions: tuple[int, ...] | None,
+        state: CallState,
+        grads: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        autocast: tuple[str, Any, bool] | None,
+    ) -> Any:
+        """The rule of a module's op, with the module holding what its forward saw."""
+        args = (module, *grads) if method else grads
+        seen: dict[str, Tensor] = {}
+        for name, p, version in zip(
+            param_names, params, versions or (None,) * len(params), strict=True
+        ):
+            seen[name] = p if version is None or p._version == version else _stale(p, op, name)
+        if state.buffers:
+            seen.update(state.buffers)
+        # The `.grad` a rule might write: read before it runs (see `_wrote_grad`).
+        watch = owned_params if not is_dynamo_compiling() and _single_thread() else ()
+        current = [current_parameter(module, n) for n in watch]
+        before = [None if p is None else p.grad for p in current]
+        if state.watch is not None and not is_dynamo_compiling():
+            with state.watch(op, dict(zip(param_names, params, strict=True))), \
+                    parameters_as(module, seen):
+                result = call_rule(user_rule, args, kwargs, autocast, once, note)
+        else:
+            with parameters_as(module, seen):
+                result = call_rule(user_rule, args, kwargs, autocast, once, note)
+        for name, p, grad in zip(watch, current, before, strict=True):
+            if p is not None and p.grad is not grad:
+                raise GradOverrideError(wrote_grad_message(op, name))
+        return result
+
+    def backward_general(ctx: Any, grads: tuple[Any, ...]) -> Any:
+        state = ctx.gradoverride[0]
+        if residuals and not torch.compiler.is_compiling():
+            _refuse_residual_gradients(op, residuals, state, grads[state.n_out :])
+        record = ctx.gradoverride
+        return (None, *_fill_none(run_rule(ctx, grads), record[1], record[5]))
+
+    common = _Common(plan, setup, run_rule, backward_general)
+    if rule.owns_all and plan.runs_forward:
+        return _build_owning(plan, common)
+    return _build_attaching(plan, common)
+
+
+class _Common(NamedTuple):
+    plan: OpPlan
+    setup: Callable[..., None]
+    run_rule: Callable[[Any, tuple[Any, ...]], list[Tensor | None]]
+    backward_general: Callable[[Any, tuple[Any, ...]], Any]
+
+
+def _plain_call(plan: OpPlan, values: tuple[Any, ...], owning: bool) -> Any:
+    """The forward alone, where no gradient can be computed (see `_no_gradient`); run as the
+    route would run it: without recording where the rule owns every input (a captured
+    tensor that requires grad gets no gradient, in every mode alike), on the ordinary graph
+    where it owns some."""
+    if owning:
+        with torch.no_grad():
+            out = plan.call(values)
+    else:
+        out = plan.call(values)
+    if plan.residuals:
+        out, _ = unpack_residuals(out, plan.residuals, plan.op)
+    return out
+
+
+def _no_gradient(flat: Sequence[Any]) -> bool:
+    """Whether this call can compute no gradient, so the plain forward runs: grad mode is
+    off (`no_grad`, `inference_mode`: compiled inference, `torch.jit.trace` for
+    deployment), or, while compiling, no tensor input requires grad (a frozen model; dynamo
+    cannot trace a `setup_context` Function none of whose inputs requires grad). Eager, such
+    a call takes the Function, whose output requires no grad either."""
+    if not torch.is_grad_enabled():
+        return True
+    if not is_dynamo_compiling():
+        return False
+    for value in flat:
+        if isinstance(value, Tensor) and value.requires_grad:
+            return False
+    return True
+
+
+def _build_owning(plan: OpPlan, common: _Common) -> Route:
+    """The forward runs inside the Function; the rule gives every gradient.
+
+    With `track_inplace`, the forward's changes to its inputs are detected (version
+    counters) and marked dirty, as PyTorch requires of a Function that changes an input."""
+    op, residuals, track_inplace = plan.op, plan.residuals, plan.track_inplace
+    call, bind = plan.call, plan.bind
+    plain = plan.plain
+    run_tensorflow = plan.run_tensorflow
+    setup, backward_general = common.setup, common.backward_general
+    module_buffers = plan.form is not None
+
+    def shape_output(out: Any, state: CallState, flat: tuple[Any, ...]) -> Any:
+        """The Function's output for what the forward returned: a tensor, or flat leaves
+        (the residual tensors after them). `flat` are the inputs the forward saw."""
+        dirty = state.dirty
+        if residuals:
+            out, given = unpack_residuals(out, residuals, op)
+            leaves = _flatten_output(out, state, op)
+            res = _place_residuals(given, residuals, leaves, flat, state)
+            return (*(_as_output(leaf, flat, dirty, leaves, state) for leaf in leaves), *res)
+        if isinstance(out, Tensor):
+            return _as_output(out, flat, dirty, (), state)
+        leaves = _flatten_output(out, state, op)
+        return tuple(_as_output(leaf, flat, dirty, leaves, state) for leaf in leaves)
+
+    def _as_output(t: Any, flat: tuple[Any, ...], dirty: tuple[int, ...],
+                   leaves: tuple[Any, ...], state: CallState) -> Any:
+        if module_buffers and state.buffers and isinstance(t, Tensor) and any(
+            t is b for b in state.buffers.values()
+        ):
+            # A module's buffer returned as-is: the output is a new tensor sharing its
+            # memory, so that the buffer itself never becomes a node of the graph.
+            return t.detach()
+        return as_output(t, flat, dirty, leaves)
+
+    def forward_impl(state: CallState, flat: tuple[Any, ...]) -> Any:
+        # Version counters are not traceable (dynamo would guard on their values): while
+        # compiling, an input returned as-is by an op that changes its inputs in place is
+        # taken as changed.
+        versions = _versions(flat) if track_inplace and not is_dynamo_compiling() else None
+        if track_inplace:
+            # The rule reads the inputs as they were called with: copies, taken now.
+            state.copies = {
+                i: flat[i].clone() for i in requested_flat(state)
+                if isinstance(flat[i], Tensor)
+            }
+        if state.layout is None:
+            out = plain(*flat) if plain is not None else call(flat)
+        else:
+            out = call(unflatten_inputs(flat, state.layout))
+        if versions is not None:
+            state.dirty = _changed(flat, versions)
+        elif track_inplace:
+            state.dirty = _returned(flat, out)
+        return shape_output(out, state, flat)
+
+    def forward(state: CallState, *flat: Any) -> Any:
+        return forward_impl(state, flat)
+
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        state = inputs[0]
+        if state.out_spec is None:
+            setup(ctx, state, inputs[1:], (output,), ())
+        else:
+            n_out = state.n_out
+            setup(ctx, state, inputs[1:], output[:n_out], output[n_out:])
+
+    def forward_eager(ctx: Any, state: CallState, *flat: Any) -> Any:
+        output = forward_impl(state, flat)
+        if state.out_spec is None:
+            setup(ctx, state, flat, (output,), ())
+        else:
+            n_out = state.n_out
+            setup(ctx, state, flat, output[:n_out], output[n_out:])
+        return output
+
+    requested = tuple(slot for _, slot in plan.rule.requested_slots)
+
+    def requested_flat(state: CallState) -> list[int]:
+        """The flat inputs the rule names (a container slot: its leaves)."""
+        ranges = slot_ranges(state.layout, len(plan.names))
+        return [i for slot in requested for i in range(ranges[slot][0], ranges[slot][1])]
+
+    def backward(ctx: Any, *grads: Any) -> Any:
+        return backward_general(ctx, grads)
+
+    name = f"CustomBackward_{_identifier(op)}"
+    cls = _function_class(name, plan.module, op, forward, setup_context, backward)
+    apply: Callable[..., Any] = cls.apply
+    eager_cls = _classic_function_class(name, plan.module, op, forward_eager, backward)
+    raw = raw_apply(eager_cls)
+
+    def finish(out: Any, state: CallState) -> Any:
+        if state.out_spec is None:
+            return out
+        return pytree.tree_unflatten(list(out[: state.n_out]), state.out_spec)
+
+    def run_bound(values: tuple[Any, ...], state: CallState) -> Any:
+        for value in values:
+            if isinstance(value, _CONTAINERS):
+                flat, state.layout = flatten_inputs(values)
+                break
+        else:
+            flat = values
+        if _no_gradient(flat):
+            return _plain_call(plan, values, True)
+        if tracing_state() is not None:
+            raise GradOverrideError(jit_message(f"`{op}`", "torch.jit.trace"))
+        if FAST_APPLY and not is_dynamo_compiling() and not transforms_active():
+            # Eager, no torch.func transform: the classic twin, without Function.apply's
+            # per-call signature binding (see _internals). Dynamo folds `is_dynamo_compiling`
+            # to True and so traces `cls.apply`, which it understands.
+            state.eager = True
+            return finish(raw(state, *flat), state)
+        return finish(apply(state, *flat), state)
+
+    def run(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if any_tensorflow(args, kwargs):
+            return run_tensorflow(args, kwargs)
+        return run_bound(bind(args, kwargs), CallState())
+
+    return Route(run, run_bound, None, cls)
+
+
+def _build_attaching(plan: OpPlan, common: _Common) -> Route:
+    """The forward runs on the ordinary graph (the owned inputs detached), or, for a forward
+    run outside the route that the rule owns whole, under no_grad; the Function attaches
+    the rule's gradients to its outputs."""
+    op, residuals = plan.op, plan.residuals
+    call, bind = plan.call, plan.bind
+    owned_params = plan.rule.owned
+    run_tensorflow = plan.run_tensorflow
+    setup, run_rule = common.setup, common.run_rule
+    # The outputs' upstream gradients continue, unchanged, into the ordinary graph of the
+    # inputs the rule does not own; a rule owning everything has no such graph (its forward
+    # ran under no_grad), where an output that is an input changed in place still has the
+    # input's old history, which the rule's gradient reaches through the input itself.
+    pass_on = not plan.rule.owns_all
+
+    def forward(state: CallState, *args: Any) -> Any:
+        # New tensors sharing the outputs' memory, not the outputs themselves: the
+        # setup_context form may not save an input returned as-is (a rule may name
+        # `output`), and an in-place op right after (`nn.ReLU(inplace=True)`) may not change
+        # a view made inside a Function.
+        n_in = state.n_in
+        if state.out_spec is None:
+            return _attached(args[n_in], 0, state)
+        return tuple(_attached(a, k, state) for k, a in enumerate(args[n_in : n_in + state.n_out]))
+
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        state = inputs[0]
+        n_in = state.n_in
+        outs = (output,) if state.out_spec is None else tuple(output)
+        if state.dirty_outputs:
+            ctx.mark_dirty(*(outs[k] for k in state.dirty_outputs))
+        setup(ctx, state, inputs[1 : 1 + n_in], outs, inputs[1 + n_in + state.n_out :])
+
+    def backward(ctx: Any, *grads: Any) -> Any:
+        state = ctx.gradoverride[0]
+        n_res = sum(1 for r in state.residuals if type(r) is int)
+        record = ctx.gradoverride
+        rule_grads = _fill_none(run_rule(ctx, grads), record[1], record[5])
+        passed = grads[: state.n_out] if pass_on else (None,) * state.n_out
+        return (None, *rule_grads, *passed, *([None] * n_res))
+
+    name = f"CustomBackward_{_identifier(op)}"
+    cls = _function_class(name, plan.module, op, forward, setup_context, backward)
+    # Its backward also returns the outputs' gradients, passed on into the ordinary graph:
+    # what `go.monitor` leaves out of the gradients the rule returned.
+    cls._gradoverride_attaches = True  # type: ignore[attr-defined]
+    apply: Callable[..., Any] = cls.apply
+    raw = raw_apply(cls)
+
+    def owned_leaves(layout: Any) -> tuple[bool, ...]:
+        if layout is None:
+            return owned_params
+        return tuple(
+            o for o, entry in zip(owned_params, layout, strict=True)
+            for _ in range(1 if entry is None else entry[1])
+        )
+
+    def attach(values: tuple[Any, ...], state: CallState, out: Any) -> Any:
+        """Attach the rule to `out`, what the forward returned for `values` (as the caller
+        holds them; the forward saw the owned ones detached, or ran under no_grad)."""
+        flat = values if state.layout is None else flatten_inputs(values)[0]
+        state.n_in = len(flat)
+        state.n_tensor_in = sum(1 for v in flat if isinstance(v, Tensor))
+        res: tuple[Tensor, ...] = ()
+        given = None
+        if residuals:
+            out, given = unpack_residuals(out, residuals, op)
+        if given is None and isinstance(out, Tensor):
+            leaves: tuple[Any, ...] = (out,)
+        else:
+            leaves = _flatten_output(out, state, op)
+        if given is not None:
+            res = _place_residuals(given, residuals, leaves, flat, state)
+        if state.versions is not None:
+            changed = _changed(flat, state.versions)
+            state.dirty_outputs = tuple(
+                k for k, leaf in enumerate(leaves) if any(leaf is flat[i] for i in changed)
+            )
+            if len(state.dirty_outputs) < len(changed):
+                msg = (
+                    f"the forward of `{op}` changed one of its tensor inputs in place but did "
+                    "not return it; an input changed in place must be returned as an output "
+                    "(as `x.relu_()` returns `x`), or changed out of place."
+                )
+                raise GradOverrideError(msg)
+        # An output that shows an input (the input itself, its detached copy, or a view of
+        # either) is returned as a view, so an in-place op on the result is refused as on any
+        # view, instead of changing the caller's tensor behind autograd's back.
+        seen = (*flat, *(v.detach() if isinstance(v, Tensor) else v for v in flat))
+        state.input_views = tuple(
+            k for k, leaf in enumerate(leaves)
+            if isinstance(leaf, Tensor)
+            and (
+                shows_input(leaf, seen)
+                or any(
+                    isinstance(other, Tensor) and related(leaf, other)
+                    for j, other in enumerate(leaves) if j != k
+                )
+            )
+        )
+        if FAST_APPLY and not is_dynamo_compiling() and not transforms_active():
+            state.eager = True
+            result = raw(state, *flat, *leaves, *res)
+        else:
+            result = apply(state, *flat, *leaves, *res)
+        if state.out_spec is None:
+            return result
+        return pytree.tree_unflatten(list(result), state.out_spec)
+
+    def run_bound(values: tuple[Any, ...], state: CallState) -> Any:
+        flat, layout = flatten_inputs(values)
+        state.layout = layout
+        if _no_gradient(flat):
+            return _plain_call(plan, values, False)
+        if tracing_state() is not None:
+            raise GradOverrideError(jit_message(f"`{op}`", "torch.jit.trace"))
+        owned = owned_leaves(layout)
+        detached = tuple(
+            value.detach() if is_owned and isinstance(value, Tensor) else value
+            for value, is_owned in zip(flat, owned, strict=True)
+        )
+        out = call(detached if layout is None else unflatten_inputs(detached, layout))
+        return attach(values, state, out)
+
+    def run(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if any_tensorflow(args, kwargs):
+            return run_tensorflow(args, kwargs)
+        return run_bound(bind(args, kwargs), CallState())
+
+    return Route(run, run_bound, attach, cls)
+
+
+# ---- helpers of the forward side ------------------------------------------------------------
 
 
 def _place_residuals(
@@ -245,527 +998,13 @@ def _short_repr(value: object) -> str:
     return shown if len(shown) <= 60 else shown[:57] + "..."
 
 
-def check_output_count(n_grads: int | None, n_top: int, rule_name: str, op: str) -> None:
-    """A rule takes one upstream gradient per output (any number with `*grads`)."""
-    if n_grads is not None and n_grads != n_top:
-        msg = (
-            f"backward rule `{rule_name}` of `{op}` takes {n_grads} upstream "
-            f"gradient(s), but `{op}` returned {n_top} output(s); give the rule "
-            "one positional parameter per output (or `*grads`)."
-        )
-        raise GradOverrideTypeError(msg)
-
-
-def _identifier(name: str) -> str:
-    return "".join(c if c.isalnum() else "_" for c in name.split(".")[-1]) or "op"
-
-
-# What the general `setup` leaves on `ctx.gradoverride` for backward, as a tuple (built on
-# every call, so no class): (state, meta, plan, out_meta, autocast), where
-#   meta     per flat input: None (not a tensor) | SKIP | (shape, dtype, device);
-#   plan     per named value: (name, None | treespec, entries), an entry being an index
-#            into saved_tensors or a _Static;
-#   out_meta output metadata, when we materialize zero gradients ourselves, else None;
-#   autocast (device_type, dtype, enabled) the forward ran under, else None.
-# The generated fast path leaves a 3-tuple instead (see _fastpath). Tensors go through
-# save_for_backward, never here.
-
-
-def build_call(
-    op: str,
-    module: str,
-    sig: ForwardSignature,
-    rule: RuleSpec,
-    residuals: tuple[str, ...],
-    run_tensorflow: Callable[[tuple[Any, ...], dict[str, Any]], Any],
-    *,
-    track_inplace: bool = False,
-    labels: Mapping[str, str] | None = None,
-) -> tuple[Callable[..., Any], type[torch.autograd.Function]]:
-    """The per-call entry point and the Function class behind it.
-
-    `labels` name the op's parameters in messages where they differ from the forward's own
-    names (a module's op has slots for its parameters; an empty label hides a slot).
-
-    The entry point is `run(op_object, *args, **kwargs)`: it becomes the `__call__` method of
-    the op's class (`op_object` is the op itself and is not used). A call with TensorFlow
-    tensors goes to `run_tensorflow(args, kwargs)` instead.
-    """
-    names = sig.names
-    n_params = len(names)
-    owned = rule.owned
-    user_rule = rule.rule
-    requested_slots = rule.requested_slots
-    wants_output = rule.wants_output
-    wants_needs_grad = rule.wants_needs_grad
-    materialize = rule.materialize_grads
-    once = rule.once_differentiable
-    # Plain values only in these closures: dynamo cannot wrap a RuleSpec object met while
-    # speculating a Function's forward.
-    n_grads = rule.n_grads
-    rule_name = rule.name
-    requested_residuals = rule.requested_residuals
-    note = f"(raised in backward rule `{rule_name}` of `{op}`)"
-
-    # ---- forward-side bookkeeping ---------------------------------------------------------
-
-    def check_outputs(state: CallState) -> None:
-        check_output_count(n_grads, state.n_top, rule_name, op)
-
-    def setup(
-        ctx: Any,
-        state: CallState,
-        flat: tuple[Any, ...],
-        outputs: tuple[Any, ...],
-        residual_tensors: tuple[Any, ...],
-    ) -> None:
-        check_outputs(state)
-        needs = ctx.needs_input_grad  # [0] is the CallState
-        ranges = _leaf_ranges(state.layout, n_params)
-        meta: list[Any] = []
-        # Inputs that need a gradient the rule does not give (not owned): their metadata, for
-        # the zeros a compiled backward returns instead of None (see `_fill_none`). Owned
-        # ones have theirs in `meta`.
-        unowned: list[tuple[int, Any, Any, Any]] = []
-        for slot, (start, stop) in enumerate(ranges):
-            for i in range(start, stop):
-                value = flat[i]
-                if not takes_gradient(value):
-                    # Not a tensor, or an integer/bool tensor (an index): never owned, so a
-                    # lone returned tensor belongs to the one floating input.
-                    meta.append(None)
-                elif needs[i + 1]:
-                    if owned[slot]:
-                        meta.append((value.shape, value.dtype, value.device))
-                    else:
-                        meta.append(SKIP)
-                        unowned.append((i, value.shape, value.dtype, value.device))
-                else:
-                    meta.append(SKIP)
-
-        to_save: list[Tensor] = []
-        plan: list[tuple[str, Any, tuple[Any, ...]]] = []
-
-        def keep(name: str, spec: Any, leaves: tuple[Any, ...]) -> None:
-            entries: list[Any] = []
-            for leaf in leaves:
-                if isinstance(leaf, Tensor):
-                    entries.append(len(to_save))
-                    to_save.append(leaf)
-                else:
-                    entries.append(_Static(leaf))
-            plan.append((name, spec, tuple(entries)))
-
-        layout = state.layout
-        for name, slot in requested_slots:
-            start, stop = ranges[slot]
-            spec = None if layout is None or layout[slot] is None else layout[slot][0]
-            keep(name, spec, flat[start:stop])
-        if wants_output:
-            keep("output", state.out_spec, outputs)
-        for name, index in requested_residuals:
-            entry = state.residuals[index]
-            if isinstance(entry, _Static):
-                plan.append((name, None, (entry,)))
-            elif isinstance(entry, _OutputRef):
-                keep(name, None, (outputs[entry.index],))
-            elif isinstance(entry, _InputRef):
-                keep(name, None, (flat[entry.index],))
-            else:
-                keep(name, None, (residual_tensors[entry],))
-        if state.dirty:
-            dirty = [flat[i] for i in state.dirty]
-            if not all(any(t is o for o in outputs) for t in dirty):
-                msg = (
-                    f"the forward of `{op}` changed one of its tensor inputs in place but did "
-                    "not return it; an input changed in place must be returned as an output "
-                    "(as `x.relu_()` returns `x`), or changed out of place."
-                )
-                raise GradOverrideError(msg)
-            ctx.mark_dirty(*dirty)
-        if to_save:
-            ctx.save_for_backward(*to_save)
-
-        out_meta = None
-        # Residual tensors are extra outputs and stay differentiable: a second
-        # differentiation that reaches one arrives in backward as a gradient for it, and is
-        # refused there (a residual is a constant to autograd: silently wrong otherwise).
-        if residual_tensors or not materialize:
-            # Residual outputs would get materialized zero gradients; when the rule wants
-            # materialized gradients we make zeros for the real outputs only.
-            ctx.set_materialize_grads(False)
-            if residual_tensors and materialize:
-                out_meta = tuple(
-                    (o.shape, o.dtype, o.device) if isinstance(o, Tensor) else None
-                    for o in outputs
-                )
-        autocast = _autocast_state(flat) if any_autocast_enabled() else None
-        ctx.gradoverride = (state, meta, plan, out_meta, autocast, tuple(unowned))
-
-    # ---- backward -------------------------------------------------------------------------
-
-    def needs_grad_map(needs: tuple[bool, ...], state: CallState) -> dict[str, bool]:
-        ranges = _leaf_ranges(state.layout, n_params)
-        return {
-            name: owned[slot] and any(needs[start + 1 : stop + 1])
-            for slot, (name, (start, stop)) in enumerate(zip(names, ranges, strict=True))
-        }
-
-    def run_rule(ctx: Any, grads: tuple[Any, ...]) -> list[Tensor | None]:
-        """Call the rule; one checked gradient per flat input."""
-        state, meta, plan, out_meta, autocast, _ = ctx.gradoverride
-        kwargs: dict[str, Any] = {}
-        saved_tensors: tuple[Tensor, ...] = ()
-        if plan:
-            saved_tensors = saved_for(ctx, op, tuple(name for name, _, _ in plan), labels)
-            for name, spec, entries in plan:
-                leaves = [saved_tensors[e] if type(e) is int else e.value for e in entries]
-                kwargs[name] = leaves[0] if spec is None else pytree.tree_unflatten(leaves, spec)
-        if wants_needs_grad:
-            kwargs["needs_grad"] = needs_grad_map(ctx.needs_input_grad, state)
-
-        if state.out_spec is None:
-            rule_grads = grads[:1]
-        else:
-            upstream = grads[: state.n_out]
-            if out_meta is not None:
-                upstream = tuple(
-                    torch.zeros(m[0], dtype=m[1], device=m[2]) if g is None and m else g
-                    for g, m in zip(upstream, out_meta, strict=True)
-                )
-            tree = pytree.tree_unflatten(list(upstream), state.out_spec)
-            rule_grads = tuple(tree) if state.n_top > 1 or type(tree) is tuple else (tree,)
-
-        result = _call_rule(user_rule, rule_grads, kwargs, autocast, once, note)
-        flat_grads = flat_gradients(
-            result, op=op, names=names, owned=owned, layout=state.layout, meta=meta
-        )
-        if once and torch.is_grad_enabled():
-            flat_grads = _guard(op, flat_grads, rule_grads, saved_tensors)
-        return flat_grads
-
-    kind = "CustomBackward"
-    if rule.owns_all:
-        return _build_owning(
-            op, module, kind, sig, rule, residuals, setup, run_rule, run_tensorflow,
-            track_inplace, labels,
-        )
-    return _build_attaching(
-        op, module, kind, sig, residuals, owned, setup, run_rule, run_tensorflow
-    )
-
-
-def _build_owning(
-    op: str,
-    module: str,
-    kind: str,
-    sig: ForwardSignature,
-    rule: RuleSpec,
-    residuals: tuple[str, ...],
-    setup: Callable[..., None],
-    run_rule: Callable[[Any, tuple[Any, ...]], list[Tensor | None]],
-    run_tensorflow: Callable[[tuple[Any, ...], dict[str, Any]], Any],
-    track_inplace: bool,
-    labels: Mapping[str, str] | None,
-) -> tuple[Callable[..., Any], type[torch.autograd.Function]]:
-    """The forward runs inside the Function; the rule gives every gradient.
-
-    With `track_inplace`, the forward's changes to its inputs are detected (version
-    counters) and marked dirty, as PyTorch requires of a Function that changes an input."""
-    fn = sig.fn
-    call = sig.call
-    bind = sig.bind
-    plain = sig.is_plain
-    names = sig.names
-    n_params = len(names)
-    # The fast path covers the common call: one value per parameter, one tensor output, no
-    # residuals, a rule of one upstream gradient without once_differentiable or needs_grad.
-    # Everything else takes the general path (`setup` / `run_rule`), which is the reference.
-    fast = (
-        n_params > 0
-        and not track_inplace
-        and not residuals
-        and rule.n_grads in (None, 1)
-        and not rule.once_differentiable
-        and not rule.wants_needs_grad
-    )
-
-    def shape_output(out: Any, state: CallState, flat: tuple[Any, ...] = ()) -> Any:
-        """The Function's output for what the forward returned: a tensor, or flat leaves
-        (the residual tensors after them). `flat` are the inputs the forward saw."""
-        dirty = state.dirty
-        if residuals:
-            out, given = unpack_residuals(out, residuals, op)
-            leaves = _flatten_output(out, state, op)
-            res = _place_residuals(given, residuals, leaves, flat, state)
-            return (*(as_output(leaf, flat, dirty, leaves) for leaf in leaves), *res)
-        if isinstance(out, Tensor):
-            return as_output(out, flat, dirty)
-        leaves = _flatten_output(out, state, op)
-        return tuple(as_output(leaf, flat, dirty, leaves) for leaf in leaves)
-
-    def forward(state: CallState, *flat: Any) -> Any:
-        # Version counters are not traceable (dynamo would guard on their values): while
-        # compiling, an input returned as-is by an op that changes its inputs in place is
-        # taken as changed.
-        versions = _versions(flat) if track_inplace and not is_dynamo_compiling() else None
-        if state.layout is None:
-            out = fn(*flat) if plain else call(flat)
-        else:
-            out = call(unflatten_inputs(flat, state.layout))
-        if versions is not None:
-            state.dirty = _changed(flat, versions)
-        elif track_inplace:
-            state.dirty = _returned(flat, out)
-        return shape_output(out, state, flat)
-
-    def setup_general(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        state = inputs[0]
-        if state.out_spec is None:
-            setup(ctx, state, inputs[1:], (output,), ())
-        else:
-            n_out = state.n_out
-            setup(ctx, state, inputs[1:], output[:n_out], output[n_out:])
-
-    def backward_general(ctx: Any, grads: tuple[Any, ...]) -> Any:
-        state = ctx.gradoverride[0]
-        if residuals and not torch.compiler.is_compiling():
-            _refuse_residual_gradients(op, residuals, state, grads[state.n_out :])
-        record = ctx.gradoverride
-        return (None, *_fill_none(run_rule(ctx, grads), record[1], record[5]))
-
-    def finish(out: Any, state: CallState) -> Any:
-        return pytree.tree_unflatten(list(out[: state.n_out]), state.out_spec)
-
-    # Set once the Function class exists (it needs setup_context and backward first).
-    raw: Callable[..., Any]
-    apply: Callable[..., Any]
-
-    def run_general(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        if any_tensorflow(args, kwargs):
-            return run_tensorflow(args, kwargs)
-        values = bind(args, kwargs)
-        state = CallState()
-        for value in values:
-            if isinstance(value, _CONTAINERS):
-                values, state.layout = flatten_inputs(values)
-                break
-        if FAST_APPLY and not is_dynamo_compiling() and not transforms_active():
-            # Eager, no torch.func transform: skip Function.apply's per-call signature
-            # binding (see _internals). Dynamo folds `is_dynamo_compiling` to True and so
-            # traces `cls.apply`, which it understands, and none of the private calls.
-            out = raw(state, *values)
-        else:
-            out = apply(state, *values)
-        if state.out_spec is None:
-            return out
-        return finish(out, state)
-
-    if fast:
-        generated = generate(
-            op=op,
-            names=names,
-            requested=rule.requested_slots,
-            wants_output=rule.wants_output,
-            materialize=rule.materialize_grads,
-            plain=plain,
-            namespace={
-                "Tensor": Tensor,
-                "CallState": CallState,
-                "CONTAINERS": _CONTAINERS,
-                "forward_general": forward,
-                "shape_output": shape_output,
-                "as_output": as_output,
-                "fn": fn,
-                "call": call,
-                "setup_general": setup_general,
-                "backward_general": backward_general,
-                "run_general": run_general,
-                "finish": finish,
-                "any_autocast_enabled": any_autocast_enabled,
-                "any_tensorflow": any_tensorflow,
-                "run_tensorflow": run_tensorflow,
-                "autocast_state": _autocast_state,
-                "call_rule": _call_rule,
-                "saved_for": saved_for,
-                "labels": labels,
-                "check_gradient": check_gradient,
-                "flat_gradients": flat_gradients,
-                "GradOverrideError": GradOverrideError,
-                "rule": rule.rule,
-                "rule_name": rule.name,
-                "names": names,
-                "owned": rule.owned,
-                "op": op,
-                "is_dynamo_compiling": is_dynamo_compiling,
-                "transforms_active": transforms_active,
-                "FAST_APPLY": FAST_APPLY,
-            },
-        )
-        setup_context = generated["setup_context"]
-        backward = generated["backward"]
-        fast_forward = generated["forward"]
-    else:
-
-        def backward(ctx: Any, *grads: Any) -> Any:
-            return backward_general(ctx, grads)
-
-        setup_context = setup_general
-        fast_forward = forward
-
-    cls = _function_class(op, module, kind, fast_forward, setup_context, backward)
-    # For another eager twin of this Function (a module op's, see `_module_fastpath`): the
-    # general steps, which it takes for what its own fast path does not cover.
-    cls._gradoverride_general = (  # type: ignore[attr-defined]
-        shape_output, setup_general, backward_general, finish
-    )
-    apply = cls.apply
-    raw = raw_apply(cls)
-    if fast and generated["forward_eager"] is not None:
-        eager_cls = _classic_function_class(
-            op, module, kind, generated["forward_eager"], backward
-        )
-        run = generated["make_run"](raw_apply(eager_cls), apply)
-    elif fast:
-        run = generated["make_run"](raw, apply)
-    else:
-
-        def run(op_object: Any, *args: Any, **kwargs: Any) -> Any:
-            return run_general(args, kwargs)
-
-    return run, cls
-
-
-def _build_attaching(
-    op: str,
-    module: str,
-    kind: str,
-    sig: ForwardSignature,
-    residuals: tuple[str, ...],
-    owned_params: tuple[bool, ...],
-    setup: Callable[..., None],
-    run_rule: Callable[[Any, tuple[Any, ...]], list[Tensor | None]],
-    run_tensorflow: Callable[[tuple[Any, ...], dict[str, Any]], Any],
-) -> tuple[Callable[..., Any], type[torch.autograd.Function]]:
-    """The forward runs on the ordinary graph; the Function attaches the owned gradients."""
-    call = sig.call
-    bind = sig.bind
-
-    def forward(state: CallState, *args: Any) -> Any:
-        # New tensors sharing the outputs' memory, not the outputs themselves: the
-        # setup_context form may not save an input returned as-is (a rule may name
-        # `output`), and an in-place op right after (`nn.ReLU(inplace=True)`) may not change
-        # a view made inside a Function.
-        n_in = state.n_in
-        if state.out_spec is None:
-            return _attached(args[n_in], 0, state)
-        return tuple(_attached(a, k, state) for k, a in enumerate(args[n_in : n_in + state.n_out]))
-
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        state = inputs[0]
-        n_in = state.n_in
-        outs = (output,) if state.out_spec is None else tuple(output)
-        setup(ctx, state, inputs[1 : 1 + n_in], outs, inputs[1 + n_in + state.n_out :])
-
-    def backward(ctx: Any, *grads: Any) -> Any:
-        state = ctx.gradoverride[0]
-        n_res = sum(1 for r in state.residuals if type(r) is int)
-        # The outputs' upstream gradients continue, unchanged, into the ordinary graph of
-        # the inputs the rule does not own.
-        record = ctx.gradoverride
-        rule_grads = _fill_none(run_rule(ctx, grads), record[1], record[5])
-        return (None, *rule_grads, *grads[: state.n_out], *([None] * n_res))
-
-    cls = _function_class(op, module, kind, forward, setup_context, backward)
-    # Its backward also returns the outputs' gradients, passed on into the ordinary graph:
-    # what `go.monitor` leaves out of the gradients the rule returned.
-    cls._gradoverride_attaches = True  # type: ignore[attr-defined]
-    apply: Callable[..., Any] = cls.apply
-    raw = raw_apply(cls)
-
-    def run(op_object: Any, *args: Any, **kwargs: Any) -> Any:
-        if any_tensorflow(args, kwargs):
-            return run_tensorflow(args, kwargs)
-        state = CallState()
-        flat, layout = flatten_inputs(bind(args, kwargs))
-        state.layout = layout
-        state.n_in = len(flat)
-        owned = owned_params
-        if layout is not None:
-            owned = tuple(
-                o for o, entry in zip(owned_params, layout, strict=True)
-                for _ in range(1 if entry is None else entry[1])
-            )
-        detached = tuple(
-            value.detach() if is_owned and isinstance(value, Tensor) else value
-            for value, is_owned in zip(flat, owned, strict=True)
-        )
-        out = call(detached if layout is None else unflatten_inputs(detached, layout))
-        res: tuple[Tensor, ...] = ()
-        given = None
-        if residuals:
-            out, given = unpack_residuals(out, residuals, op)
-        if given is None and isinstance(out, Tensor):
-            leaves: tuple[Any, ...] = (out,)
-        else:
-            leaves = _flatten_output(out, state, op)
-        if given is not None:
-            res = _place_residuals(given, residuals, leaves, detached, state)
-        # An output that shows an input (the input itself, its detached copy, or a view of
-        # either) is returned as a view, so an in-place op on the result is refused as on any
-        # view, instead of changing the caller's tensor behind autograd's back.
-        seen = (*flat, *detached)
-        state.input_views = tuple(
-            k for k, leaf in enumerate(leaves)
-            if isinstance(leaf, Tensor)
-            and (
-                shows_input(leaf, seen)
-                or any(
-                    isinstance(other, Tensor) and related(leaf, other)
-                    for j, other in enumerate(leaves) if j != k
-                )
-            )
-        )
-        if FAST_APPLY and not is_dynamo_compiling() and not transforms_active():
-            result = raw(state, *flat, *leaves, *res)
-        else:
-            result = apply(state, *flat, *leaves, *res)
-        if state.out_spec is None:
-            return result
-        return pytree.tree_unflatten(list(result), state.out_spec)
-
-    return run, cls
-
-
-def saved_for(
-    ctx: Any, op: str, names: tuple[str, ...], labels: Mapping[str, str] | None = None
-) -> tuple[Tensor, ...]:
-    """`ctx.saved_tensors`, with PyTorch's error for a saved tensor changed in place since
-    the forward said in the op's terms: which values the rule reads, and the fix. (Any other
-    error is raised as is.)"""
-    try:
-        saved: tuple[Tensor, ...] = ctx.saved_tensors
-    except RuntimeError as exc:
-        if "modified by an inplace operation" not in str(exc):
-            raise
-        shown = [(labels or {}).get(n, n) for n in names]
-        listed = ", ".join(f"`{n}`" for n in shown if n)
-        msg = (
-            f"the backward rule of `{op}` reads {listed}, and one of them was changed in "
-            "place after the forward (an in-place op such as `relu_()` on the result or on "
-            "an input), so the rule would read a value the forward never saw. Make that op "
-            "out of place (`y = torch.relu(y)`), or apply it to a copy (`y.clone()`)."
-        )
-        raise GradOverrideError(msg) from exc
-    return saved
-
-
 def _attached(value: Any, k: int, state: CallState) -> Any:
     """The attach form's output `k`: the forward's result passed through, as a new tensor
     sharing its memory (an in-place op may follow: nothing else sees the forward's own
-    intermediates), or as a view when it shows an input or another output (changing it
-    stays an error)."""
-    if not isinstance(value, Tensor):
+    intermediates), as a view when it shows an input or another output (changing it stays
+    an error), or as itself when it is an input the forward changed in place (marked
+    dirty: it takes the rule's history)."""
+    if not isinstance(value, Tensor) or k in state.dirty_outputs:
         return value
     return value.view_as(value) if k in state.input_views else value.detach()
 
@@ -792,8 +1031,22 @@ def _returned(flat: tuple[Any, ...], out: Any) -> tuple[int, ...]:
     )
 
 
+def _autocast_state(inputs: Sequence[Any]) -> tuple[str, Any, bool] | None:
+    """(device_type, dtype, enabled) of autocast for the first tensor input's device."""
+    for value in inputs:
+        if isinstance(value, Tensor):
+            device_type = value.device.type
+            if torch.is_autocast_enabled(device_type):
+                return (device_type, torch.get_autocast_dtype(device_type), True)
+            return (device_type, None, False)
+    return None
+
+
+# ---- helpers of the backward side -----------------------------------------------------------
+
+
 def _fill_none(
-    grads: list[Tensor | None], meta: list[Any], unowned: tuple[Any, ...]
+    grads: list[Tensor | None], meta: Sequence[Any], unowned: tuple[Any, ...]
 ) -> list[Tensor | None]:
     """Zeros instead of None for inputs that need a gradient, in a compiled backward only.
 
@@ -832,22 +1085,9 @@ def _refuse_residual_gradients(
     raise GradOverrideError(msg)
 
 
-
-
-def _autocast_state(inputs: tuple[Any, ...]) -> tuple[str, Any, bool] | None:
-    """(device_type, dtype, enabled) of autocast for the first tensor input's device."""
-    for value in inputs:
-        if isinstance(value, Tensor):
-            device_type = value.device.type
-            if torch.is_autocast_enabled(device_type):
-                return (device_type, torch.get_autocast_dtype(device_type), True)
-            return (device_type, None, False)
-    return None
-
-
-def _call_rule(
+def call_rule(
     rule: Callable[..., Any],
-    grads: tuple[Any, ...],
+    args: tuple[Any, ...],
     kwargs: dict[str, Any],
     autocast: tuple[str, Any, bool] | None,
     once: bool,
@@ -860,14 +1100,14 @@ def _call_rule(
         if autocast is None:
             if once:
                 with torch.no_grad():
-                    return rule(*grads, **kwargs)
-            return rule(*grads, **kwargs)
+                    return rule(*args, **kwargs)
+            return rule(*args, **kwargs)
         device_type, dtype, enabled = autocast
         with torch.autocast(device_type, dtype=dtype, enabled=enabled):
             if once:
                 with torch.no_grad():
-                    return rule(*grads, **kwargs)
-            return rule(*grads, **kwargs)
+                    return rule(*args, **kwargs)
+            return rule(*args, **kwargs)
     except GradOverrideError:
         raise
     except Exception as exc:
@@ -875,15 +1115,29 @@ def _call_rule(
         raise
 
 
+def _single_thread() -> bool:
+    """Whether this process runs one Python thread: then a parameter's `.grad` that changes
+    while a rule runs was written by the rule (with two, another thread's backward may be
+    accumulating into it; the first-call check still sees a rule's writes exactly)."""
+    return threading.active_count() == 1
+
+
+def wrote_grad_message(op: str, name: str) -> str:
+    return (
+        f"the backward of `{op}` wrote `{name}.grad` itself; return the "
+        f"gradient instead, e.g. `return {{..., '{name}': grad_{name.replace('.', '_')}}}`, "
+        "and autograd accumulates it (hooks and DDP see it too)."
+    )
+
+
 def _function_class(
-    op: str,
+    name: str,
     module: str,
-    kind: str,
+    op: str,
     forward: Callable[..., Any],
     setup_context: Callable[..., None],
     backward: Callable[..., Any],
 ) -> type[torch.autograd.Function]:
-    name = f"{kind}_{_identifier(op)}"
     namespace: dict[str, Any] = {
         "generate_vmap_rule": True,
         "forward": staticmethod(forward),
@@ -897,9 +1151,9 @@ def _function_class(
 
 
 def _classic_function_class(
-    op: str,
+    name: str,
     module: str,
-    kind: str,
+    op: str,
     forward: Callable[..., Any],
     backward: Callable[..., Any],
 ) -> type[torch.autograd.Function]:
@@ -908,7 +1162,6 @@ def _classic_function_class(
     Same name and backward; used only through `raw_apply` in eager mode with no transform,
     where nothing needs the `setup_context` form.
     """
-    name = f"{kind}_{_identifier(op)}"
     namespace: dict[str, Any] = {
         "forward": staticmethod(forward),
         "backward": staticmethod(backward),

@@ -17,7 +17,7 @@ kind (integer, bool, complex for a real input), another device or another shape 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -28,6 +28,7 @@ from ._errors import GradOverrideError
 __all__ = [
     "SKIP",
     "Meta",
+    "ModuleForm",
     "check_gradient",
     "dtype_message",
     "flat_gradients",
@@ -46,6 +47,18 @@ SKIP = False
 #: Per flat input: None (takes no gradient: not a tensor, or an integer or bool tensor), SKIP,
 #: or (shape, dtype, device) of an input whose gradient is needed.
 Meta = Sequence["bool | tuple[torch.Size, torch.dtype, torch.device] | None"]
+
+
+class ModuleForm(NamedTuple):
+    """How the rule of a module's op returns gradients (`go.Module`, `override_backward`):
+    the op's slot 0 holds the module, `inputs` are the forward's slots and `params` the
+    parameters' (by `named_parameters()` name). A tuple holds one gradient per input; a lone
+    tensor is for the one owned input or parameter that needs a gradient; a dict names inputs
+    and parameters. Messages call it `where` ("`Layer`")."""
+
+    where: str
+    inputs: tuple[int, ...]
+    params: tuple[int, ...]
 
 
 def takes_gradient(value: object) -> bool:
@@ -86,16 +99,20 @@ def flat_gradients(
     meta: Meta,
     check: Callable[[Any, Any, str, str], Any] | None = None,
     tensor: Any = Tensor,
+    module: ModuleForm | None = None,
 ) -> list[Any]:
     """One checked gradient per flat input, from whatever the rule returned.
 
     `check` and `tensor` are for another framework's backend (TensorFlow): its per-gradient
-    check and its tensor type; the return forms and their errors are the same.
+    check and its tensor type; the return forms and their errors are the same. `module`:
+    the op is a module's (see `ModuleForm`).
     """
     n_slots = len(names)
     grads: list[Any] = [None] * len(meta)
     if check is None:
         check = check_gradient
+    if module is not None:
+        result = _module_result(result, module, names, owned, layout, meta)
 
     # Fast path: every parameter is a plain value and the rule returned one tensor.
     if layout is None and (result is None or isinstance(result, tensor)):
@@ -149,6 +166,101 @@ def flat_gradients(
             path = f"{names[slot]}{_leaf_path(spec, offset)}"
             grads[start + offset] = check(leaf, m, op, path)
     return grads
+
+
+def _module_result(
+    result: Any, form: ModuleForm, names: tuple[str, ...], owned: tuple[bool, ...],
+    layout: Any, meta: Meta,
+) -> dict[str, Any]:
+    """A module rule's return value as a dict by slot name, checked for the mistakes the
+    module forms allow (see `ModuleForm`)."""
+    where = form.where
+    inputs = tuple(names[i] for i in form.inputs)
+    ranges = slot_ranges(layout, len(names))
+
+    def holds(slot: int) -> bool:
+        start, stop, _ = ranges[slot]
+        return any(m is not None for m in meta[start:stop])
+
+    def needs(slot: int) -> bool:
+        start, stop, _ = ranges[slot]
+        return any(type(m) is tuple for m in meta[start:stop])
+
+    owned_params = [i for i in form.params if owned[i]]
+    if isinstance(result, dict):
+        by_name = result
+    elif type(result) is tuple:
+        if len(result) != len(inputs):
+            msg = (
+                f"the backward of {where} returned {len(result)} gradients, but the forward "
+                f"takes {len(inputs)} inputs ({', '.join(inputs)}); return a tuple with one "
+                "entry per input, or a dict by input and parameter name."
+            )
+            raise GradOverrideError(msg)
+        by_name = dict(zip(inputs, result, strict=True))
+    else:
+        # A lone tensor: for the one owned input or parameter that needs a gradient.
+        owned_inputs = [i for i in form.inputs if owned[i] and holds(i)]
+        if len(owned_inputs) > 1:
+            owned_inputs = [i for i in owned_inputs if needs(i)]
+        wanted = [names[i] for i in (*owned_inputs, *(i for i in owned_params if needs(i)))]
+        if result is not None and len(wanted) > 1:
+            msg = (
+                f"the backward of {where} returned a single {type(result).__name__}, but "
+                f"{len(wanted)} owned inputs and parameters need a gradient "
+                f"({', '.join(f'`{n}`' for n in wanted)}); return a dict by name, e.g. "
+                f"{{{', '.join(repr(n) + ': ...' for n in wanted)}}}."
+            )
+            raise GradOverrideError(msg)
+        by_name = {wanted[0]: result} if wanted and result is not None else {}
+        by_name.update({names[i]: None for i in form.inputs if owned[i] and names[i] not in by_name})
+    params = {names[i]: i for i in form.params}
+    valid = [*inputs, *(names[i] for i in owned_params)]
+    for key in by_name:
+        if key in inputs or (key in params and owned[params[key]]):
+            continue
+        reason = (
+            "a parameter the rule does not own (it keeps its ordinary gradient); return None "
+            "for it or add it to `owns`"
+            if key in params
+            else "neither an input nor a parameter"
+        )
+        msg = (
+            f"the backward of {where} returned a gradient for `{key}`, which is {reason}; the "
+            f"names it can return are {', '.join(f'`{n}`' for n in valid)}."
+        )
+        raise GradOverrideError(msg)
+    for i in owned_params:
+        if names[i] not in by_name and needs(i):
+            raise GradOverrideError(_missing_parameter_message(where, names[i], result, inputs))
+    return {names[i]: None for i in owned_params if names[i] not in by_name} | dict(by_name)
+
+
+def _missing_parameter_message(
+    where: str, name: str, result: Any, inputs: tuple[str, ...]
+) -> str:
+    """An owned parameter with no gradient in what the rule returned, said for its form."""
+    fix = (
+        f"return {{'{name}': None, ...}} if it gets no gradient, or leave `{name}` out of "
+        f"`owns` so it keeps its ordinary autograd gradient."
+    )
+    if isinstance(result, dict):
+        return f"the backward of {where} returned a dict without `{name}`, which it owns; {fix}"
+    if type(result) is tuple:
+        form = (
+            f"a tuple, which holds one gradient per input of the forward "
+            f"({', '.join(f'`{n}`' for n in inputs)}) and none for parameters"
+        )
+    elif result is None:
+        form = "None"
+    else:
+        form = f"a single {type(result).__name__} (the gradient of its input)"
+    example = ", ".join(f"'{n}': grad_{n.replace('.', '_')}" for n in (*inputs, name))
+    return (
+        f"the backward of {where} returned {form}, but it owns the parameter `{name}`, "
+        f"which needs a gradient; a module rule returns parameter gradients in a dict by "
+        f"name, e.g. {{{example}}}; or {fix}"
+    )
 
 
 def _owned_listing(names: tuple[str, ...], owned: tuple[bool, ...]) -> str:

@@ -172,7 +172,7 @@ def overrides(model: Any, *example_args: Any, **example_kwargs: Any) -> Override
 
 def _module_records(path: str, module: nn.Module) -> list[OverrideRecord]:
     from ._module import Module
-    from ._override import _OverriddenForward
+    from ._override import overrides_of
 
     records = []
     rule = getattr(type(module), "_gradoverride_rule", None)
@@ -180,11 +180,10 @@ def _module_records(path: str, module: nn.Module) -> list[OverrideRecord]:
         records.append(OverrideRecord(path, "go.Module", type(module).__name__,
                                       _rule_settings(f"{type(module).__qualname__}.backward",
                                                      rule), True))
-    forward = module.__dict__.get("forward")
-    if isinstance(forward, _OverriddenForward):
+    for override in overrides_of(module):
         records.append(OverrideRecord(
             path, "override_backward", type(module).__name__,
-            _rule_settings(describe(forward.rule), forward._rule), True,
+            _rule_settings(describe(override.rule), override.module_rule), True,
         ))
     records += _hook_records(path, module)
     recipes = sys.modules.get("gradoverride.recipes._base")

@@ -20,12 +20,18 @@ __all__ = ["RefuseScripting", "jit_message", "refuse_scripting"]
 
 def jit_message(where: str, tool: str) -> str:
     """The refusal for `where` (a module or op, quoted) under `tool`."""
+    deploy = (
+        "to deploy, trace under `torch.no_grad()` or `torch.inference_mode()` (the forward "
+        "is recorded alone: no rule applies to inference), or use torch.export or ONNX"
+        if tool == "torch.jit.trace"
+        else "for deployment use torch.export or ONNX, which record the forward for "
+        "inference, where no rule applies"
+    )
     return (
         f"{tool} cannot keep the backward rule of {where}: TorchScript compiles or records "
         "the forward alone, so the module would silently train with its ordinary gradient. "
         "Keep the module in Python, and use torch.compile to speed it up (the rule is kept, "
-        "with no graph break); for deployment use torch.export or ONNX, which record the "
-        "forward for inference, where no rule applies."
+        f"with no graph break); {deploy}."
     )
 
 

@@ -1,113 +1,293 @@
 """`go.override_backward`: a backward rule given to an existing module instance, in place.
 
-The module keeps its identity, class, parameters and `state_dict` keys: what changes is the
-`forward` found on the instance, an `_OverriddenForward` that calls the module's own forward
-inside the op `_ModuleRule` builds (see `_module.py`, shared with `go.Module`). It pickles as
-the call that installs it again, so a saved model loads back with its override.
+The module keeps its identity, class, `forward`, parameters and `state_dict` keys: the
+override is a pair of forward hooks (PyTorch's own mechanism for acting around a module's
+call), which attach the op `_module_op` builds for the module's forward to what the forward
+returns:
+
+* the pre-hook binds the call and reads the module's parameters; where the rule owns every
+  input and parameter, it turns grad mode off for the forward (which then records no graph,
+  as inside an autograd Function), and where it owns some, it hands the forward the owned
+  inputs detached and the owned parameters swapped for detached ones;
+* the forward hook restores the grad mode and attaches the rule to the outputs.
+
+Hooks receive the module being called, so a copy (`copy.copy`, `deepcopy`) or a replica
+(`nn.DataParallel`) runs itself, with the override. The hooks are objects that pickle as
+what installs them again (the rule by reference), so a saved model loads back with its
+override.
 """
 
 from __future__ import annotations
 
-import copy
-import inspect
+import threading
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from torch import nn
+import torch
+from torch import Tensor, nn
 from torch.compiler import is_dynamo_compiling
+from torch.utils.hooks import RemovableHandle
 
 from ._backends import backend
 from ._errors import GradOverrideError, GradOverrideTypeError
 from ._frameworks import autograph_artifact, is_keras_layer
-from ._jit import RefuseScripting
-from ._module import KEY, MISS, Module, _ModuleRule, _parameter_names
+from ._function import RECORDERS, CallState
+from ._internals import tracing_state, transforms_active
+from ._jit import RefuseScripting, jit_message
+from ._module import Module
+from ._module_op import (
+    CHECKED,
+    ModuleOp,
+    ModuleRule,
+    call_state,
+    compiled_inplace_message,
+    parameters_of,
+    reads_inplace,
+    refuse_inplace_views,
+)
 from ._signature import describe
 
 __all__ = ["OverrideHandle", "override_backward"]
 
+try:  # the context manager `torch.func.functional_call` is built on
+    from torch.nn.utils.stateless import _reparametrize_module as _reparametrize
+except ImportError:  # pragma: no cover - depends on torch version
+    _reparametrize = None  # type: ignore[assignment]
 
-class _OverriddenForward:
-    """What `override_backward` installs as `module.forward`.
 
-    It pickles as the call that installs it again (the module, the rule by reference, the
-    options), so a saved model loads back with its override; `copy.deepcopy` gives the copy
-    an override bound to the copy."""
+class _Frame:
+    """What the pre-hook leaves for the forward hook of the same call."""
 
-    __slots__ = ("_rule", "cache", "module", "options", "rule")
+    __slots__ = ("attach", "audit", "grad_off", "op", "state", "swapped", "values")
 
-    def __init__(self, module: nn.Module, rule: Callable[..., Any], options: dict[str, Any],
-                 module_rule: _ModuleRule | None = None) -> None:
-        self.module = module
+    def __init__(self, op: ModuleOp, values: tuple[Any, ...], state: CallState) -> None:
+        self.attach = True  # False: the forward alone (see `_Override.before`)
+        self.op = op
+        self.values = values
+        self.state = state
+        self.grad_off = False
+        self.swapped: Any = None  # the reparametrization to leave (owned parameters)
+        self.audit: Any = None  # the first-call check in progress
+
+
+class _Calls(threading.local):
+    """Per thread, the calls in progress (a module may call itself, or another overridden
+    module, inside its forward)."""
+
+    def __init__(self) -> None:
+        self.frames: list[_Frame | None] = []
+
+
+class _Override:
+    """The hooks of one `override_backward`: `before` (forward pre-hook) and `after`
+    (forward hook), for whichever module they are called with."""
+
+    def __init__(self, cls: type[nn.Module], rule: Callable[..., Any],
+                 options: dict[str, Any]) -> None:
+        self.cls = cls
         self.rule = rule
         self.options = options
-        self._rule = module_rule if module_rule is not None else _module_rule_for(
-            type(module), rule, options
+        self.module_rule = ModuleRule(
+            where=f"`{cls.__name__}`", forward=cls.forward, rule=rule, method=False,
+            residuals=(), runs_forward=False, **options,
         )
-        # The module's layout between calls (see `_layout`); a copy or a loaded override
-        # starts empty.
-        self.cache: dict[str, Any] = {}
+        self.calls = _Calls()
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        # The generated entry for the module's structure first (see `_ModuleRule.call`).
-        if not is_dynamo_compiling():
-            layout = self.cache.get(KEY)
-            if layout is not None and layout.entry is not None:
-                out = layout.entry(self.module, args, kwargs)
-                if out is not MISS:
-                    return out
-        return self._rule.call(self.module, args, kwargs, self.cache)
+    def rule_for(self, module: nn.Module) -> ModuleRule:
+        # A copy of another class (rare: a module whose class was swapped, as
+        # `register_parametrization` does) reads its own forward.
+        rule = self.module_rule
+        if type(module).forward is not rule.forward:
+            rule = self.module_rule = ModuleRule(
+                where=f"`{type(module).__name__}`", forward=type(module).forward,
+                rule=self.rule, method=False, residuals=(), runs_forward=False,
+                **self.options,
+            )
+        return rule
 
-    # What tools read off a bound `forward` (torch.export reads `__code__` for the argument
-    # names, `inspect.signature` the signature): the module's own forward's.
-    @property
-    def __code__(self) -> Any:
-        return type(self.module).forward.__code__
+    def before(self, module: nn.Module, args: tuple[Any, ...],
+               kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+        frames = self.calls.frames
+        # A place for this call's frame first: the forward hook runs even when this one
+        # raises, and takes it.
+        frames.append(None)
+        if not torch.is_grad_enabled():
+            return None  # no gradient can be computed: the plain forward
+        if tracing_state() is not None:
+            raise GradOverrideError(jit_message(self.module_rule.where, "torch.jit.trace"))
+        rule = self.rule_for(module)
+        names, params = parameters_of(module)
+        inplace = reads_inplace(module)
+        op = rule.op_for(names, inplace, module)
+        values = rule.values(module, args, kwargs, params)
+        state = call_state(module, rule.where)
+        frame = _Frame(op, values, state)
+        owns_all = op._rule.owns_all
+        if is_dynamo_compiling() and not any(
+            isinstance(v, Tensor) and v.requires_grad for v in _leaves(values)
+        ):
+            # No gradient can be computed (a frozen model, compiled): the forward alone, as
+            # the rule's forward would run (dynamo cannot trace an autograd Function none of
+            # whose inputs requires grad).
+            frame.attach = False
+        if inplace:
+            if is_dynamo_compiling():
+                raise GradOverrideError(compiled_inplace_message(rule.where))
+            refuse_inplace_views(rule.where, values[1 : len(values) - len(params)])
+            # The inputs the rule reads, as they were called with; the inputs' version
+            # counters, to mark the ones the forward changes.
+            requested = {slot for _, slot in op._rule.requested_slots}
+            state.copies = {
+                i: v.detach().clone() for i, v in enumerate(values)
+                if i in requested and isinstance(v, Tensor)
+            }
+            state.versions = tuple(v._version if isinstance(v, Tensor) else None
+                                   for v in values)
+        frames[-1] = frame
+        if not is_dynamo_compiling() and module not in CHECKED and not transforms_active():
+            from ._audit import ModuleAudit  # imported at the first check
 
-    @property
-    def __signature__(self) -> inspect.Signature:
-        params = list(inspect.signature(type(self.module).forward).parameters.values())
-        return inspect.Signature(params[1:])
+            frame.audit = ModuleAudit(op, values, state)
+            frame.audit.begin()
+        if owns_all:
+            # The forward records no graph, as inside an autograd Function: the rule gives
+            # every gradient.
+            torch.set_grad_enabled(False)
+            frame.grad_off = True
+            return None
+        if not frame.attach:
+            return None
+        return self._detach_owned(module, op, rule, args, kwargs, params, frame)
 
-    @property
-    def __name__(self) -> str:
-        return "forward"
+    def _detach_owned(
+        self, module: nn.Module, op: ModuleOp, rule: ModuleRule, args: tuple[Any, ...],
+        kwargs: dict[str, Any], params: tuple[Tensor, ...], frame: _Frame,
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """The forward sees the owned inputs and parameters detached: the others keep their
+        ordinary gradient through its graph."""
+        owned = op._rule.owned
+        n_forward = len(rule.signature.names)
+        owned_names = {rule.signature.names[i] for i in range(1, n_forward) if owned[i]}
+        swap = {
+            name: p.detach() for name, p, is_owned in zip(
+                op.slots.params, params, owned[n_forward:], strict=True
+            ) if is_owned
+        }
+        if swap:
+            if _reparametrize is None:  # pragma: no cover
+                msg = (
+                    "this torch has no `torch.nn.utils.stateless._reparametrize_module`, which "
+                    "a rule owning some parameters but not all needs; own all parameters or "
+                    "none."
+                )
+                raise GradOverrideError(msg)
+            frame.swapped = _reparametrize(module, swap)
+            frame.swapped.__enter__()
+        bound = rule.signature.bind((module, *args), kwargs)
+        detached = {
+            name: _detached(value) for name, value in zip(rule.signature.names, bound,
+                                                          strict=True)
+            if name in owned_names
+        }
+        positional = _positional(rule.signature, args)
+        new_args = tuple(
+            detached.get(name, value) if name is not None else value
+            for name, value in zip(positional, args, strict=False)
+        )
+        new_kwargs = {k: detached.get(k, v) for k, v in kwargs.items()}
+        return new_args, new_kwargs
+
+    def after(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+              output: Any) -> Any:
+        frames = self.calls.frames
+        frame = frames.pop() if frames else None
+        if frame is None:
+            return None
+        if frame.grad_off:
+            torch.set_grad_enabled(True)
+        if frame.swapped is not None:
+            frame.swapped.__exit__(None, None, None)
+        audit = frame.audit
+        if output is None or not frame.attach:
+            # The forward raised (this hook is called anyway), or runs alone.
+            if audit is not None:
+                audit.end()
+            return None
+        if audit is None:
+            result = frame.op._route.attach(frame.values, frame.state, output)
+        else:
+            try:
+                result = frame.op._route.attach(frame.values, frame.state, output)
+            finally:
+                audit.end()
+            audit.finish(result)
+            CHECKED.add(module)
+        if RECORDERS and not is_dynamo_compiling():
+            RECORDERS[0].module_output(module, frame.op, result)
+        return result
 
     def __reduce__(self) -> tuple[Any, ...]:
         from ._pickling import require_importable
 
         require_importable(
-            self.rule, f"`{type(self.module).__name__}` (overridden)", "its backward rule"
+            self.rule, f"`{self.module_rule.where.strip('`')}` (overridden)", "its backward rule"
         )
-        return (_reinstall, (self.module, self.rule, self.options))
+        return (_Override, (self.cls, self.rule, self.options))
 
-    def __deepcopy__(self, memo: dict[int, Any]) -> _OverriddenForward:
-        return _OverriddenForward(copy.deepcopy(self.module, memo), self.rule, self.options,
-                                  self._rule)
+    def __deepcopy__(self, memo: dict[int, Any]) -> _Override:
+        # A copy shares the rule, as PyTorch's copy of a module shares its hooks' functions.
+        copy = _Override.__new__(_Override)
+        copy.cls, copy.rule, copy.options = self.cls, self.rule, self.options
+        copy.module_rule = self.module_rule
+        copy.calls = _Calls()
+        return copy
 
     def __repr__(self) -> str:
-        return f"<forward of {type(self.module).__name__} with backward {describe(self.rule)}>"
+        return f"<override of {self.module_rule.where} with backward {describe(self.rule)}>"
 
 
-def _module_rule_for(
-    cls: type[nn.Module], rule: Callable[..., Any], options: dict[str, Any]
-) -> _ModuleRule:
-    return _ModuleRule(
-        where=f"`{cls.__name__}`",
-        forward=cls.forward,
-        rule=rule,
-        rule_is_method=False,
-        owns=options["owns"],
-        residuals=(),
-        once_differentiable=options["once_differentiable"],
-        materialize_grads=options["materialize_grads"],
-    )
+def _leaves(values: tuple[Any, ...]) -> list[Any]:
+    from torch.utils import _pytree as pytree
+
+    return pytree.tree_leaves(values)
 
 
-def _reinstall(module: nn.Module, rule: Callable[..., Any],
-               options: dict[str, Any]) -> _OverriddenForward:
-    """Unpickling an overridden module's forward: the override, installed again. The module
-    is still being rebuilt when this runs (its state comes after), so nothing reads it."""
-    return _OverriddenForward(module, rule, options)
+def _detached(value: Any) -> Any:
+    from torch.utils import _pytree as pytree
+
+    return pytree.tree_map(lambda v: v.detach() if isinstance(v, Tensor) else v, value)
+
+
+def _positional(signature: Any, args: tuple[Any, ...]) -> list[str | None]:
+    """The forward's parameter that receives each positional argument (None: `*args`)."""
+    import inspect
+
+    params = list(signature.signature.parameters.values())[1:]
+    names: list[str | None] = []
+    for p in params:
+        if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD):
+            names.append(p.name)
+    return names + [None] * max(0, len(args) - len(names))
+
+
+def _hooks_of(module: nn.Module) -> list[tuple[int, _Override]]:
+    """The override hooks on `module`: (key, override) for each hook of either kind."""
+    found = []
+    for table in (module._forward_pre_hooks, module._forward_hooks):
+        for key, hook in table.items():
+            owner = getattr(hook, "__self__", None)
+            if isinstance(owner, _Override):
+                found.append((key, owner))
+    return found
+
+
+def overrides_of(module: nn.Module) -> list[_Override]:
+    """The `override_backward`s installed on `module` (one at most)."""
+    found: list[_Override] = []
+    for _, override in _hooks_of(module):
+        if override not in found:
+            found.append(override)
+    return found
 
 
 class OverrideHandle:
@@ -117,32 +297,42 @@ class OverrideHandle:
     `copy.deepcopy`), `OverrideHandle.of(module)` gives the handle.
     """
 
-    def __init__(self, module: nn.Module, forward: Any) -> None:
+    def __init__(self, module: nn.Module, override: _Override) -> None:
         self._module = module
-        self._forward = forward
+        self._override = override
 
     @classmethod
     def of(cls, module: nn.Module) -> OverrideHandle:
         """The handle of the override installed on `module` (after a load or a copy)."""
-        forward = module.__dict__.get("forward")
-        if not isinstance(forward, _OverriddenForward):
+        found = _hooks_of(module)
+        if not found:
             msg = (
                 f"this {type(module).__name__} has no override from `go.override_backward`, "
                 "so there is no handle to give; check `OverrideHandle.of` is called on the "
                 "overridden module itself (not its parent)."
             )
             raise GradOverrideError(msg)
-        return cls(module, forward)
+        return cls(module, found[0][1])
 
     @property
     def active(self) -> bool:
         """Whether the override is still installed."""
-        return self._module.__dict__.get("forward") is self._forward
+        return any(hook is self._override for _, hook in _hooks_of(self._module))
 
     def remove(self) -> None:
-        if self.active:
-            del self._module.__dict__["forward"]
-            self._module.__dict__.pop("__prepare_scriptable__", None)
+        module = self._module
+        for key, hook in _hooks_of(module):
+            if hook is self._override:
+                for table in (
+                    module._forward_pre_hooks, module._forward_hooks,
+                    module._forward_pre_hooks_with_kwargs, module._forward_hooks_with_kwargs,
+                    module._forward_hooks_always_called,
+                ):
+                    table.pop(key, None)
+        if not _hooks_of(module) and isinstance(
+            module.__dict__.get("__prepare_scriptable__"), RefuseScripting
+        ):
+            del module.__dict__["__prepare_scriptable__"]
 
     def __enter__(self) -> OverrideHandle:
         return self
@@ -184,19 +374,23 @@ def override_backward(
     ```
 
     The module keeps its identity, class, parameters and `state_dict` keys: only calls to it
-    change. The rule follows the `custom_backward` contract with the names of the module's
-    own `forward` parameters, its parameters by `named_parameters()` name, and the reserved
-    name `module` for the module itself. The rule reads each parameter as the forward saw
-    it (under `torch.func.functional_call`, the tensors passed in).
+    change, through a pair of forward hooks. The rule follows the `custom_backward` contract
+    with the names of the module's own `forward` parameters, its parameters by
+    `named_parameters()` name, and the reserved name `module` for the module being called.
+    The rule reads each parameter as the forward saw it (under
+    `torch.func.functional_call`, the tensors passed in). A copy of the module
+    (`copy.copy`, `copy.deepcopy`) or a replica (`nn.DataParallel`) keeps the override and
+    runs itself: its own parameters, buffers and mode.
 
     `torch.save` / `pickle` of the module (or a model holding it) store the override, with
     the rule by reference (so the rule must be a module-level function; a lambda is refused
     with a `GradOverrideError` when saving); loading installs it again, and
-    `OverrideHandle.of(module)` gives its handle. `copy.deepcopy` copies the override too.
-    A module built with `inplace=True` (`nn.ReLU(inplace=True)`) changes its input in place:
-    the rule gets a copy of each input it names, taken before the forward, and the caller's
-    tensor is changed as without the override. TorchScript cannot keep the rule:
-    `torch.jit.script` and `torch.jit.trace` raise `GradOverrideError`.
+    `OverrideHandle.of(module)` gives its handle. A module built with `inplace=True`
+    (`nn.ReLU(inplace=True)`) changes its input in place: the rule gets a copy of each input
+    it names, taken before the forward, and the caller's tensor is changed as without the
+    override. When no gradient can be computed (`torch.no_grad()`, `inference_mode`), the
+    module runs as without the override. TorchScript cannot keep the rule:
+    `torch.jit.script`, and `torch.jit.trace` with grad enabled, raise `GradOverrideError`.
 
     Args:
         module: the `nn.Module` instance, or a Keras 3 layer (a `LayerHandle` is returned
@@ -214,13 +408,13 @@ def override_backward(
     What the rule may return: as for `go.Module`'s `backward`, a dict by name (the forward's
     parameter names, `input` for `nn.Linear`, and `named_parameters()` names such as
     `"weight"`; every owned one that holds a tensor present, None for no gradient), or a
-    tensor when exactly one owned input or parameter holds a tensor. Shapes, dtypes and
+    tensor when exactly one owned input or parameter needs a gradient. Shapes, dtypes and
     devices are checked as for `custom_backward`.
     """
     if not isinstance(module, nn.Module):
         if is_keras_layer(module):
             # The Keras layer's handle (a LayerHandle).
-            return backend("tensorflow").override_layer(
+            return backend("tensorflow").override_layer(  # type: ignore[no-any-return]
                 module, rule, owns=owns, once_differentiable=once_differentiable,
                 materialize_grads=materialize_grads,
             )
@@ -229,10 +423,10 @@ def override_backward(
             f"{module!r}; for a function, use `go.custom_backward(fn, backward=rule)`."
         )
         raise GradOverrideTypeError(msg)
-    if "forward" in module.__dict__:
+    if _hooks_of(module):
         msg = (
-            f"this {type(module).__name__} already has an overridden forward (an earlier "
-            "`override_backward`?); call `.remove()` on its handle before overriding again."
+            f"this {type(module).__name__} already has an override (an earlier "
+            "`override_backward`); call `.remove()` on its handle before overriding again."
         )
         raise GradOverrideError(msg)
     if isinstance(module, Module) and type(module)._gradoverride_rule is not None:
@@ -246,11 +440,19 @@ def override_backward(
         "once_differentiable": once_differentiable,
         "materialize_grads": materialize_grads,
     }
-    module_rule = _module_rule_for(type(module), rule, options)
-    module_rule.check_names(module)
+    override = _Override(type(module), rule, options)
     # Built now, so that a first call under torch.compile(fullgraph=True) finds it.
-    module_rule.op_for(_parameter_names(module), getattr(module, "inplace", False) is True)
-    forward = _OverriddenForward(module, rule, options, module_rule)
-    module.__dict__["forward"] = forward
-    module.__dict__["__prepare_scriptable__"] = RefuseScripting(f"`{type(module).__name__}`")
-    return OverrideHandle(module, forward)
+    override.module_rule.check(module)
+    install(module, override)
+    return OverrideHandle(module, override)
+
+
+def install(module: nn.Module, override: _Override) -> None:
+    """Register `override`'s hooks on `module`: the pre-hook after the others (nearest the
+    forward), the forward hook first (its output is what the others see)."""
+    pre: RemovableHandle = module.register_forward_pre_hook(override.before, with_kwargs=True)
+    module.register_forward_hook(override.after, with_kwargs=True, always_call=True,
+                                 prepend=True)
+    assert pre.id is not None
+    if "__prepare_scriptable__" not in module.__dict__:
+        module.__dict__["__prepare_scriptable__"] = RefuseScripting(f"`{type(module).__name__}`")

@@ -3,13 +3,12 @@ gave back. What `go.monitor` and `go.overrides` (with example inputs) are built 
 
 While a recorder is started:
 
-* every op (each `custom_backward` / `straight_through` op, the recipes' ops, the ops of
-  `go.Module` and `override_backward`) has its class swapped for one whose `__call__` tags
-  the backward node of the op's output with the override's row; the generated Function's
-  `backward` is wrapped (on the class, which autograd reads at each node's backward) to hand
-  what a tagged node got and returned to the recorder: exactly the override's own
-  gradients, whatever else reads its inputs, with no identity op added, no tensor copied and
-  no hook registered per call;
+* every op call (each `custom_backward` / `straight_through` op, the recipes' ops, the ops
+  of `go.Module` and `override_backward`) consults the recorder (`RECORDERS`, read by the
+  ops' entries), which registers a hook on the backward node of the op's output (autograd's
+  `Node.register_hook`): it hands what that node got and returned to the recorder, exactly
+  the override's own gradients, whatever else reads its inputs, with no identity op added
+  and no tensor copied;
 * the row of an op called in a module's forward is that module's path, read from the call
   stack (the nearest frame whose `self` is one of the model's modules);
 * each `grad_hook` transform in the model is wrapped, in place (the module hook's attribute,
@@ -23,8 +22,8 @@ override; a pass that fails is handed on when autograd drops its callback, and a
 checkpoint's nested pass is part of the pass that recomputed it. With `every=N`, the ops
 of an unrecorded step only mark one node, whose backward counts the pass.
 
-Stopping restores every class, method and transform: afterwards nothing of the recorder is
-left and an op call costs what it did before.
+Stopping restores every transform and leaves the list the ops consult: afterwards nothing
+of the recorder is left and an op call costs what it did before.
 """
 
 from __future__ import annotations
@@ -40,10 +39,11 @@ from torch import Tensor, nn
 from torch.compiler import is_dynamo_compiling
 from torch.utils.hooks import RemovableHandle
 
-from ._decorators import _OPS, ON_REGISTER, CustomBackward
+from ._decorators import CustomBackward
 from ._errors import GradOverrideError
+from ._function import RECORDERS
 from ._internals import graph_task_id, transforms_active
-from ._module import Module, _ParameterIds
+from ._module import Module
 from ._signature import describe
 from ._table import one_line
 
@@ -81,7 +81,6 @@ class Gradients:
 
 # How many frames up from an op call to look for the module calling it.
 _FRAMES = 12
-_UNPATCHED: Any = object()
 _MARK: Any = object()  # a node of an unrecorded step: its backward only counts the pass
 
 
@@ -132,11 +131,8 @@ class Recorder:
         # next one is the step being recorded.
         self.passes = 0
         self.paths: dict[int, str] = {}
-        self._swapped: dict[CustomBackward[..., Any], type] = {}
         self._wrapped: list[tuple[RemovableHandle, Any]] = []
         self._retransformed: list[tuple[Any, Any]] = []
-        self._patched: dict[type, bool | None] = {}
-        self._originals: dict[type, Any] = {}
         # Places seen before (see `_seen_before`): (op, calling code) -> [(the codes of the
         # frames up to the module's, the recipe argument's index or -1, the frame holding
         # the recipe or -1)], and (op, module) -> (the recipe of the last call, its site).
@@ -158,9 +154,8 @@ class Recorder:
 
     def start(self) -> None:
         if _STARTED:
-            # A second recorder would find every op's class already swapped and leave it
-            # (recording nothing), and would wrap the Functions' backward a second time,
-            # where the first recorder's wrapper would take the second one's gradients.
+            # A second recorder would see the ops' calls the first one sees, and one node's
+            # gradients would be recorded twice.
             msg = (
                 f"{self.purpose} cannot start while {_STARTED[0].purpose} is recording: one "
                 "model is recorded at a time (a second recorder would silently record "
@@ -173,22 +168,13 @@ class Recorder:
         _STARTED.append(self)
         self.paths = model_paths(self.model)
         self._positions = {path: k for k, path in enumerate(self.paths.values())}
-        for op in list(_OPS):
-            self._swap(op)
-        ON_REGISTER.append(self._swap)  # ops made while recording
         self._wrap_hook_transforms()
+        RECORDERS.append(self)
         self.started = True
 
     def stop(self) -> None:
-        if self._swap in ON_REGISTER:
-            ON_REGISTER.remove(self._swap)
-        for op, previous in self._swapped.items():
-            op.__class__ = previous
-        self._swapped = {}
-        for cls, backward in self._originals.items():
-            cls.backward = backward  # type: ignore[attr-defined]
-        self._patched = {}
-        self._originals = {}
+        if self in RECORDERS:
+            RECORDERS.remove(self)
         for task in sorted(self._pending):
             self._flush(task)  # a backward pass still running in another thread
         for handle, original in self._wrapped:
@@ -203,39 +189,38 @@ class Recorder:
         if self in _STARTED:
             _STARTED.remove(self)
 
-    def _swap(self, op: CustomBackward[..., Any]) -> None:
-        previous = type(op)
-        fast = op._fast_class
-        if fast is None or previous not in (fast, op._audit_class):
-            return  # no rule yet, or already swapped by someone else: left alone
-        # The op's own entry: the first call's check until it has run (it then sets the
-        # fast class, and the fast entry is used from then on).
-        calls = [previous.__call__]
-        recorder = self
+    # -- the ops' consult point ---------------------------------------------------------------
 
-        def __call__(op: CustomBackward[..., Any], *args: Any, **kwargs: Any) -> Any:
-            if recorder.substitute is not None and not is_dynamo_compiling():
-                site = recorder._site_of(op, args, 3)  # above _caller_path, _site_of, here
-                if site is not None:
-                    return recorder.substitute(site, op, args, kwargs)
-            out = calls[0](op, *args, **kwargs)
-            if is_dynamo_compiling():
-                return out  # (read nothing of the recorder: dynamo would guard on it)
-            if type(op) is fast:  # the first call's check finished: it set the fast class
-                recorder._swapped[op] = fast
-                calls[0] = fast.__call__
-                op.__class__ = monitored
-            if torch.is_grad_enabled() and not transforms_active():
-                recorder._observe(op, args, out)
-            if recorder.on_call is not None:
-                recorder._called(op, args)
-            return out
+    def op_call(self, op: CustomBackward[..., Any], args: tuple[Any, ...],
+                kwargs: dict[str, Any], run: Callable[[], Any]) -> Any:
+        """An op called while recording (eager): `run()` makes the call."""
+        if self.substitute is not None:
+            site = self._site_of(op, args, 5)  # above _caller_path, _site_of, here, the op's two
+            if site is not None:
+                return self.substitute(site, op, args, kwargs)
+        out = run()
+        if torch.is_grad_enabled() and not transforms_active():
+            self._observe(op, args, out, None)
+        if self.on_call is not None:
+            self._called(op, args)
+        return out
 
-        namespace = {"__module__": previous.__module__, "__qualname__": previous.__qualname__,
-                     "__call__": __call__}
-        monitored = type(previous.__name__, (fast,), namespace)
-        self._swapped[op] = previous
-        op.__class__ = monitored
+    def module_call(self, module: nn.Module, op: Any, args: tuple[Any, ...],
+                    kwargs: dict[str, Any], run: Callable[[], Any]) -> Any:
+        """A module's rule called while recording (eager): `run()` makes the call."""
+        site = self._module_site(module)
+        if site is not None and self.substitute is not None:
+            return self.substitute(site, op, (module, *args), kwargs)
+        out = run()
+        if site is not None and torch.is_grad_enabled() and not transforms_active():
+            self._observe(op, args, out, site)
+        return out
+
+    def module_output(self, module: nn.Module, op: Any, out: Any) -> None:
+        """A module's rule attached to `out` by its forward hooks (`override_backward`)."""
+        site = self._module_site(module)
+        if site is not None and not transforms_active():
+            self._observe(op, (), out, site)
 
     def _wrap_hook_transforms(self) -> None:
         """Each grad_hook in the model records what its transform gets and gives."""
@@ -270,37 +255,32 @@ class Recorder:
         """Whether the backward pass about to run (or running) is a recorded step."""
         return self.passes % self.every == 0
 
-    def _observe(self, op: CustomBackward[..., Any], args: tuple[Any, ...], out: Any) -> None:
+    def _observe(self, op: Any, args: tuple[Any, ...], out: Any, site: Site | None) -> None:
         node: Any = out.grad_fn if isinstance(out, Tensor) else _node_of(out)
-        if node is None:
-            return
-        function = getattr(node, "_forward_cls", None)
-        if function is None:
-            return  # not an autograd.Function's node
-        span = self._patched.get(function, _UNPATCHED)
-        if span is _UNPATCHED:
-            span = self._patch(function)
+        if node is None or getattr(node, "gradoverride", None) is None:
+            return  # no gradient flows here, or not one of our Functions' nodes
         # A forward inside a backward pass (a reentrant checkpoint recomputing a segment,
         # whose backward then runs as a pass of its own): the nodes belong to the outer pass.
         outer = current_pass()
         if outer >= 0 and outer not in self._pending:
             self._open(outer)  # (the outer pass is the one running: queued at its end)
-        site = self._seen_before(op, args)
+        if site is None:
+            site = self._seen_before(op, args)
         if site is None:
             site = self._site_of(op, args)
             if site is None:
                 return  # called outside the model
         if self.passes % self.every != 0:
-            # Not a recorded step: the mark only counts the backward pass when it runs.
-            node._gradoverride_seen = (_MARK, None, outer)
+            # Not a recorded step: the hook only counts the backward pass when it runs.
+            node.register_hook(_NodeHook(self, _MARK, (), outer))
             return
-        if span is not None:
-            # A rule owning some inputs: after the gradients for its inputs, the Function
-            # returns the outputs' gradients, passed on into the ordinary graph, and None
-            # for each residual.
-            span = 1 + node.gradoverride[0].n_in
-        # Read by the patched backward (the node is the Function's ctx).
-        node._gradoverride_seen = (site, span, outer)
+        # One gradient per tensor input, None where the input needs none; an attaching
+        # Function (a rule owning some inputs) then passes its outputs' gradients on into
+        # the ordinary graph, which are not the rule's.
+        needs = tuple(fn is not None for fn, _ in node.next_functions)
+        if getattr(getattr(node, "_forward_cls", None), "_gradoverride_attaches", False):
+            needs = needs[: node.gradoverride[0].n_tensor_in]
+        node.register_hook(_NodeHook(self, site, needs, outer))
 
     def _seen_before(self, op: CustomBackward[..., Any], args: tuple[Any, ...]) -> Site | None:
         """The site of a call from a place seen before: the same op, the same chain of
@@ -308,7 +288,7 @@ class Recorder:
         from two modules, or a child's `forward` called directly, are told apart), the same
         module and the same recipe argument; what `_site_of` found then, with one frame's
         locals read. None for anything else, which `_site_of` resolves."""
-        start = sys._getframe(3)  # the op's caller (above this, _observe and __call__)
+        start = sys._getframe(5)  # the op's caller (above this, _observe, op_call, the op's two)
         places = self._known.get((id(op), start.f_code))
         if places is None:
             return None
@@ -334,44 +314,10 @@ class Recorder:
                 return None  # another recipe object than last time (one made each call)
         return None
 
-    def _patch(self, function: type) -> Any:
-        """`function.backward`, while recording, also hands what a node the forward tagged
-        got and returned to the recorder. Autograd reads `backward` off the class at each
-        node's backward, so this adds no per-call hook; `stop` puts it back. Returns
-        whether the Function passes its outputs' gradients on (see `_observe`)."""
-        backward = function.__dict__["backward"]
-        original = backward.__func__ if isinstance(backward, staticmethod) else backward
-        recorder = self
-        pending = self._pending
-
-        def recorded_backward(ctx: Any, *grads: Any) -> Any:
-            returned = original(ctx, *grads)
-            if is_dynamo_compiling():
-                return returned  # a compiled backward: nothing was tagged
-            seen = ctx.__dict__.get("_gradoverride_seen")
-            if seen is not None:
-                site, span, task = seen
-                if task < 0:
-                    task = current_pass()
-                # (else: a node made by a forward inside a backward pass, a reentrant
-                # checkpoint's recomputation, which belongs to that outer pass)
-                entries = pending.get(task)
-                if entries is None:
-                    entries = recorder._open(task)
-                if site is not _MARK:
-                    entries.append(((site, span), returned, ctx.needs_input_grad, grads))
-            return returned
-
-        attaches = True if getattr(function, "_gradoverride_attaches", False) else None
-        self._patched[function] = attaches
-        self._originals[function] = backward
-        function.backward = staticmethod(recorded_backward)  # type: ignore[attr-defined]
-        return attaches
-
     def _called(self, op: CustomBackward[..., Any], args: tuple[Any, ...]) -> None:
-        if self.on_call is None or (len(args) > 1 and isinstance(args[1], _ParameterIds)):
+        if self.on_call is None:
             return
-        found = self._caller_path(3)  # above _caller_path, _called and __call__
+        found = self._caller_path(5)  # above _caller_path, _called, op_call and the op's two
         if found is None:
             return
         subject, kind = _subject(op, args)
@@ -420,24 +366,26 @@ class Recorder:
             self._outside.add(id(module))
         return path
 
+    def _module_site(self, module: nn.Module) -> Site | None:
+        """The row of a module's rule: the module's path (None outside the model)."""
+        path = self.paths.get(id(module))
+        if path is None:
+            path = self._path_of_new(module)
+        if path is None:
+            return None  # a module outside the model
+        kind = "go.Module" if isinstance(module, Module) else "override_backward"
+        key: tuple[Any, ...] = (kind, path)
+        site = self._sites.get(key)
+        if site is None:
+            site = self._sites[key] = Site(path, type(module).__name__, kind,
+                                           index=self._next_index())
+        return site
+
     def _site_of(self, op: CustomBackward[..., Any], args: tuple[Any, ...],
-                 depth: int = 4) -> Site | None:
-        """The row of a call of `op` with `args`; `depth` frames up is the op's caller."""
-        if len(args) > 1 and isinstance(args[1], _ParameterIds):
-            module = args[0]
-            path = self.paths.get(id(module))
-            if path is None:
-                path = self._path_of_new(module)
-            if path is None:
-                return None  # a module outside the model
-            key: tuple[Any, ...] = (id(op), path)
-            site = self._sites.get(key)
-            if site is None:
-                kind = "go.Module" if isinstance(module, Module) else "override_backward"
-                site = self._sites[key] = Site(path, type(module).__name__, kind,
-                                               index=self._next_index())
-            return site
-        found = self._caller_path(depth)  # 4: above _caller_path, _site_of, _observe, __call__
+                 depth: int = 6) -> Site | None:
+        """The row of a call of `op` with `args`; `depth` frames up is the op's caller (6:
+        above _caller_path, _site_of, _observe, op_call and the op's two)."""
+        found = self._caller_path(depth)
         if found is None:
             return None  # called outside the model's forward
         path, owner, distance, caller = found
@@ -453,7 +401,7 @@ class Recorder:
         site = self._sites.get(key)
         if site is None:
             site = self._sites[key] = self._make_site(path, subject, kind)
-        if depth == 4:  # from _observe: remember the place for `_seen_before`
+        if depth == 6:  # from _observe: remember the place for `_seen_before`
             at = -1 if subject is op or at_frame >= 0 else next(
                 (k for k, a in enumerate(args) if a is subject), len(args)
             )
@@ -494,7 +442,7 @@ class Recorder:
         entries = self._pending.get(task)
         if entries is None:
             entries = self._open(task)
-        entries.append(((site, None), (returned,), (True,), (arriving,)))
+        entries.append((site, (returned,), (arriving,)))
 
     def _open(self, task: int) -> list[Any]:
         """The entries of backward pass `task`, handed to the sink at its end. A pass that
@@ -515,12 +463,8 @@ class Recorder:
         with self._counting:
             step = self.passes
             self.passes += 1
-        for (site, span), returned, needs, arriving in pending:
-            if type(returned) is not tuple:
-                returned = (returned,)
-            if span is not None:
-                returned, needs = returned[1:span], needs[1:span]
-            gave = [g for g, n in zip(returned, needs, strict=False) if n and g is not None]
+        for site, returned, arriving in pending:
+            gave = [g for g in returned if g is not None]
             got = [g for g in arriving if g is not None]
             group = groups.get((site, step))
             if group is None:
@@ -542,6 +486,37 @@ class Recorder:
             group.arriving += got
             group.returned += gave
         self.sink(groups)
+
+
+class _NodeHook:
+    """On an op's backward node while recording: hands what the node got and returned (for
+    its tensor inputs; the first `span` of them for an attaching Function, whose others are
+    its outputs' gradients passed on) to the entries of the backward pass running."""
+
+    __slots__ = ("needs", "recorder", "site", "task")
+
+    def __init__(self, recorder: Recorder, site: Any, needs: tuple[bool, ...],
+                 task: int) -> None:
+        self.recorder = recorder
+        self.site = site
+        self.needs = needs  # per tensor input: whether its gradient is the rule's, and needed
+        self.task = task
+
+    def __call__(self, grad_inputs: tuple[Any, ...], grad_outputs: tuple[Any, ...]) -> None:
+        recorder = self.recorder
+        task = self.task
+        if task < 0:
+            task = current_pass()
+        # (else: a node made by a forward inside a backward pass, a reentrant checkpoint's
+        # recomputation, which belongs to that outer pass)
+        entries = recorder._pending.get(task)
+        if entries is None:
+            entries = recorder._open(task)
+        if self.site is _MARK:
+            return
+        needed = zip(grad_inputs, self.needs, strict=False)
+        returned = tuple(g for g, needs in needed if needs)
+        entries.append((self.site, returned, tuple(grad_outputs)))
 
 
 class _PassEnd:

@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import Any, Protocol
 
 from ._errors import GradOverrideError, GradOverrideTypeError
-from ._signature import ForwardSignature, describe
+from ._signature import describe, listing
 
-__all__ = ["RESERVED_NAMES", "RuleSpec", "normalize_names"]
+__all__ = ["RESERVED_NAMES", "RuleSpec", "Slots", "normalize_names", "refuse_named_positionals"]
 
 _POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
 
@@ -33,6 +33,22 @@ RESERVED_NAMES: Mapping[str, str] = {
         "None for a parameter whose entry is False"
     ),
 }
+
+
+class Slots(Protocol):
+    """What a rule is read against: an op's slots (a `ForwardSignature`, or the slots of the
+    op around a module's forward, whose slot 0 holds the module)."""
+
+    name: str
+    names: tuple[str, ...]
+    index: dict[str, int]
+    is_module: bool
+
+    def unknown_name_message(self, where: str, name: str, available: list[str]) -> str: ...
+
+    def unknown_owned_message(
+        self, where: str, owned: tuple[str, ...], name: str
+    ) -> str: ...
 
 
 def normalize_names(value: str | Iterable[str] | None, what: str, where: str) -> tuple[str, ...]:
@@ -64,6 +80,7 @@ class RuleSpec:
 
     __slots__ = (
         "materialize_grads",
+        "method",
         "n_grads",
         "name",
         "once_differentiable",
@@ -81,13 +98,21 @@ class RuleSpec:
     def __init__(
         self,
         rule: Callable[..., Any],
-        forward: ForwardSignature,
+        forward: Slots,
         *,
         owns: str | Iterable[str] | None,
         residuals: tuple[str, ...],
         once_differentiable: bool,
         materialize_grads: bool,
+        method: bool = False,
+        aliases: Mapping[str, int] | None = None,
     ) -> None:
+        """`forward` gives the op's slots (a `ForwardSignature`, or a module op's slots).
+
+        `method`: the rule is a method of the module in slot 0 (`go.Module`'s `backward`),
+        called with the module first. `aliases`: reserved names standing for a slot (an
+        override rule's `module`). A module op's slot 0 holds the module: it is never
+        named, owned or given a gradient."""
         where = f"backward rule `{describe(rule)}` of `{forward.name}`"
         if not callable(rule):
             msg = (
@@ -103,9 +128,17 @@ class RuleSpec:
                 "wrap it in a `def rule(grad, *, x): ...` that names what it needs."
             )
             raise GradOverrideTypeError(msg) from None
+        if method:
+            # The module comes first (`self`); a function assigned on an instance is not bound.
+            params = list(signature.parameters.values())
+            signature = signature.replace(parameters=params[1:])
 
         self.rule = rule
         self.name = describe(rule)
+        self.method = method
+        aliases = dict(aliases or {})
+        hidden = frozenset({0}) if forward.is_module else frozenset()
+        nameable = tuple(n for i, n in enumerate(forward.names) if i not in hidden)
         n_grads: int | None = 0
         requested: list[str] = []
         for param in signature.parameters.values():
@@ -126,33 +159,37 @@ class RuleSpec:
                     "e.g. `def rule(grad, *, x): ...`."
                 )
                 raise GradOverrideTypeError(msg)
-        _refuse_named_positionals(signature, forward, residuals, where, self.name)
+        refuse_named_positionals(
+            signature, forward.name, (*nameable, *residuals, *RESERVED_NAMES, *aliases),
+            where, self.name,
+        )
         if n_grads == 0:
+            first = "self, grad" if method else "grad"
             msg = (
                 f"the {where} has no positional parameter for the upstream gradient; "
-                f"write it as `def {self.name.split('.')[-1]}(grad, *, ...)`: positional "
+                f"write it as `def {self.name.split('.')[-1]}({first}, *, ...)`: positional "
                 "parameters receive the upstream gradients, one per output."
             )
             raise GradOverrideTypeError(msg)
         self.n_grads = n_grads
 
-        available = [*forward.names, *residuals, *RESERVED_NAMES]
+        available = [*nameable, *residuals, *RESERVED_NAMES, *aliases]
         for name in requested:
-            if name in RESERVED_NAMES and (name in forward.index or name in residuals):
+            if name in (*RESERVED_NAMES, *aliases) and (
+                name in nameable or name in residuals
+            ):
                 msg = (
                     f"the {where} names `{name}`, which is both a reserved name and a "
                     f"parameter or residual of `{forward.name}`; rename that parameter."
                 )
                 raise GradOverrideTypeError(msg)
             if name not in available:
-                msg = (
-                    f"the {where} names `{name}`, which `{forward.name}` does not have; "
-                    f"a rule may name {_listing(available)}."
-                )
-                raise GradOverrideTypeError(msg)
+                raise GradOverrideTypeError(forward.unknown_name_message(where, name, available))
         self.requested = tuple(requested)
         self.requested_slots = tuple(
-            (name, forward.index[name]) for name in requested if name in forward.index
+            (name, forward.index[name] if name in forward.index else aliases[name])
+            for name in requested
+            if (name in forward.index and forward.index[name] not in hidden) or name in aliases
         )
         self.requested_residuals = tuple(
             (name, residuals.index(name)) for name in requested if name in residuals
@@ -162,18 +199,15 @@ class RuleSpec:
 
         owned_names = normalize_names(owns, "owns", f"the {where}")
         for name in owned_names:
-            if name not in forward.index:
-                msg = (
-                    f"the {where} declares owns={owned_names!r}, but `{forward.name}` has no "
-                    f"parameter `{name}`; its parameters are {_listing(forward.names)}."
-                )
-                raise GradOverrideError(msg)
-        self.owns_all = owns is None or set(owned_names) == set(forward.names)
+            if name not in forward.index or forward.index[name] in hidden:
+                raise GradOverrideError(forward.unknown_owned_message(where, owned_names, name))
+        self.owns_all = owns is None or set(owned_names) >= set(nameable)
         # TensorFlow only: a declared `owns` leaves variables the forward reads their own
         # gradient, even when it names every parameter (see _tensorflow/_backend.py).
         self.owns_declared = owns is not None
         self.owned = tuple(
-            self.owns_all or name in owned_names for name in forward.names
+            i not in hidden and (self.owns_all or name in owned_names)
+            for i, name in enumerate(forward.names)
         )
         self.once_differentiable = bool(once_differentiable)
         self.materialize_grads = bool(materialize_grads)
@@ -182,19 +216,20 @@ class RuleSpec:
         return f"<rule {self.name}>"
 
 
-def _refuse_named_positionals(
+def refuse_named_positionals(
     signature: inspect.Signature,
-    forward: ForwardSignature,
-    residuals: tuple[str, ...],
+    op: str,
+    nameable: Iterable[str],
     where: str,
     rule_name: str,
 ) -> None:
-    """A positional parameter (after the first) named like a forward parameter, a residual or
-    a reserved name is a forgotten `*`: it would receive an upstream gradient, not the value,
-    and fail only at the first backward, with a count message."""
+    """A positional parameter (after the first) named like something the rule may name (a
+    forward parameter, a residual, a reserved name) is a forgotten `*`: it would receive an
+    upstream gradient, not the value, and fail only at the first backward, with a count
+    message. `signature` is the rule's, without a method's `self`."""
     params = list(signature.parameters.values())
     positional = [p for p in params if p.kind in _POSITIONAL]
-    nameable = {*forward.names, *residuals, *RESERVED_NAMES}
+    nameable = set(nameable)
     misplaced = [p.name for p in positional[1:] if p.name in nameable]
     if not misplaced:
         return
@@ -204,23 +239,14 @@ def _refuse_named_positionals(
     arguments = ", ".join([*grads, star, *keywords])
     short = rule_name.split(".")[-1]
     fixed = f"lambda {arguments}: ..." if short == "<lambda>" else f"def {short}({arguments})"
-    listed = _listing(misplaced).replace(" or ", " and ")
+    listed = listing(misplaced).replace(" or ", " and ")
     kind, pronoun = ("a positional parameter", "it") if len(misplaced) == 1 else (
         "positional parameters", "they"
     )
     msg = (
         f"the {where} takes {listed} as {kind}, but positional parameters receive the "
-        f"upstream gradients (one per output of `{forward.name}`), and {pronoun} name"
-        f"{'s' if pronoun == 'it' else ''} what `{forward.name}` provides. Did you mean "
+        f"upstream gradients (one per output of `{op}`), and {pronoun} name"
+        f"{'s' if pronoun == 'it' else ''} what `{op}` provides. Did you mean "
         f"`{fixed}`? Values the rule needs are keyword-only parameters, after `*`."
     )
     raise GradOverrideTypeError(msg)
-
-
-def _listing(names: Iterable[str]) -> str:
-    quoted = [f"`{n}`" for n in names]
-    if not quoted:
-        return "nothing"
-    if len(quoted) == 1:
-        return quoted[0]
-    return ", ".join(quoted[:-1]) + " or " + quoted[-1]

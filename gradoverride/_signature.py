@@ -28,7 +28,7 @@ from typing import Any
 
 from ._errors import GradOverrideTypeError
 
-__all__ = ["ForwardSignature", "describe"]
+__all__ = ["ForwardSignature", "describe", "listing"]
 
 _EMPTY = inspect.Parameter.empty
 _POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
@@ -51,6 +51,16 @@ def describe(fn: object) -> str:
     if name.startswith("_VariableFunctionsClass."):
         return "torch." + name[len("_VariableFunctionsClass.") :]
     return name
+
+
+def listing(names: Sequence[str] | Any) -> str:
+    """`a`, `b` or `c`: names for a message."""
+    quoted = [f"`{n}`" for n in names]
+    if not quoted:
+        return "nothing"
+    if len(quoted) == 1:
+        return quoted[0]
+    return ", ".join(quoted[:-1]) + " or " + quoted[-1]
 
 
 def _merge_names(forms: Sequence[inspect.Signature]) -> list[str]:
@@ -227,6 +237,20 @@ class ForwardSignature:
         self._forms = tuple(_Form(form, self.index) for form in self.forms)
         self._absent: tuple[Any, ...] = tuple(
             () if kind is _VAR_POSITIONAL else None for kind in self.kinds
+        )
+
+    is_module = False  # a module op's slots say otherwise (see `_module_op`)
+
+    def unknown_name_message(self, where: str, name: str, available: list[str]) -> str:
+        return (
+            f"the {where} names `{name}`, which `{self.name}` does not have; "
+            f"a rule may name {listing(available)}."
+        )
+
+    def unknown_owned_message(self, where: str, owned: tuple[str, ...], name: str) -> str:
+        return (
+            f"the {where} declares owns={owned!r}, but `{self.name}` has no "
+            f"parameter `{name}`; its parameters are {listing(self.names)}."
         )
 
     def _first_parameter(self, name: str) -> inspect.Parameter:

@@ -525,6 +525,8 @@ def _build(
 
     if surrogate is not None:
         sur = surrogate
+        # Plain values only in the rule's closure: dynamo, tracing it, cannot wrap the op.
+        op_name = op._name
 
         def body(upstream: Tensor, **saved: Any) -> Tensor:
             x = saved[first]
@@ -532,7 +534,7 @@ def _build(
             if not isinstance(value, Tensor) or value.shape != upstream.shape:
                 got = getattr(value, "shape", type(value).__name__)
                 msg = (
-                    f"the surrogate `{getattr(sur, '__name__', sur)}` of `{op._name}` "
+                    f"the surrogate `{getattr(sur, '__name__', sur)}` of `{op_name}` "
                     f"returned {tuple(got) if isinstance(got, torch.Size) else got}, but "
                     f"the forward's output has shape {tuple(upstream.shape)}; a surrogate "
                     "maps the input to a tensor shaped like the forward's output."

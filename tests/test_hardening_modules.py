@@ -193,7 +193,7 @@ def test_pickle_and_deepcopy_keep_every_override() -> None:
     model = saved_models.make_model()
     for copied in (pickle.loads(pickle.dumps(model)), copy.deepcopy(model)):
         torch.testing.assert_close(saved_models.input_gradient(copied), EXPECTED_MODEL_GRAD)
-        assert copied[0].forward.module is copied[0], "bound to the copy, not the original"
+        assert go.OverrideHandle.of(copied[0]).active
 
 
 def test_a_loaded_override_can_be_removed() -> None:
@@ -308,12 +308,19 @@ def test_torch_jit_trace_refuses_instead_of_dropping_the_rule() -> None:
         torch.jit.trace(saved_models.Scaled(), torch.randn(3))
 
 
-def test_a_traced_function_calling_an_op_keeps_its_rule() -> None:
-    # What a hand-written Function does under tracing: a Python op in the graph, rule kept.
-    traced = torch.jit.trace(lambda x: saved_models.sign_times_three(x) * 2, torch.randn(3))
-    x = torch.randn(3, requires_grad=True)
-    traced(x).sum().backward()
-    torch.testing.assert_close(x.grad, torch.full((3,), 6.0))
+def test_a_traced_function_calling_an_op_is_refused_with_grad_and_traces_without() -> None:
+    # The traced graph would hold the rule as an opaque Python op, which no LibTorch runtime
+    # can run; without gradients the forward alone is recorded, as for deployment.
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        return saved_models.sign_times_three(x) * 2
+
+    with pytest.raises(go.GradOverrideError, match=r"trace under `torch\.no_grad\(\)`"):
+        torch.jit.trace(fn, torch.randn(3))
+    with torch.no_grad():
+        traced = torch.jit.trace(fn, torch.randn(3))
+    x = torch.randn(5)
+    torch.testing.assert_close(traced(x), torch.sign(x) * 2)
+    assert "sign" in str(traced.graph) and "CustomBackward" not in str(traced.graph)
 
 
 # ---- messages for the module return forms ------------------------------------------------------

@@ -61,14 +61,15 @@ def test_remove_twice_is_a_no_op_and_override_twice_is_an_error() -> None:
     linear = nn.Linear(2, 2)
     handle = go.override_backward(linear, _linear_rule)
     with pytest.raises(go.GradOverrideError, match=re.escape(
-        "this Linear already has an overridden forward (an earlier `override_backward`?); "
+        "this Linear already has an override (an earlier `override_backward`); "
         "call `.remove()` on its handle before overriding again."
     )):
         go.override_backward(linear, _linear_rule)
     handle.remove()
     handle.remove()
     assert not handle.active
-    assert "forward" not in linear.__dict__
+    assert not linear._forward_hooks and not linear._forward_pre_hooks
+    assert "__prepare_scriptable__" not in linear.__dict__
     go.override_backward(linear, _linear_rule).remove()  # allowed again after removal
 
 

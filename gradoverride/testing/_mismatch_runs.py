@@ -207,11 +207,11 @@ def differentiated(site: Site, args: tuple[Any, ...],
     rule, among the module's inputs (not its parameters). A string says why there is none."""
     start = 0
     if site.kind in ("go.Module", "override_backward"):
-        module, ids = args[0], args[1]
+        module = args[0]
         if getattr(module, "inplace", False) is True:
             return ("an in-place module: its inputs change during its forward, so the report "
                     "cannot perturb them")
-        start = 2 + len(ids.ids)  # (module, ids, *parameters, *inputs)
+        start = 1  # (module, *inputs)
     candidates: list[tuple[Position, Any]] = [(i, args[i]) for i in range(start, len(args))]
     candidates += list(kwargs.items())
     positions: list[Position] = []
