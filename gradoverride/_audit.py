@@ -356,9 +356,13 @@ def _module_check(op: ModuleOp, values: tuple[Any, ...]) -> _Check:
     )
 
 
-def audit_module_call(op: ModuleOp, values: tuple[Any, ...], state: CallState) -> Any:
+def audit_module_call(op: ModuleOp, values: tuple[Any, ...], state: CallState | None) -> Any:
     """Run a module's op on `values` and check it as `audit_call` does; its backward checks
     that the rule writes no parameter's `.grad` (see `watching_grads`)."""
+    from ._function import CallState
+
+    if state is None:
+        state = CallState()
     state.watch = watching_grads
     return _module_check(op, values).run(lambda: op._route.run_bound(values, state))
 

@@ -278,9 +278,10 @@ class CustomBackward(Generic[P, R]):
         sig = self._signature
         self._route = build_route(OpPlan(
             op=self._name, module=module, names=sig.names, labels=self._labels,
-            bind=sig.bind, call=sig.call, plain=sig.fn if sig.is_plain else None, rule=spec,
+            bind=sig.bind, call=sig.caller(), plain=sig.fn if sig.is_plain else None, rule=spec,
             residuals=self._residuals, track_inplace=self._tracks_inplace, form=None,
             run_tensorflow=self._run_tensorflow,
+            plain_signature=sig.fn if sig.is_plain else None, defaults=sig.defaults,
         ))
         # (AutoGraph converts the functions a callable object calls unless they are marked.)
         self._run = autograph_artifact(self._route.run)

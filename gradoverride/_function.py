@@ -52,7 +52,14 @@ from torch.utils import _pytree as pytree
 
 from ._errors import GradOverrideError, GradOverrideTypeError
 from ._frameworks import any_tensorflow
-from ._gradients import SKIP, ModuleForm, flat_gradients, slot_ranges, takes_gradient
+from ._gradients import (
+    SKIP,
+    ModuleForm,
+    check_gradient,
+    flat_gradients,
+    slot_ranges,
+    takes_gradient,
+)
 from ._internals import (
     FAST_APPLY,
     any_autocast_enabled,
@@ -142,6 +149,11 @@ class OpPlan(NamedTuple):
     # False: the forward runs outside the route, and only `attach` is used (a module's
     # forward hooks run it, under no_grad when the rule owns everything).
     runs_forward: bool = True
+    # The forward as `fn(v0, v1, ...)` when it takes one positional value per slot (a
+    # module's: its forward's own slots), for the generated twin; and each slot's default
+    # (`inspect.Parameter.empty`: none), for a user's positional call.
+    plain_signature: Callable[..., Any] | None = None
+    defaults: tuple[Any, ...] = ()
 
 
 class Route:
@@ -152,7 +164,7 @@ class Route:
     def __init__(
         self,
         run: Callable[[tuple[Any, ...], dict[str, Any]], Any],
-        run_bound: Callable[[tuple[Any, ...], CallState], Any],
+        run_bound: Callable[[tuple[Any, ...], CallState | None], Any],
         attach: Callable[[tuple[Any, ...], CallState, Any], Any] | None,
         function: type[torch.autograd.Function],
     ) -> None:
@@ -623,7 +635,7 @@ def build_route(plan: OpPlan) -> Route:
         record = ctx.gradoverride
         return (None, *_fill_none(run_rule(ctx, grads), record[1], record[5]))
 
-    common = _Common(plan, setup, run_rule, backward_general)
+    common = _Common(plan, setup, run_rule, backward_general, _call_module_rule)
     if rule.owns_all and plan.runs_forward:
         return _build_owning(plan, common)
     return _build_attaching(plan, common)
@@ -634,6 +646,7 @@ class _Common(NamedTuple):
     setup: Callable[..., None]
     run_rule: Callable[[Any, tuple[Any, ...]], list[Tensor | None]]
     backward_general: Callable[[Any, tuple[Any, ...]], Any]
+    call_module_rule: Callable[..., Any]
 
 
 def _plain_call(plan: OpPlan, values: tuple[Any, ...], owning: bool) -> Any:
@@ -754,18 +767,41 @@ def _build_owning(plan: OpPlan, common: _Common) -> Route:
     def backward(ctx: Any, *grads: Any) -> Any:
         return backward_general(ctx, grads)
 
-    name = f"CustomBackward_{_identifier(op)}"
-    cls = _function_class(name, plan.module, op, forward, setup_context, backward)
-    apply: Callable[..., Any] = cls.apply
-    eager_cls = _classic_function_class(name, plan.module, op, forward_eager, backward)
-    raw = raw_apply(eager_cls)
-
     def finish(out: Any, state: CallState) -> Any:
         if state.out_spec is None:
             return out
         return pytree.tree_unflatten(list(out[: state.n_out]), state.out_spec)
 
-    def run_bound(values: tuple[Any, ...], state: CallState) -> Any:
+    # Set once the classes exist: the generated code reads them.
+    raw: Callable[..., Any]
+    apply: Callable[..., Any]
+    twin_raw: Callable[..., Any] | None = None
+
+    def run_bound(values: tuple[Any, ...], state: CallState | None) -> Any:
+        """A call bound to one value per slot; `state` may be None (a fresh one is made
+        where it is needed)."""
+        if (
+            twin_raw is not None and FAST_APPLY and not is_dynamo_compiling()
+            and torch.is_grad_enabled() and not transforms_active() and tracing_state() is None
+            and (state is None or (state.buffers is None and state.watch is None))
+        ):
+            # Eager, no torch.func transform: the generated twin, without Function.apply's
+            # per-call signature binding (see _internals). Dynamo folds `is_dynamo_compiling`
+            # to True and so traces `cls.apply`, which it understands.
+            for value in values:
+                if isinstance(value, _CONTAINERS):
+                    break
+            else:
+                if state is not None:
+                    state.eager = True
+                out = twin_raw(state, *values)
+                if type(out) is not tuple:
+                    return out
+                if state is None:  # not one tensor: the twin's fresh state is last
+                    return finish(out[:-1], out[-1])
+                return finish(out, state)
+        if state is None:
+            state = CallState()
         for value in values:
             if isinstance(value, _CONTAINERS):
                 flat, state.layout = flatten_inputs(values)
@@ -777,9 +813,7 @@ def _build_owning(plan: OpPlan, common: _Common) -> Route:
         if tracing_state() is not None:
             raise GradOverrideError(jit_message(f"`{op}`", "torch.jit.trace"))
         if FAST_APPLY and not is_dynamo_compiling() and not transforms_active():
-            # Eager, no torch.func transform: the classic twin, without Function.apply's
-            # per-call signature binding (see _internals). Dynamo folds `is_dynamo_compiling`
-            # to True and so traces `cls.apply`, which it understands.
+            # Eager, no torch.func transform: the classic twin (see above).
             state.eager = True
             return finish(raw(state, *flat), state)
         return finish(apply(state, *flat), state)
@@ -789,7 +823,74 @@ def _build_owning(plan: OpPlan, common: _Common) -> Route:
             return run_tensorflow(args, kwargs)
         return run_bound(bind(args, kwargs), CallState())
 
+    twin = _twin(plan, common, {
+        "setup": setup, "shape_output": shape_output, "run_general": run,
+        "run_bound": run_bound, "run_tensorflow": run_tensorflow, "finish": finish,
+    })
+    if twin is not None:
+        backward = twin.backward
+        if twin.run is not None:
+            run = twin.run
+    name = f"CustomBackward_{_identifier(op)}"
+    cls = _function_class(name, plan.module, op, forward, setup_context, backward)
+    apply = cls.apply
+    raw = raw_apply(_classic_function_class(name, plan.module, op, forward_eager, backward))
+    if twin is not None:
+        twin_cls = _classic_function_class(name, plan.module, op, twin.forward, backward)
+        twin_raw = raw_apply(twin_cls)
+        twin.namespace.update(_go_raw=twin_raw)
     return Route(run, run_bound, None, cls)
+
+
+def _twin(plan: OpPlan, common: _Common, pieces: dict[str, Any]) -> Any:
+    """The generated eager twin (`_generate`) of an owning op, where it covers the rule."""
+    rule, form = plan.rule, plan.form
+    if (
+        plan.track_inplace or plan.residuals or rule.n_grads not in (None, 1)
+        or rule.once_differentiable or rule.wants_needs_grad or len(plan.names) == 0
+        or plan.plain_signature is None or not FAST_APPLY
+    ):
+        return None
+    from ._generate import ModuleTwin, generate  # (compiling its source costs ms: at first use)
+
+    module = None
+    n_forward = len(plan.names)
+    if form is not None:
+        n_forward = form.params[0] if form.params else len(plan.names)
+        module = ModuleTwin(
+            method=rule.method,
+            params=tuple((i, plan.names[i]) for i in form.params),
+            owned_params=tuple(plan.names[i] for i in form.params if rule.owned[i]),
+        )
+    namespace = {
+        "fn": plan.plain_signature, "rule": rule.rule, "rule_name": rule.name,
+        "Tensor": Tensor, "CallState": CallState, "as_output": as_output,
+        "shape_output": pieces["shape_output"], "setup": pieces["setup"],
+        "backward_general": common.backward_general, "saved_for": saved_for,
+        "call_rule": call_rule, "check_gradient": check_gradient,
+        "flat_gradients": flat_gradients, "GradOverrideError": GradOverrideError,
+        "SKIP": SKIP, "FORM": form, "OWNED": rule.owned, "autocast_state": _autocast_state,
+        "any_autocast_enabled": any_autocast_enabled,
+        "module_rule": common.call_module_rule, "current": current_parameter,
+        "single_thread": _single_thread,
+        "wrote_grad": lambda name: _raise(wrote_grad_message(plan.op, name)),
+        "run_general": pieces["run_general"], "run_bound": pieces["run_bound"],
+        "run_tensorflow": pieces["run_tensorflow"], "any_tensorflow": any_tensorflow,
+        "finish": pieces["finish"], "is_grad_enabled": torch.is_grad_enabled,
+        "tracing_state": tracing_state, "is_dynamo_compiling": is_dynamo_compiling,
+        "transforms_active": transforms_active, "FAST_APPLY": FAST_APPLY,
+    }
+    twin = generate(
+        op=plan.op, names=plan.names, n_forward=n_forward,
+        requested=rule.requested_slots, wants_output=rule.wants_output,
+        materialize=rule.materialize_grads, module=module,
+        defaults=plan.defaults if form is None else None, namespace=namespace,
+    )
+    return twin
+
+
+def _raise(message: str) -> None:
+    raise GradOverrideError(message)
 
 
 def _build_attaching(plan: OpPlan, common: _Common) -> Route:
@@ -901,7 +1002,9 @@ def _build_attaching(plan: OpPlan, common: _Common) -> Route:
             return result
         return pytree.tree_unflatten(list(result), state.out_spec)
 
-    def run_bound(values: tuple[Any, ...], state: CallState) -> Any:
+    def run_bound(values: tuple[Any, ...], state: CallState | None) -> Any:
+        if state is None:
+            state = CallState()
         flat, layout = flatten_inputs(values)
         state.layout = layout
         if _no_gradient(flat):

@@ -28,6 +28,7 @@ from ._module_op import (
     ModuleRule,
     call_state,
     compiled_inplace_message,
+    mark_checked,
     parameters_of,
     reads_inplace,
     refuse_inplace_views,
@@ -223,7 +224,8 @@ def _call(module: Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         return rule.forward(module, *args, **kwargs)
     if tracing_state() is not None:
         raise GradOverrideError(jit_message(rule.where, "torch.jit.trace"))
-    if not is_dynamo_compiling():
+    compiling = is_dynamo_compiling()
+    if not compiling:
         # The `backward` the module has now (see the module docstring).
         assigned = module.__dict__.get("backward")
         if assigned is not None:
@@ -236,12 +238,12 @@ def _call(module: Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     values = rule.values(module, args, kwargs, params)
     state = call_state(module, rule.where)
     if inplace:
-        if is_dynamo_compiling():
+        if compiling:
             raise GradOverrideError(compiled_inplace_message(rule.where))
         refuse_inplace_views(rule.where, values[1 : len(values) - len(params)])
-    if is_dynamo_compiling() or (module in CHECKED and not RECORDERS) or transforms_active():
+    if compiling or (id(module) in CHECKED and not RECORDERS) or transforms_active():
         return op._route.run_bound(values, state)
-    if module in CHECKED:
+    if id(module) in CHECKED:
         run = functools.partial(op._route.run_bound, values, state)
     else:
         # The first eager call of each instance (a copy included) is checked.
@@ -249,7 +251,7 @@ def _call(module: Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
 
         def run() -> Any:
             result = audit_module_call(op, values, state)
-            CHECKED.add(module)
+            mark_checked(module)
             return result
 
     if RECORDERS:

@@ -41,6 +41,7 @@ from ._signature import ForwardSignature, describe, listing
 
 __all__ = [
     "CHECKED",
+    "mark_checked",
     "ModuleOp",
     "ModuleRule",
     "call_state",
@@ -51,10 +52,18 @@ __all__ = [
     "refuse_inplace_views",
 ]
 
-#: Modules whose first eager call with grad enabled has been checked (see `_audit`): each
-#: instance once, a copy included. (A set of weak references: nothing kept alive.)
-CHECKED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+#: The ids of the modules whose first eager call with grad enabled has been checked (see
+#: `_audit`): each instance once, a copy included. An id leaves the set when its module is
+#: freed (so a new module given the same id is checked too); nothing is kept alive.
+CHECKED: set[int] = set()
 ON_ARM.append(CHECKED.clear)  # `arm_all`: every module is checked again
+
+
+def mark_checked(module: nn.Module) -> None:
+    key = id(module)
+    if key not in CHECKED:
+        CHECKED.add(key)
+        weakref.finalize(module, CHECKED.discard, key)
 
 
 class _Slots:
@@ -206,7 +215,7 @@ class ModuleRule:
             aliases=None if self.method else {"module": 0},
         )
         n_forward = len(self.signature.names)
-        call_forward = self.signature.call
+        call_forward = self.signature.caller()
 
         def call(values: Any) -> Any:
             # The parameters as given: the module's own (a direct call) or others (detached
@@ -231,6 +240,7 @@ class ModuleRule:
                 tuple(range(n_forward, n_forward + len(names))),
             ),
             run_tensorflow=_no_tensorflow, runs_forward=self.runs_forward,
+            plain_signature=self.forward if self.signature.is_plain else None,
         ))
         return ModuleOp(self, route, spec, slots, inplace)
 
@@ -281,7 +291,8 @@ def _class_facts(cls: type) -> tuple[bool, bool]:
 
 def reads_inplace(module: nn.Module) -> bool:
     """Whether `module` changes its input in place (built with `inplace=True`)."""
-    if _class_facts(type(module))[1]:
+    facts = _CLASSES.get(type(module)) or _class_facts(type(module))
+    if facts[1]:
         return module.__dict__.get("inplace", False) is True
     return getattr(module, "inplace", False) is True
 
@@ -290,13 +301,16 @@ def parameters_of(
     module: nn.Module, lazy_ok: bool = False
 ) -> tuple[tuple[str, ...], tuple[Tensor, ...]]:
     """`module`'s parameters as `named_parameters()` gives them: names and tensors."""
-    if not module._modules and _class_facts(type(module))[0]:
+    if not module._modules and (_CLASSES.get(type(module)) or _class_facts(type(module)))[0]:
         params = module._parameters
         values = tuple(params.values())
-        if None not in values and len(set(map(id, values))) == len(values):
-            names = tuple(params)
-            if not any(type(p) is UninitializedParameter for p in values):
-                return names, values  # type: ignore[return-value]
+        for p in values:
+            if p is None or type(p) is UninitializedParameter:
+                break
+        else:
+            # (A tensor held under two names is given once, by the walk below.)
+            if len(values) < 2 or len(set(map(id, values))) == len(values):
+                return tuple(params), values  # type: ignore[return-value]
     found = list(module.named_parameters())
     for name, p in found:
         if isinstance(p, UninitializedParameter) and not lazy_ok:
@@ -310,6 +324,8 @@ def floating_buffers(module: nn.Module, where: str) -> dict[str, Tensor] | None:
     if is_dynamo_compiling():
         return None  # traced code keeps no per-call objects holding tensors
     if not module._modules:
+        if not module._buffers:
+            return None
         items: Iterable[tuple[str, Tensor]] = module._buffers.items()  # type: ignore[assignment]
     else:
         items = module.named_buffers()
@@ -325,9 +341,14 @@ def floating_buffers(module: nn.Module, where: str) -> dict[str, Tensor] | None:
     return buffers
 
 
-def call_state(module: nn.Module, where: str) -> CallState:
+def call_state(module: nn.Module, where: str) -> CallState | None:
+    """The state of a call of `module`'s op: None, unless it holds floating buffers (which
+    the rule reads as the forward saw them)."""
+    buffers = floating_buffers(module, where)
+    if buffers is None:
+        return None
     state = CallState()
-    state.buffers = floating_buffers(module, where)
+    state.buffers = buffers
     return state
 
 

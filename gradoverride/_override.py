@@ -38,6 +38,7 @@ from ._module import Module
 from ._module_op import (
     CHECKED,
     ModuleOp,
+    mark_checked,
     ModuleRule,
     call_state,
     compiled_inplace_message,
@@ -120,7 +121,7 @@ class _Override:
         inplace = reads_inplace(module)
         op = rule.op_for(names, inplace, module)
         values = rule.values(module, args, kwargs, params)
-        state = call_state(module, rule.where)
+        state = call_state(module, rule.where) or CallState()
         frame = _Frame(op, values, state)
         owns_all = op._rule.owns_all
         if is_dynamo_compiling() and not any(
@@ -144,7 +145,7 @@ class _Override:
             state.versions = tuple(v._version if isinstance(v, Tensor) else None
                                    for v in values)
         frames[-1] = frame
-        if not is_dynamo_compiling() and module not in CHECKED and not transforms_active():
+        if not is_dynamo_compiling() and id(module) not in CHECKED and not transforms_active():
             from ._audit import ModuleAudit  # imported at the first check
 
             frame.audit = ModuleAudit(op, values, state)
@@ -221,7 +222,7 @@ class _Override:
             finally:
                 audit.end()
             audit.finish(result)
-            CHECKED.add(module)
+            mark_checked(module)
         if RECORDERS and not is_dynamo_compiling():
             RECORDERS[0].module_output(module, frame.op, result)
         return result

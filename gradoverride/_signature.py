@@ -184,6 +184,7 @@ class ForwardSignature:
         "_forms",
         "_omit_defaults",
         "_required",
+        "defaults",
         "fn",
         "forms",
         "index",
@@ -233,6 +234,8 @@ class ForwardSignature:
         )
         self._required = sum(1 for p in params if p.default is _EMPTY)
         self._defaults = tuple(p.default for p in params)
+        #: Each slot's default (`inspect.Parameter.empty` where it has none).
+        self.defaults = self._defaults
         # Several forms: what a slot holds when the bound form lacks it.
         self._forms = tuple(_Form(form, self.index) for form in self.forms)
         self._absent: tuple[Any, ...] = tuple(
@@ -377,6 +380,49 @@ class ForwardSignature:
             ):
                 positional.pop()
         return self.fn(*positional, **keywords)
+
+    def caller(self) -> Callable[[Sequence[Any]], Any]:
+        """`call` as a function closing over plain values only (the forward and its slots'
+        names, kinds and defaults): what the generated Functions call, which dynamo traces
+        (it cannot wrap a bound method it meets there without a source)."""
+        fn = self.fn
+        if self.is_plain:
+
+            def call_plain(values: Sequence[Any]) -> Any:
+                return fn(*values)
+
+            return call_plain
+        if len(self._forms) > 1:
+            return self.call  # several forms: their binding objects are needed
+        slots = tuple(zip(self.names, self.kinds, self._defaults, strict=True))
+        omit = self._omit_defaults
+        defaults = self._defaults
+
+        def call(values: Sequence[Any]) -> Any:
+            positional: list[Any] = []
+            keywords: dict[str, Any] = {}
+            for (name, kind, default), value in zip(slots, values, strict=True):
+                if kind in _POSITIONAL:
+                    positional.append(value)
+                elif kind is _VAR_POSITIONAL:
+                    positional.extend(value)
+                elif kind is _KEYWORD_ONLY:
+                    # Builtins read from their docs may reject a default passed explicitly
+                    # (`out=None`), so leave defaults out for them.
+                    if not (omit and value is default):
+                        keywords[name] = value
+                else:
+                    keywords.update(value)
+            if omit:
+                while (
+                    positional
+                    and len(positional) <= len(defaults)
+                    and positional[-1] is defaults[len(positional) - 1]
+                ):
+                    positional.pop()
+            return fn(*positional, **keywords)
+
+        return call
 
     def _call_forms(self, values: Sequence[Any]) -> Any:
         """Call the form the values came from, leaving out the defaults that form allows."""
