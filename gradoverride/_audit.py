@@ -140,7 +140,12 @@ class _ForwardAudit(TorchFunctionMode):
 
     def _follow(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any],
                 result: Any) -> None:
-        carries = name not in _NO_GRADIENT_NAMES and not (
+        carries = (
+            name not in _NO_GRADIENT_NAMES
+            # The sign of a complex number (z / |z|) is smooth: only a real one is a step.
+            or (name == "sgn" and bool(args) and isinstance(args[0], Tensor)
+                and args[0].is_complex())
+        ) and not (
             name.startswith(".") and (name[1:] in _NO_GRADIENT_PROPERTIES or
                                       not _carries_gradient(result))
         )
@@ -169,10 +174,28 @@ class _ForwardAudit(TorchFunctionMode):
         source = next((s for s in map(self._source, sources) if s is not None), None)
         if source is None:
             return
-        targets = [written] if written is not None else []
+        # A write into a view (`y[0].mul_(w)`) changes its base too.
+        targets = [written, _root(written)] if written is not None else []
         targets += [leaf for leaf in pytree.tree_leaves(result) if isinstance(leaf, Tensor)]
         for leaf in targets:
             if leaf.is_floating_point() or leaf.is_complex():
+                self.tainted[id(leaf)] = (source, leaf)
+
+    def carry(self, inputs: Any, result: Any) -> None:
+        """An op with its own backward ran inside the forward (a recipe, a bridge, another
+        `custom_backward`): its result carries a gradient from each of its tensor inputs,
+        whatever its forward's own calls look like (`torch.sign` has a zero derivative, a
+        straight-through sign passes the gradient; a bridge's numpy calls are not seen)."""
+        leaves = [leaf for leaf in pytree.tree_leaves(inputs) if isinstance(leaf, Tensor)]
+        for leaf in leaves:
+            index = self._input_of(leaf)
+            if index is not None:
+                self.read.add(index)
+        source = next((s for s in map(self._source, leaves) if s is not None), None)
+        if source is None:
+            return
+        for leaf in pytree.tree_leaves(result):
+            if isinstance(leaf, Tensor) and (leaf.is_floating_point() or leaf.is_complex()):
                 self.tainted[id(leaf)] = (source, leaf)
 
     def alias(self, original: Tensor, alias: Tensor) -> None:

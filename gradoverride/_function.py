@@ -68,7 +68,7 @@ from ._internals import (
     transforms_active,
 )
 from ._jit import jit_message
-from ._passthrough import as_output, related, shows_input
+from ._passthrough import AUDITS, as_output, related, shows_input
 from ._rule import RuleSpec
 
 __all__ = [
@@ -661,6 +661,10 @@ def _plain_call(plan: OpPlan, values: tuple[Any, ...], owning: bool) -> Any:
         out = plan.call(values)
     if plan.residuals:
         out, _ = unpack_residuals(out, plan.residuals, plan.op)
+    if AUDITS:
+        # Inside another op's checked forward: this op's rule passes gradient from its
+        # inputs to its result, whatever its forward's own calls are.
+        AUDITS[-1].carry(values, out)
     return out
 
 

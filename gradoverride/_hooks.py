@@ -243,11 +243,9 @@ def grad_hook(
     if at == "parameters":
         _prepare_eager_hook()
         hooks = _ParameterHooks(transform, type(module).__name__)
-        hooks.hook_parameters_of(module)
-        pre = module.register_forward_pre_hook(hooks.before_forward)
-        post = module.register_forward_hook(hooks.after_forward, always_call=True)
+        pre = hooks.install(module)
         _refuse_scripting(module)
-        return HookHandle(description, [pre, post, hooks], module)
+        return HookHandle(description, [pre, hooks], module)
 
     if at == "inputs":
         # prepend=True: a later transform then sits further from the module, so the first
@@ -273,8 +271,8 @@ def grad_hooks_on(module: nn.Module) -> list[tuple[Place, _Transforming | _Param
     found += [("outputs", h) for h in module._forward_hooks.values()
               if isinstance(h, _AtOutputs)]
     for hook in module._forward_pre_hooks.values():
-        owner = getattr(hook, "__self__", None)  # its before_forward, a bound method
-        if isinstance(owner, _ParameterHooks):
+        owner = getattr(hook, "__self__", None)  # its before_root, a bound method
+        if isinstance(owner, _ParameterHooks) and hook.__func__ is _ParameterHooks.before_root:
             found.append(("parameters", owner))
     return found
 
@@ -285,6 +283,10 @@ def _hook_entries(module: nn.Module) -> list[_Removable]:
     for hooks in (module._forward_pre_hooks, module._forward_hooks):
         for key, hook in list(hooks.items()):
             owner = getattr(hook, "__self__", hook)  # bound methods of _ParameterHooks
+            if isinstance(owner, _ParameterHooks) and (
+                hook.__func__ is not _ParameterHooks.before_root
+            ):
+                continue  # a submodule's, removed with the hook of the module it was given
             if isinstance(owner, _Transforming | _ParameterHooks):
                 entries.append(_HookEntry(module, key))
                 if isinstance(owner, _ParameterHooks) and owner not in entries:
@@ -590,25 +592,48 @@ def _require_picklable(transform: Any) -> None:
     )
 
 
-class _ParameterHooks:
-    """The transform at a module's parameters, whatever they are at each call.
+#: Bumped when any module anywhere registers a parameter or a submodule (PyTorch's global
+#: registration hooks, installed with the first parameters grad_hook): a parameters hook
+#: walks its module again at its next call after a change, to hook what is new there (a
+#: parameter replaced, a submodule added, in a part of the model that may never be called).
+_EPOCH = [0]
+_WATCHING: list[bool] = []
 
-    A parameter of the module (an `nn.Parameter` leaf) gets a tensor hook, so every
-    gradient it receives is transformed before it is accumulated into `.grad`; it is hooked
-    when first seen requiring grad, so a parameter unfrozen later, or replaced
-    (`load_state_dict(assign=True)`, `module.weight = nn.Parameter(...)`), is covered. Any
-    other tensor in the parameter's place (what `torch.func.functional_call` passes, a
-    tensor under a `torch.func` transform) goes through an identity op whose backward is the
-    transform, for that call: hooking the caller's tensor itself would change its other uses.
+
+def _bump(*_: Any) -> None:
+    _EPOCH[0] += 1
+
+
+def _watch_registrations() -> None:
+    if not _WATCHING:
+        from torch.nn.modules import module as torch_module
+
+        torch_module.register_module_parameter_registration_hook(_bump)
+        torch_module.register_module_module_registration_hook(_bump)
+        _WATCHING.append(True)
+
+
+class _ParameterHooks:
+    """The transform at a module's parameters: each parameter's total gradient, before it
+    is accumulated (all its uses, tied weights included), in every mode alike.
+
+    Each tensor standing as a parameter anywhere in the module gets a tensor hook, once (it
+    carries this object's token): an `nn.Parameter`, and any other tensor in a parameter's
+    place (what `torch.func.functional_call` passes, a tensor a `torch.func` transform
+    wraps), whose total gradient the hook sees just as a parameter's. The tensors are
+    hooked when the hook is registered, and again by a forward pre-hook on the module and on
+    each submodule holding parameters when it is called (a parameter unfrozen, replaced or
+    passed in since, a container never called itself, a model used through another method
+    than `forward`); a change to the model's structure makes the next call walk it whole.
 
     `torch.save` and `copy.deepcopy` do not keep tensor hooks; a pickled or copied module
-    gets a fresh object here, which hooks the parameters of the copy at its first call.
+    gets a fresh object here, which hooks the copy's tensors at its first call.
     """
 
     def __init__(self, transform: Callable[[Tensor], Tensor | None], where: str) -> None:
         self.transform = transform
         self.where = where
-        # Each hooked parameter carries this object's token in `_gradoverride_hooked` (read
+        # Each hooked tensor carries this object's token in `_gradoverride_hooked` (read
         # under dynamo too). Not `id(p)`: a replaced parameter's id can be reused by the next.
         # Random, not a counter: a loaded checkpoint's parameters carry tokens of another
         # process.
@@ -618,110 +643,125 @@ class _ParameterHooks:
         self.handles: list[RemovableHandle] = []
         self.handle_ids: set[int] = set()
         self.module: weakref.ref[nn.Module] | None = None
-        self.swapped: list[tuple[dict[str, Any], str, Tensor]] = []
+        self.epoch = -1
+        # The forward pre-hooks on the submodules holding parameters, by module id (the
+        # module itself has `before_root`, registered by grad_hook).
+        self.holders: dict[int, _Removable] = {}
 
-    def hook_parameters_of(self, module: nn.Module) -> None:
+    def apply(self, grad: Tensor) -> Tensor | None:
+        """The tensor hook: the transform (read at each call: `go.monitor` wraps it)."""
+        return self.transform(grad)
+
+    def install(self, module: nn.Module) -> RemovableHandle:
+        """Hook `module`'s parameters; the module's own forward pre-hook, returned."""
         self.module = weakref.ref(module)
-        for sub in module.modules():
+        _watch_registrations()
+        handle = module.register_forward_pre_hook(self.before_root)
+        self._walk(module)
+        return handle
+
+    def _walk(self, root: nn.Module) -> None:
+        """Hook every tensor standing as a parameter, pre-hook each submodule holding one."""
+        self.epoch = _EPOCH[0]
+        for sub in root.modules():
+            if sub is not root and sub._parameters and id(sub) not in self.holders:
+                found = [key for key, hook in sub._forward_pre_hooks.items()
+                         if getattr(hook, "__self__", None) is self]
+                if found:  # a copied or loaded holder: its hook came with it
+                    self.holders[id(sub)] = _HookEntry(sub, found[0])
+                else:
+                    self.holders[id(sub)] = sub.register_forward_pre_hook(self.before_forward)
             for p in sub._parameters.values():
-                if isinstance(p, nn.Parameter) and p.requires_grad:
-                    self._hook(p)
+                if p is not None and p.requires_grad:
+                    self._take(p)
 
     def __reduce__(self) -> tuple[Any, ...]:
         _require_picklable(self.transform)
-        return (_ParameterHooks, (self.transform, self.where))
+        return (_ParameterHooks, (self.own_transform, self.where))
 
     def __deepcopy__(self, memo: dict[int, Any]) -> _ParameterHooks:
-        return _ParameterHooks(self.transform, self.where)
+        return _ParameterHooks(self.own_transform, self.where)
+
+    @property
+    def own_transform(self) -> Callable[[Tensor], Tensor | None]:
+        """The transform given to grad_hook (a running `go.monitor` wraps `transform`)."""
+        return getattr(self.transform, "monitored_transform", self.transform)
 
     def _hooked(self, p: Tensor) -> bool:
-        """Whether `p` carries this object's hook: its token, and (outside dynamo) one of
-        its hooks in `p`'s own hook table (`torch.utils.swap_tensors`, which `module.to()`
-        may use, moves a parameter's hooks to the tensor swapped out, not its attributes)."""
+        """Whether `p` carries this object's hook: its token, and (a parameter, outside
+        dynamo) one of its hooks in `p`'s own hook table (`torch.utils.swap_tensors`, which
+        `module.to()` may use, moves a parameter's hooks to the tensor swapped out, not its
+        attributes)."""
         if self.token not in getattr(p, _MARK, ()):
             return False
-        if is_dynamo_compiling():
+        if is_dynamo_compiling() or type(p) is not nn.Parameter:
             return True
         table = getattr(p, "_backward_hooks", None)
         return table is not None and any(key in self.handle_ids for key in table)
 
-    def _hook(self, p: Tensor) -> None:
+    def _take(self, p: Tensor) -> None:
+        """Hook `p` if it is not hooked yet."""
         if self._hooked(p):
             return
+        if is_dynamo_compiling() and isinstance(p, nn.Parameter):
+            # Dynamo cannot keep a hook handle made in one compiled frame for the next, so
+            # a parameter is hooked eagerly (a graph break; with fullgraph=True the compile
+            # error carries the reason below).
+            _hook_eagerly(self, p)
+        else:
+            self._hook(p)
+
+    def _hook(self, p: Tensor) -> None:
         table = getattr(p, "_backward_hooks", None)
         if table is not None and any(key in self.handle_ids for key in table):
             # Our hook is in the table but our mark is gone: `torch.utils.swap_tensors`
             # swapped the parameter (its attributes went with the old tensor, its table
             # stayed, and the hooks in it no longer fire). Start a fresh table.
             p._backward_hooks = None
-        handle = _register_hook(p, self.transform)
-        self.handles.append(handle)
-        self.handle_ids.add(handle.id)
+        handle = _register_hook(p, self.apply)
+        if not is_dynamo_compiling():
+            self.handles.append(handle)
+            self.handle_ids.add(handle.id)
         # A tuple of ints: it is saved with the parameter, and `torch.load(weights_only=True)`
         # loads nothing else.
         marks: tuple[int, ...] = getattr(p, _MARK, ())
         if self.token not in marks:
             setattr(p, _MARK, (*marks, self.token))
 
-    def before_forward(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+    def before_root(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+        """The forward pre-hook of the module grad_hook was given."""
         if not torch.is_grad_enabled():
             return
-        if self.module is None:  # a loaded or copied module: it hooks its parameters now
+        if self.module is None or self.module() is not module:
+            # A loaded or copied module: it hooks its tensors now, and its holders.
             self.module = weakref.ref(module)
-        if not module._modules and not is_dynamo_compiling() and not transforms_active():
-            # Eager, no submodule (the common small layer): the loop below, with `_hooked`
-            # written out for a parameter.
-            token, ids = self.token, self.handle_ids
-            for name, p in module._parameters.items():
-                if p is None or not p.requires_grad:
-                    continue
-                if not isinstance(p, nn.Parameter):
-                    self._swap(module._parameters, name, p)
-                    continue
-                table = p._backward_hooks
-                if (
-                    token not in getattr(p, _MARK, ())
-                    or table is None or ids.isdisjoint(table)
-                ):
-                    self._hook(p)
+            self.epoch = -1
+        self.before_forward(module, args)
+
+    def before_forward(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+        """The forward pre-hook of a submodule holding parameters (and the module's)."""
+        if not torch.is_grad_enabled():
             return
-        for sub in module.modules():
-            params = sub._parameters
-            for name, p in params.items():
-                if p is None or not p.requires_grad:
-                    continue
-                if isinstance(p, nn.Parameter) and not transforms_active():
-                    if not self._hooked(p):
-                        self._hook_later(p)
-                else:
-                    self._swap(params, name, p)
-
-    def _swap(self, params: dict[str, Any], name: str, p: Tensor) -> None:
-        """For this call, `p` through an identity op whose backward is the transform."""
-        from ._transform import transformed
-
-        self.swapped.append((params, name, p))
-        params[name] = transformed(p, self.transform)
-
-    def _hook_later(self, p: Tensor) -> None:
-        # Outside torch.compile: hook it now. Inside, dynamo cannot keep a hook handle
-        # made in one compiled frame for the next, so this runs eagerly (a graph break;
-        # with fullgraph=True the compile error carries the reason below).
-        if is_dynamo_compiling():
-            _hook_eagerly(self, p)
-        else:
-            self._hook(p)
-
-    def after_forward(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-        while self.swapped:
-            params, name, p = self.swapped.pop()
-            params[name] = p
+        root = None if self.module is None else self.module()
+        if root is not None and _EPOCH[0] != self.epoch and not is_dynamo_compiling():
+            self._walk(root)
+        for p in module._parameters.values():
+            if p is not None and p.requires_grad:
+                self._take(p)
+        if root is not None and module is not root:
+            # The module's own parameters, which a method other than `forward` may use.
+            for p in root._parameters.values():
+                if p is not None and p.requires_grad:
+                    self._take(p)
 
     def remove(self) -> None:
         for handle in self.handles:
             handle.remove()
         self.handles.clear()
         self.handle_ids.clear()
+        for handle in self.holders.values():
+            handle.remove()
+        self.holders.clear()
         module = None if self.module is None else self.module()
         if module is not None:
             for p in module.parameters():

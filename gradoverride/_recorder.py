@@ -37,7 +37,6 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from torch.compiler import is_dynamo_compiling
-from torch.utils.hooks import RemovableHandle
 
 from ._decorators import CustomBackward
 from ._errors import GradOverrideError
@@ -131,7 +130,6 @@ class Recorder:
         # next one is the step being recorded.
         self.passes = 0
         self.paths: dict[int, str] = {}
-        self._wrapped: list[tuple[RemovableHandle, Any]] = []
         self._retransformed: list[tuple[Any, Any]] = []
         # Places seen before (see `_seen_before`): (op, calling code) -> [(the codes of the
         # frames up to the module's, the recipe argument's index or -1, the frame holding
@@ -177,11 +175,6 @@ class Recorder:
             RECORDERS.remove(self)
         for task in sorted(self._pending):
             self._flush(task)  # a backward pass still running in another thread
-        for handle, original in self._wrapped:
-            hooks = handle.hooks_dict_ref()
-            if hooks is not None and handle.id in hooks:
-                hooks[handle.id] = original
-        self._wrapped = []
         for hook, transform in self._retransformed:
             hook.transform = transform
         self._retransformed = []
@@ -233,20 +226,9 @@ class Recorder:
                 if isinstance(hook.transform, _MeasuredTransform):
                     continue
                 site = self._make_site(path, hook.transform, "grad_hook", f" at {place}")
-                if place != "parameters":
-                    # Read at each forward call (a tensor hook on the fresh tensors).
-                    self._retransformed.append((hook, hook.transform))
-                    hook.transform = _MeasuredTransform(hook.transform, site, self)
-                    continue
-                # A tensor hook on each parameter, registered once: replaced in place in the
-                # parameter's hook dict, which keeps its order among the other hooks.
-                for handle in hook.handles:
-                    hooks = handle.hooks_dict_ref()
-                    if hooks is None or handle.id not in hooks:
-                        continue
-                    original = hooks[handle.id]
-                    hooks[handle.id] = _MeasuredTransform(original, site, self)
-                    self._wrapped.append((handle, original))
+                # Every grad_hook reads its `transform` when it applies it.
+                self._retransformed.append((hook, hook.transform))
+                hook.transform = _MeasuredTransform(hook.transform, site, self)
 
     # -- during forward ---------------------------------------------------------------------
 

@@ -56,15 +56,23 @@ def test_a_parameter_replaced_by_load_state_dict_assign_is_transformed() -> None
     torch.testing.assert_close(linear.weight.grad, torch.full((1, 2), 10.0))
 
 
-def test_parameters_passed_to_functional_call_are_transformed_for_that_call_only() -> None:
+def test_parameters_passed_to_functional_call_get_their_total_gradient_transformed() -> None:
+    # As a parameter's own tensor hook does eagerly: every use of the tensor standing as the
+    # parameter, the direct one included, before it is accumulated.
     linear = nn.Linear(2, 1)
     go.grad_hook(linear, times_ten, at="parameters")
     weight = torch.ones(1, 2, requires_grad=True)
     bias = torch.zeros(1, requires_grad=True)
     out = functional_call(linear, {"weight": weight, "bias": bias}, (torch.ones(1, 2),))
-    (out.sum() + weight.sum()).backward()  # the direct use of `weight` is not transformed
-    torch.testing.assert_close(weight.grad, torch.full((1, 2), 11.0))
+    (out.sum() + weight.sum()).backward()
+    torch.testing.assert_close(weight.grad, torch.full((1, 2), 20.0))
     assert linear.weight is not weight, "functional_call restored the module's own parameter"
+    eager = nn.Linear(2, 1)
+    go.grad_hook(eager, times_ten, at="parameters")
+    with torch.no_grad():
+        eager.weight.fill_(1.0)
+    (eager(torch.ones(1, 2)).sum() + eager.weight.sum()).backward()
+    torch.testing.assert_close(eager.weight.grad, weight.grad)
 
 
 def test_parameters_under_torch_func_grad_are_transformed() -> None:
