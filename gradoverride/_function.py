@@ -613,9 +613,10 @@ def build_route(plan: OpPlan) -> Route:
         if state.buffers:
             seen.update(state.buffers)
         # The `.grad` a rule might write: read before it runs (see `_wrote_grad`).
-        watch = owned_params if not is_dynamo_compiling() and _single_thread() else ()
+        watch = owned_params if not is_dynamo_compiling() else ()
         current = [current_parameter(module, n) for n in watch]
-        before = [None if p is None else p.grad for p in current]
+        # (`.grad` of a tensor that is not a leaf, a replica's parameter, is never written.)
+        before = [None if p is None or not p.is_leaf else p.grad for p in current]
         if state.watch is not None and not is_dynamo_compiling():
             with state.watch(op, dict(zip(param_names, params, strict=True))), \
                     parameters_as(module, seen):
@@ -624,7 +625,7 @@ def build_route(plan: OpPlan) -> Route:
             with parameters_as(module, seen):
                 result = call_rule(user_rule, args, kwargs, autocast, once, note)
         for name, p, grad in zip(watch, current, before, strict=True):
-            if p is not None and p.grad is not grad:
+            if p is not None and p.is_leaf and p.grad is not grad and _single_thread():
                 raise GradOverrideError(wrote_grad_message(op, name))
         return result
 
@@ -784,6 +785,8 @@ def _build_owning(plan: OpPlan, common: _Common) -> Route:
     def run_bound(values: tuple[Any, ...], state: CallState | None) -> Any:
         """A call bound to one value per slot; `state` may be None (a fresh one is made
         where it is needed)."""
+        if is_dynamo_compiling() and transforms_active():
+            return _outside_compile(op, run_bound, values, state)
         if (
             twin_raw is not None and FAST_APPLY and not is_dynamo_compiling()
             and torch.is_grad_enabled() and not transforms_active() and tracing_state() is None
@@ -957,6 +960,8 @@ def _build_attaching(plan: OpPlan, common: _Common) -> Route:
     def attach(values: tuple[Any, ...], state: CallState, out: Any) -> Any:
         """Attach the rule to `out`, what the forward returned for `values` (as the caller
         holds them; the forward saw the owned ones detached, or ran under no_grad)."""
+        if is_dynamo_compiling() and transforms_active():
+            return _outside_compile(op, attach, values, state, out)
         flat = values if state.layout is None else flatten_inputs(values)[0]
         state.n_in = len(flat)
         state.n_tensor_in = sum(1 for v in flat if isinstance(v, Tensor))
@@ -1007,6 +1012,8 @@ def _build_attaching(plan: OpPlan, common: _Common) -> Route:
         return pytree.tree_unflatten(list(result), state.out_spec)
 
     def run_bound(values: tuple[Any, ...], state: CallState | None) -> Any:
+        if is_dynamo_compiling() and transforms_active():
+            return _outside_compile(op, run_bound, values, state)
         if state is None:
             state = CallState()
         flat, layout = flatten_inputs(values)
@@ -1227,6 +1234,34 @@ def _single_thread() -> bool:
     while a rule runs was written by the rule (with two, another thread's backward may be
     accumulating into it; the first-call check still sees a rule's writes exactly)."""
     return threading.active_count() == 1
+
+
+def compiled_transform_message(op: str) -> str:
+    return (
+        f"`{op}` is called inside a torch.func transform (grad, vmap, jacrev, ...) that "
+        "torch.compile traces: torch.compile cannot keep a custom backward there (a "
+        "PyTorch limitation a hand-written autograd.Function shares: its gradient would "
+        "silently be the forward's own derivative), so the call runs eagerly. Compile the "
+        "model and take gradients with `loss.backward()` or `torch.autograd.grad` (the "
+        "rule is kept), or run the torch.func transform outside torch.compile."
+    )
+
+
+def _outside_compile(op: str, entry: Callable[..., Any], *args: Any) -> Any:
+    """`entry(*args)` after a graph break whose message (what `fullgraph=True`'s error shows)
+    says why: dynamo would trace the call wrongly, so it runs eagerly. (Only called while
+    dynamo traces, which has imported it.)"""
+    break_compiled_transform(op)
+    return entry(*args)
+
+
+def break_compiled_transform(what: str) -> None:
+    """A graph break: `what` is called inside a torch.func transform dynamo traces, where
+    dynamo would drop its custom backward or hook (it does not see the transform's
+    gradient tracking: `requires_grad` reads False), so what follows runs eagerly."""
+    import torch._dynamo
+
+    torch._dynamo.graph_break(msg=compiled_transform_message(what))
 
 
 def wrote_grad_message(op: str, name: str) -> str:

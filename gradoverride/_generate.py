@@ -307,7 +307,8 @@ def generate(
                for j, (slot, _) in enumerate(module.params)]
         ) or "True"
         owned = [(slot, name) for slot, name in module.params if name in module.owned_params]
-        grads_before = _tuple([f"v{slot}.grad" for slot, _ in owned])
+        # (`.grad` of a tensor that is not a leaf, a replica's parameter, is never written.)
+        grads_before = _tuple([f"v{slot}.grad if v{slot}.is_leaf else None" for slot, _ in owned])
         grad_checks = "".join(
             f"        if v{slot}.grad is not _go_before[{j}] and _go_single_thread():\n"
             f"            _go_wrote_grad({name!r})\n"

@@ -30,6 +30,7 @@ from torch.utils.hooks import RemovableHandle
 from ._backends import backend
 from ._errors import GradOverrideError, GradOverrideTypeError
 from ._frameworks import autograph_artifact, is_keras_layer
+from ._function import break_compiled_transform
 from ._internals import add_tensor_hook, is_tracing, tracing_state, transforms_active
 from ._jit import RefuseScripting, jit_message
 from ._passthrough import related, shows_input
@@ -399,6 +400,8 @@ class _AtInputs(_Transforming):
         self.local.stack.append(entries)  # first: `after` pops once per call, whatever happens
         if not torch.is_grad_enabled():
             return None
+        if is_dynamo_compiling() and transforms_active():
+            break_compiled_transform(f"the go.grad_hook of `{type(module).__name__}`")
         if tracing_state() is not None:
             _refuse_tracing(module)
         transform = self.transform
@@ -570,6 +573,8 @@ class _AtOutputs(_Transforming):
             return None
         if tracing_state() is not None:
             _refuse_tracing(module)
+        if is_dynamo_compiling() and transforms_active():
+            break_compiled_transform(f"the go.grad_hook of `{type(module).__name__}`")
         if type(output) is Tensor and not kwargs and not is_dynamo_compiling() and (
             _plain_tensor(args[0]) if len(args) == 1 else _plain(args)
         ):
@@ -703,6 +708,11 @@ class _ParameterHooks:
         """Hook `p` if it is not hooked yet."""
         if self._hooked(p):
             return
+        if p.grad_fn is not None and self._copies_hooked(p.grad_fn):
+            # A copy of a parameter hooked already (a DataParallel replica's, `p * 1` for
+            # functional_call): its gradient flows into that parameter, whose hook
+            # transforms the total once.
+            return
         if is_dynamo_compiling() and isinstance(p, nn.Parameter):
             # Dynamo cannot keep a hook handle made in one compiled frame for the next, so
             # a parameter is hooked eagerly (a graph break; with fullgraph=True the compile
@@ -710,6 +720,26 @@ class _ParameterHooks:
             _hook_eagerly(self, p)
         else:
             self._hook(p)
+
+    def _copies_hooked(self, node: Any) -> bool:
+        """Whether the backward node `node` (a tensor's `grad_fn`) passes its gradient on,
+        within a few steps, only to tensors carrying this object's hook."""
+        todo, steps = [node], 0
+        while todo:
+            steps += 1
+            if steps > 8:
+                return False
+            current = todo.pop()
+            variable = getattr(current, "variable", None)
+            if variable is not None:  # an AccumulateGrad: a leaf tensor
+                if self.token not in getattr(variable, _MARK, ()):
+                    return False
+                continue
+            nexts = [n for n, _ in current.next_functions if n is not None]
+            if not nexts:
+                return False
+            todo += nexts
+        return True
 
     def _hook(self, p: Tensor) -> None:
         table = getattr(p, "_backward_hooks", None)
@@ -742,6 +772,8 @@ class _ParameterHooks:
         """The forward pre-hook of a submodule holding parameters (and the module's)."""
         if not torch.is_grad_enabled():
             return
+        if is_dynamo_compiling() and transforms_active():
+            break_compiled_transform(f"the go.grad_hook of `{type(module).__name__}`")
         root = None if self.module is None else self.module()
         if root is not None and _EPOCH[0] != self.epoch and not is_dynamo_compiling():
             self._walk(root)

@@ -184,7 +184,7 @@ class ModuleRule:
             signature, self.where.strip("`"),
             (*self.inputs, *self.residuals, *RESERVED_NAMES, *aliases),
             f"backward rule `{describe(self.user_rule)}` of `{self.where.strip('`')}`",
-            describe(self.user_rule),
+            describe(self.user_rule), ("self",) if self.method else (),
         )
 
     def op_for(

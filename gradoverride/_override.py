@@ -31,7 +31,7 @@ from torch.utils.hooks import RemovableHandle
 from ._backends import backend
 from ._errors import GradOverrideError, GradOverrideTypeError
 from ._frameworks import autograph_artifact, is_keras_layer
-from ._function import RECORDERS, CallState
+from ._function import RECORDERS, CallState, break_compiled_transform
 from ._internals import tracing_state, transforms_active
 from ._jit import RefuseScripting, jit_message
 from ._module import Module
@@ -116,6 +116,8 @@ class _Override:
             return None  # no gradient can be computed: the plain forward
         if tracing_state() is not None:
             raise GradOverrideError(jit_message(self.module_rule.where, "torch.jit.trace"))
+        if is_dynamo_compiling() and transforms_active():
+            break_compiled_transform(self.module_rule.where.strip("`"))
         rule = self.rule_for(module)
         names, params = parameters_of(module)
         inplace = reads_inplace(module)

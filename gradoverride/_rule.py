@@ -161,7 +161,7 @@ class RuleSpec:
                 raise GradOverrideTypeError(msg)
         refuse_named_positionals(
             signature, forward.name, (*nameable, *residuals, *RESERVED_NAMES, *aliases),
-            where, self.name,
+            where, self.name, ("self",) if method else (),
         )
         if n_grads == 0:
             first = "self, grad" if method else "grad"
@@ -222,6 +222,7 @@ def refuse_named_positionals(
     nameable: Iterable[str],
     where: str,
     rule_name: str,
+    leading: tuple[str, ...] = (),
 ) -> None:
     """A positional parameter (after the first) named like something the rule may name (a
     forward parameter, a residual, a reserved name) is a forgotten `*`: it would receive an
@@ -236,7 +237,7 @@ def refuse_named_positionals(
     grads = [p.name for p in positional if p.name not in misplaced]
     star = next((f"*{p.name}" for p in params if p.kind is inspect.Parameter.VAR_POSITIONAL), "*")
     keywords = [*misplaced, *(p.name for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY)]
-    arguments = ", ".join([*grads, star, *keywords])
+    arguments = ", ".join([*leading, *grads, star, *keywords])
     short = rule_name.split(".")[-1]
     fixed = f"lambda {arguments}: ..." if short == "<lambda>" else f"def {short}({arguments})"
     listed = listing(misplaced).replace(" or ", " and ")

@@ -83,7 +83,7 @@ def parse_clip(clip: object, where: str, argument: str = "clip") -> tuple[float,
     """The window `(low, high)` from `clip`: a bound `c` (the window [-c, c]) or a pair."""
     if _is_real(clip):
         bound = float(clip)  # type: ignore[arg-type]
-        if math.isnan(bound) or bound < 0:
+        if bound != bound or bound < 0:  # (NaN: not `math.isnan`, see `window_bounds`)
             msg = (
                 f"{where}: `{argument}` must be a bound c >= 0 (the window [-c, c]) or a "
                 f"pair (low, high); got {clip!r}. Pass a non-negative number, e.g. "
@@ -93,7 +93,7 @@ def parse_clip(clip: object, where: str, argument: str = "clip") -> tuple[float,
         return (-bound, bound)
     if isinstance(clip, (tuple, list)) and len(clip) == 2 and all(map(_is_real, clip)):
         low, high = float(clip[0]), float(clip[1])
-        if math.isnan(low) or math.isnan(high) or low > high:
+        if low != low or high != high or low > high:
             msg = (
                 f"{where}: `{argument}` as a pair must be (low, high) with low <= high; "
                 f"got {tuple(clip)!r}. Swap the bounds or pass a single bound c for [-c, c]."

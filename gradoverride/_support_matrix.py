@@ -63,6 +63,21 @@ CONTEXTS: tuple[tuple[str, str], ...] = (
      "with the same outputs (no rule applies in it)"),
     ("go.monitor", "forward and backward in eager mode inside `with go.monitor(module)`: the "
      "same gradients, and the override's gradients recorded"),
+    ("no_grad", "the forward under `torch.no_grad()`: eager mode's outputs"),
+    ("inference_mode", "the forward under `torch.inference_mode()`: eager mode's outputs"),
+    ("compile no_grad", "`torch.compile(fullgraph=True)`, the first call under "
+     "`torch.no_grad()`: eager mode's outputs (a validation loop)"),
+    ("compile inference_mode", "`torch.compile(fullgraph=True)`, the first call under "
+     "`torch.inference_mode()`: eager mode's outputs"),
+    ("compile frozen", "`torch.compile(fullgraph=True)` of the module with its parameters "
+     "frozen, grad enabled, the input requiring none: eager mode's outputs"),
+    ("compile torch.func.grad", "`torch.compile` around `torch.func.grad` of the loss"),
+    ("compile vmap", "`torch.compile` around `torch.func.vmap(torch.func.grad(...))`"),
+    ("copy.copy", "`copy.copy` of the module: the copy runs itself (its own mode and "
+     "attributes), with the override"),
+    ("replica", "a `nn.DataParallel`-style replica (each module shallow-copied, holding "
+     "copies of the parameters computed from them): the same gradients reach the original "
+     "parameters"),
 )
 
 
@@ -126,15 +141,34 @@ REFUSED: dict[tuple[str, str], Refusal] = {
         for context, refusal in (
             ("compile", _NUMPY_COMPILE),
             ("compile dynamic", _NUMPY_COMPILE),
+            ("compile no_grad", _NUMPY_COMPILE),
+            ("compile inference_mode", _NUMPY_COMPILE),
+            ("compile frozen", _NUMPY_COMPILE),
             ("torch.func.grad", _NUMPY_TRANSFORM),
             ("vmap", _NUMPY_TRANSFORM),
+            ("compile torch.func.grad", _NUMPY_TRANSFORM),
+            ("compile vmap", _NUMPY_TRANSFORM),
             ("torch.export", _NUMPY_EXPORT),
         )
     },
 }
 
+_COMPILED_TRANSFORM = (
+    "torch.compile cannot keep a custom backward inside a `torch.func` transform it traces "
+    "(a PyTorch limitation a hand-written autograd.Function shares: it silently gives the "
+    "forward's own derivative), so the call is a graph break and runs eagerly, with the "
+    "rule; under `fullgraph=True` the compile error gives that reason. Take gradients of a "
+    "compiled model with `loss.backward()` or `torch.autograd.grad` instead."
+)
+
 #: Supported cells with something to know, by (kind, context).
 NOTES: dict[tuple[str, str], str] = {
+    **{
+        (kind, context): _COMPILED_TRANSFORM
+        for kind, _ in KINDS
+        for context in ("compile torch.func.grad", "compile vmap")
+        if kind not in ("bridge", "recipe: black-box solver", "grad_hook parameters")
+    },
     ("custom_backward residuals", "eager"): (
         "First-order gradients; a second differentiation that reaches a residual raises "
         "(a residual is a constant to autograd)."
@@ -165,7 +199,7 @@ NOTES: dict[tuple[str, str], str] = {
     ("go.Module owns=", "functional_call"): "The rule reads the parameters passed in.",
     ("override_backward", "functional_call"): "The rule reads the parameters passed in.",
     ("grad_hook parameters", "functional_call"): (
-        "The passed tensors' gradients are transformed for that call."
+        "The passed tensors' total gradients are transformed, as a parameter's own is."
     ),
     ("grad_hook parameters", "save/load"): (
         "`torch.save` keeps no tensor hooks; the loaded module hooks its parameters again "

@@ -1,13 +1,19 @@
-"""One test per cell of the support matrix (`gradoverride/_support_matrix.py`).
+"""One test per cell of the support matrix (`gradoverride/_support_matrix.py`), twice.
 
 A supported cell must give eager mode's gradients (eager mode itself is checked against each
 case's independent reference); a refused cell must raise the error the table names. The
 published page (`docs/support-matrix.md`) must be the table's own rendering.
+
+Each cell runs on a fresh module (`first`: the context makes the first call, as a model
+compiled before it ever ran) and on a warm one (`warm`: the module was called once already,
+forward and backward with other inputs, so its first call's check is behind it); for
+save/load and deepcopy, the copy of a warm module is called twice.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import io
 import math
 import re
@@ -239,6 +245,103 @@ def run_monitor(kind: str) -> None:
     ), records
 
 
+def _outputs_as_eager(kind: str, run: Callable[[nn.Module], Tensor],
+                      frozen: bool = False) -> None:
+    """`run(module)` (a forward where no gradient is computed) gives eager mode's outputs,
+    requiring no grad."""
+    module = CASES[kind].build()
+    expected = module(X).detach()
+    if frozen:
+        for p in module.parameters():
+            p.requires_grad_(False)
+    out = run(module)
+    assert not out.requires_grad
+    torch.testing.assert_close(out, expected)
+
+
+def run_no_grad(kind: str) -> None:
+    def call(module: nn.Module) -> Tensor:
+        with torch.no_grad():
+            out: Tensor = module(X)
+        return out
+
+    _outputs_as_eager(kind, call)
+
+
+def run_inference_mode(kind: str) -> None:
+    def call(module: nn.Module) -> Tensor:
+        with torch.inference_mode():
+            out: Tensor = module(X)
+        return out.clone()  # (an inference tensor: compared outside inference mode)
+
+    _outputs_as_eager(kind, call)
+
+
+def _compiled_forward(mode: Callable[[], Any]) -> Callable[[nn.Module], Tensor]:
+    def call(module: nn.Module) -> Tensor:
+        torch._dynamo.reset()
+        compiled = torch.compile(module, fullgraph=True, backend="aot_eager")
+        with mode():
+            out: Tensor = compiled(X)
+        return out.clone()
+
+    return call
+
+
+def run_compile_frozen(kind: str) -> None:
+    _outputs_as_eager(kind, _compiled_forward(torch.enable_grad), frozen=True)
+
+
+def run_compile_transform(kind: str, vmapped: bool) -> None:
+    torch._dynamo.reset()
+    module = CASES[kind].build()
+    grad_of = torch.func.grad(lambda x, up: (module(x) * up).sum())
+    if vmapped:
+        xs, ups = torch.stack([X, X * 0.5]), torch.stack([UP, -UP])
+        got = torch.compile(torch.func.vmap(grad_of), backend="aot_eager")(xs, ups)
+        for k in range(2):
+            assert_same({"x": got[k]}, eager(kind, xs[k], ups[k]), keys=["x"])
+    else:
+        got = torch.compile(grad_of, backend="aot_eager")(X, UP)
+        assert_same({"x": got}, eager(kind), keys=["x"])
+
+
+def run_copy(kind: str) -> None:
+    module = CASES[kind].build()
+    copied = copy.copy(module)
+    copied.train(False)  # its own mode: the original keeps training
+    assert module.training
+    copied.train(True)
+    assert_same(gradients(copied, X, UP), eager(kind))
+
+
+def replica_of(module: nn.Module) -> nn.Module:
+    """What `torch.nn.parallel.replicate` makes for one device: each module shallow-copied,
+    holding copies of the parameters computed from them (so their gradients reach the
+    originals), the buffers shared."""
+    copies = {id(m): m._replicate_for_data_parallel() for m in module.modules()}
+    for m in module.modules():
+        replica = copies[id(m)]
+        for name, child in m._modules.items():
+            replica._modules[name] = None if child is None else copies[id(child)]
+        for name, p in m._parameters.items():
+            replica._parameters[name] = None if p is None else p * 1
+    return copies[id(module)]
+
+
+def run_replica(kind: str) -> None:
+    module = CASES[kind].build()
+    replica = replica_of(module)
+    x = X.clone().requires_grad_()
+    out = replica(x)
+    names = ["x", *(n for n, _ in module.named_parameters())]
+    tensors = [x, *(p for _, p in module.named_parameters())]
+    grads = torch.autograd.grad((out * UP).sum(), tensors, allow_unused=True)
+    got = {n: torch.zeros_like(t) if g is None else g
+           for n, t, g in zip(names, tensors, grads, strict=True)}
+    assert_same(got, eager(kind))
+
+
 RUN: dict[str, Callable[[str], None]] = {
     "eager": run_eager,
     "compile": run_compile,
@@ -255,6 +358,17 @@ RUN: dict[str, Callable[[str], None]] = {
     "threads": run_threads,
     "torch.export": run_export,
     "go.monitor": run_monitor,
+    "no_grad": run_no_grad,
+    "inference_mode": run_inference_mode,
+    "compile no_grad": lambda kind: _outputs_as_eager(kind, _compiled_forward(torch.no_grad)),
+    "compile inference_mode": lambda kind: _outputs_as_eager(
+        kind, _compiled_forward(torch.inference_mode)
+    ),
+    "compile frozen": run_compile_frozen,
+    "compile torch.func.grad": lambda kind: run_compile_transform(kind, vmapped=False),
+    "compile vmap": lambda kind: run_compile_transform(kind, vmapped=True),
+    "copy.copy": run_copy,
+    "replica": run_replica,
 }
 
 
@@ -262,17 +376,59 @@ def _marks(context: str) -> list[Any]:
     return [pytest.mark.compile] if context.startswith("compile") else []
 
 
+def warm(module: nn.Module) -> nn.Module:
+    """`module` after one forward and backward (other inputs, so nothing is reused)."""
+    x = (X * 0.7).requires_grad_()
+    (module(x) * UP).sum().backward()
+    module.zero_grad()
+    return module
+
+
+def run_warm_copy(kind: str, how: str) -> None:
+    """A copy of a warm module, called twice, and the original after it."""
+    saved = CASES[kind].saved
+    expected = gradients(saved, X, UP)
+    gradients(saved, X, UP)  # the original is warm too
+    if how == "deepcopy":
+        copied = copy.deepcopy(saved)
+    else:
+        buffer = io.BytesIO()
+        torch.save(saved, buffer)
+        buffer.seek(0)
+        copied = torch.load(buffer, weights_only=False)
+    for _ in range(2):
+        assert_same(gradients(copied, X, UP), expected)
+    assert_same(gradients(saved, X, UP), expected)
+
+
+# Scripting and export record a forward: a warm module is no different there.
+_WARM = [c for c in CONTEXTS if c not in ("torch.jit.script", "torch.export")]
+
+
 @pytest.mark.parametrize(
-    ("kind", "context"),
-    [pytest.param(k, c, id=f"{k} | {c}", marks=_marks(c)) for k in KINDS for c in CONTEXTS],
+    ("kind", "context", "state"),
+    [
+        pytest.param(k, c, state, id=f"{k} | {c} | {state}", marks=_marks(c))
+        for k in KINDS for c in CONTEXTS for state in ("first", "warm")
+        if state == "first" or c in _WARM
+    ],
 )
-def test_cell(kind: str, context: str) -> None:
+def test_cell(kind: str, context: str, state: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    run = RUN[context]
+    if state == "warm":
+        if context in ("save/load", "deepcopy"):
+            run = lambda kind: run_warm_copy(kind, context)  # noqa: E731
+        else:
+            case = CASES[kind]
+            monkeypatch.setitem(CASES, kind, dataclasses.replace(
+                case, build=lambda build=case.build: warm(build())
+            ))
     refusal = matrix.REFUSED.get((kind, context))
     if refusal is None:
-        RUN[context](kind)
+        run(kind)
         return
     with pytest.raises(Exception) as info:
-        RUN[context](kind)
+        run(kind)
     names = {cls.__name__ for cls in type(info.value).__mro__}
     assert refusal.error in names, f"raised {type(info.value).__name__}: {info.value}"
     assert re.search(refusal.match, str(info.value), re.DOTALL), str(info.value)

@@ -126,13 +126,20 @@ class RecipeModule(nn.Module):
         refuse_scripting(repr(self.recipe))
 
 
+def finite(value: float) -> bool:
+    """`math.isfinite(value)` in comparisons, which dynamo applies to a float it traces as
+    symbolic (`torch.compile(dynamic=True)` makes a module's float attributes so), where it
+    cannot apply `math.isfinite`."""
+    return value == value and -math.inf < value < math.inf  # noqa: PLR0124 - NaN != NaN
+
+
 def positive_number(recipe: str, name: str, value: object, hint: str = "") -> float:
     """`value` as a float if it is a positive finite number, else a GradOverrideError naming
     the recipe and the argument (`hint`, if given, ends the message with the fix)."""
     if (
         not isinstance(value, (int, float))
         or isinstance(value, bool)
-        or not math.isfinite(value)
+        or not finite(value)
         or value <= 0
     ):
         msg = (

@@ -28,6 +28,7 @@ from .._frameworks import is_tensorflow
 from .._passthrough import passthrough
 from ._base import (
     GradientTransform,
+    finite,
     RecipeModule,
     keep_dtype,
     tensorflow_call,
@@ -524,7 +525,7 @@ class sanitize_grad(GradientTransform):
         for field in ("nan", "posinf", "neginf"):
             value = getattr(self, field)
             if value is not None and not (
-                isinstance(value, int | float) and math.isfinite(value)
+                isinstance(value, int | float) and finite(value)
             ):
                 msg = f"sanitize_grad needs `{field}` to be a finite number, got {value!r}."
                 raise GradOverrideError(msg)

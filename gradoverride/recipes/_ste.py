@@ -40,7 +40,7 @@ from .._straight_through import (
     window_gradient,
     window_mask,
 )
-from ._base import Recipe, positive_number, tensorflow_call
+from ._base import Recipe, finite, positive_number, tensorflow_call
 
 __all__ = [
     "BINARIZE_PRESETS",
@@ -408,9 +408,7 @@ class ste_clamp(Recipe):
     _ends: Inclusive = field(init=False, repr=False, compare=False)
     _window: tuple[float, float] | None = field(init=False, repr=False, compare=False)
     _bounds: WindowBounds | None = field(init=False, repr=False, compare=False)
-    _hardtanh: dict[torch.dtype, tuple[float, float]] | None = field(
-        init=False, repr=False, compare=False
-    )
+    _hardtanh: tuple[float, float] | None = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         _set(self, "_hardtanh", None)
@@ -436,12 +434,10 @@ class ste_clamp(Recipe):
         _set(self, "_window", window)
         _set(self, "_bounds", window_bounds(window, ends) if self.outside == "zero" else None)
         if self.outside == "zero" and ends == (False, False) and self.keep == "input":
-            # Exactly torch's hardtanh, forward and backward: its own op is the fastest form
-            # (no Function around it), given the bounds rounded to the input's dtype.
-            _set(self, "_hardtanh", {
-                dtype: (rounded(window[0], dtype), rounded(window[1], dtype))
-                for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-            })
+            # Exactly torch's hardtanh, forward and backward, at every value and in every
+            # dtype (torch compares a half-precision input with the bound as given): its own
+            # op is also the fastest form (no Function around it).
+            _set(self, "_hardtanh", window)
 
     def _check_tensor_bounds(self) -> None:
         shapes = []
@@ -452,7 +448,7 @@ class ste_clamp(Recipe):
                 shapes.append(value.shape)
             elif _is_tensor(value):  # a TensorFlow tensor: checked when called
                 shapes.append(torch.Size(value.shape))
-            elif not _is_number(value) or math.isnan(value):
+            elif not _is_number(value) or value != value:
                 msg = (
                     f"ste_clamp: `{name}` must be a number or a floating-point tensor; got "
                     f"{type(value).__name__} {value!r}."
@@ -494,8 +490,8 @@ class ste_clamp(Recipe):
         _check_input(self, x)
         if self._window is None:
             return self._clamp_tensor_bounds(x)
-        if self._hardtanh is not None and x.dtype in self._hardtanh:
-            return nn.functional.hardtanh(x, *self._hardtanh[x.dtype])
+        if self._hardtanh is not None and x.is_floating_point():
+            return nn.functional.hardtanh(x, *self._hardtanh)
         return _windowed(x, self)
 
     def _clamp_tensor_bounds(self, x: Tensor) -> Tensor:
@@ -732,7 +728,7 @@ class abs_subgradient(Recipe):
     at_zero: float = 1.0
 
     def __post_init__(self) -> None:
-        if not _is_number(self.at_zero) or not math.isfinite(self.at_zero):
+        if not _is_number(self.at_zero) or not finite(self.at_zero):
             msg = (
                 "abs_subgradient: `at_zero` must be a finite number (the subgradient at 0, "
                 f"1.0 as brevitas's abs_binary_sign_grad); got {type(self.at_zero).__name__} "
@@ -778,7 +774,7 @@ class ternarize(Recipe):
         if (
             not isinstance(self.delta_factor, (int, float))
             or isinstance(self.delta_factor, bool)
-            or not math.isfinite(self.delta_factor)
+            or not finite(self.delta_factor)
             or self.delta_factor < 0
         ):
             msg = (
@@ -885,7 +881,7 @@ class quantize(Recipe):
                 if not (
                     isinstance(pair, tuple)
                     and len(pair) == 2
-                    and all(isinstance(v, (int, float)) and math.isfinite(v) for v in pair)
+                    and all(isinstance(v, (int, float)) and finite(v) for v in pair)
                     and pair[0] < pair[1]
                 ):
                     msg = (

@@ -41,7 +41,7 @@ from .._decorators import custom_backward
 from .._errors import GradOverrideError, GradOverrideTypeError
 from .._frameworks import is_tensorflow
 from .._internals import transforms_active
-from ._base import Recipe, positive_number, tensorflow_call
+from ._base import Recipe, finite, positive_number, tensorflow_call
 
 __all__ = ["SPIKE_PRESETS", "SURROGATES", "spike"]
 
@@ -184,18 +184,16 @@ def _triangle(g: Tensor, x: Tensor, r: spike) -> Tensor:
 
 
 def _rectangular(g: Tensor, x: Tensor, r: spike) -> Tensor:
-    # s * a where |x| < 1/(2a), else s * leak (strict): one fused kernel without a leak, as
-    # for clip windows
+    # s * a where |x| < 1/(2a), else s * leak (strict). A NaN input is outside, as
+    # SpikingJelly's `alpha * (x.abs() < 0.5 / alpha) * grad` has it, eager and compiled
+    # alike (the fused `hardtanh_backward` of the clip windows would pass it).
     a, s, leak = _set(r.alpha), r.scale, _set(r.leak)
     h = 0.5 / a
     k = s * a
     if leak != 0:
-        inside = _indicator(torch.lt, torch.abs(x), h)  # NaN: outside, as SpikingJelly's
+        inside = _indicator(torch.lt, torch.abs(x), h)
         return _times(_blend(inside, k, s * leak), g)
-    if g.dtype == x.dtype and not torch.compiler.is_compiling():
-        out = torch.ops.aten.hardtanh_backward(g, x, -h, h)
-    else:
-        out = torch.where(x.abs() < h, g, 0)
+    out = torch.where(x.abs() < h, g, 0)
     return out if k == 1 else _times(out, k)
 
 
@@ -629,7 +627,7 @@ def _number(owner: str, name: str, value: object, kind: str) -> float:
     ok = (
         isinstance(value, (int, float))
         and not isinstance(value, bool)
-        and math.isfinite(value)
+        and finite(value)
         and {
             "positive": value > 0,
             "non-negative": value >= 0,
