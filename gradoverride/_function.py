@@ -157,9 +157,21 @@ class OpPlan(NamedTuple):
 
 
 class Route:
-    """An op's built route: the entries a call takes, and the Function behind them."""
+    """An op's built route: the entries a call takes, and the Function behind them.
 
-    __slots__ = ("attach", "function", "run", "run_bound")
+    * `run(args, kwargs)`: a user's call;
+    * `run_bound(values, state)`: a call bound to one value per slot (a module's);
+    * `eager(values)`: `run_bound`'s eager step itself, the generated twin (None where the
+      op has none), for a caller that has checked what `run_bound` checks first: eager
+      mode (no dynamo, no torch.func transform, no `torch.jit.trace`), grad enabled, the
+      values plain (no containers), no per-call state;
+    * `attach(values, state, out)`: a forward run outside the route (a module's hooks);
+    * `given(values, out)`: `attach`'s eager step itself, the generated twin (None where the
+      op has none), for a caller that has checked what `eager` needs, a rule owning every
+      input and parameter, the forward run under no_grad and `out` one tensor.
+    """
+
+    __slots__ = ("attach", "eager", "function", "given", "run", "run_bound")
 
     def __init__(
         self,
@@ -167,11 +179,15 @@ class Route:
         run_bound: Callable[[tuple[Any, ...], CallState | None], Any],
         attach: Callable[[tuple[Any, ...], CallState, Any], Any] | None,
         function: type[torch.autograd.Function],
+        eager: Callable[[tuple[Any, ...]], Any] | None = None,
+        given: Callable[[tuple[Any, ...], Any], Any] | None = None,
     ) -> None:
         self.run = run
         self.run_bound = run_bound
         self.attach = attach
         self.function = function
+        self.eager = eager
+        self.given = given
 
 
 class _Static:
@@ -842,11 +858,19 @@ def _build_owning(plan: OpPlan, common: _Common) -> Route:
     cls = _function_class(name, plan.module, op, forward, setup_context, backward)
     apply = cls.apply
     raw = raw_apply(_classic_function_class(name, plan.module, op, forward_eager, backward))
+    eager = None
     if twin is not None:
         twin_cls = _classic_function_class(name, plan.module, op, twin.forward, backward)
         twin_raw = raw_apply(twin_cls)
         twin.namespace.update(_go_raw=twin_raw)
-    return Route(run, run_bound, None, cls)
+
+        def eager(values: tuple[Any, ...]) -> Any:
+            out = twin_raw(None, *values)
+            if type(out) is tuple:  # not one tensor: the twin's fresh state is last
+                return finish(out[:-1], out[-1])
+            return out
+
+    return Route(run, run_bound, None, cls, eager)
 
 
 def _twin(plan: OpPlan, common: _Common, pieces: dict[str, Any]) -> Any:
@@ -1035,7 +1059,23 @@ def _build_attaching(plan: OpPlan, common: _Common) -> Route:
             return run_tensorflow(args, kwargs)
         return run_bound(bind(args, kwargs), CallState())
 
-    return Route(run, run_bound, attach, cls)
+    given = None
+    if plan.rule.owns_all and not plan.runs_forward:
+        # A module's rule owning everything, its forward run by the module (under no_grad):
+        # the generated twin, given the forward's output.
+        twin = _twin(plan, common, {
+            "setup": setup, "shape_output": None, "run_general": None, "run_bound": None,
+            "run_tensorflow": None, "finish": None,
+        })
+        if twin is not None and twin.forward_given is not None:
+            given_raw = raw_apply(
+                _classic_function_class(name, plan.module, op, twin.forward_given, twin.backward)
+            )
+
+            def given(values: tuple[Any, ...], out: Any) -> Any:
+                return given_raw(None, *values, (out,))
+
+    return Route(run, run_bound, attach, cls, given=given)
 
 
 # ---- helpers of the forward side ------------------------------------------------------------

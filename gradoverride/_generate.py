@@ -41,7 +41,7 @@ import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
-__all__ = ["ModuleTwin", "Twin", "compile_source", "generate"]
+__all__ = ["ModuleTwin", "Twin", "compile_source", "generate", "generate_reader"]
 
 _counter = 0
 
@@ -80,6 +80,7 @@ class Twin(NamedTuple):
     backward: Callable[..., Any]
     run: Callable[[tuple[Any, ...], dict[str, Any]], Any] | None
     namespace: dict[str, Any]
+    forward_given: Callable[..., Any] | None  # a module op's (see `_FORWARD_GIVEN`)
 
 
 def _tuple(items: Sequence[str]) -> str:
@@ -121,6 +122,20 @@ def forward(ctx, _go_state, {values}):
         _go_n = _go_state.n_out
         _go_setup(ctx, _go_state, {all_values}, _go_out[:_go_n], _go_out[_go_n:])
         return (*_go_out, _go_state) if _go_fresh else _go_out
+{record}
+    return _go_out
+"""
+
+# A module's op whose forward the module ran itself (its forward hooks: `override_backward`):
+# the output, one tensor, comes in a 1-tuple (no input of the Function), as if the forward
+# had run here.
+_FORWARD_GIVEN = """
+def forward_given(ctx, _go_state, {values}, _go_given):
+    _go_out = _go_given[0]
+    if {returned_input}:
+        _go_out = _go_out.view_as(_go_out)
+    elif _go_out._base is not None:
+        _go_out = _go_as_output(_go_out, {all_values})
 {record}
     return _go_out
 """
@@ -271,6 +286,13 @@ def generate(
         all_values=_tuple(values),
         record="\n".join("    " + line for line in record),
     )
+    if module is not None:
+        source += _FORWARD_GIVEN.format(
+            values=", ".join(values),
+            returned_input=" or ".join(f"_go_out is {v}" for v in values),
+            all_values=_tuple(values),
+            record="\n".join("    " + line for line in record),
+        )
 
     # ---- backward -------------------------------------------------------------------------
     unpack = ["_", *(m for i, m in enumerate(metas) if _has_meta(i, module)), "_go_statics",
@@ -338,12 +360,62 @@ def generate(
         _go_CONTAINERS=(tuple, list, dict), _go_DEFAULTS=defaults,
     )
     generated = compile_source(source, op, space)
-    return Twin(generated["forward"], generated["backward"], generated.get("run"), generated)
+    return Twin(generated["forward"], generated["backward"], generated.get("run"), generated,
+                generated.get("forward_given"))
 
 
 #: The first item of a record the twin's forward leaves (the general record has its
 #: CallState there).
 _FAST: Any = object()
+
+
+_READER = """
+def read(_go_module, _go_args, _go_kwargs):
+    if (_go_kwargs or _go_len(_go_args) != {n_args} or _go_type(_go_module) is not _go_CLS
+            or _go_module._modules or _go_module._buffers{inplace}):
+        return None
+    _go_params = _go_module._parameters
+    if _go_len(_go_params) != {k}:
+        return None
+{reads}
+    if {refuse}:
+        return None
+    return {values}
+"""
+
+# (A reader's values are plain: no argument is a container, which the route would flatten.)
+
+
+def generate_reader(
+    *, label: str, cls: type, names: tuple[str, ...], n_args: int, inplace_in_dict: bool,
+    namespace: dict[str, Any],
+) -> Callable[[Any, tuple[Any, ...], dict[str, Any]], tuple[Any, ...] | None]:
+    """`read(module, args, kwargs)`: the values of a call of a module of class `cls` with no
+    submodules or buffers whose parameters are `names` (plain tensors, each once, none
+    lazy), called with `n_args` positional arguments; None for any other module or call
+    (the caller then walks). What `parameters_of` and binding give, read from the module's
+    own dicts with the layout written out. `namespace` provides UninitializedParameter."""
+    ps = [f"_go_p{i}" for i in range(len(names))]
+    reads = "".join(f"    {p} = _go_params.get({name!r})\n" for p, name in zip(ps, names, strict=True))
+    refuse = [f"{p} is None or _go_type({p}) is _go_UninitializedParameter" for p in ps]
+    refuse += [f"{a} is {b}" for i, a in enumerate(ps) for b in ps[i + 1 :]]
+    refuse += [f"_go_isinstance(_go_args[{i}], _go_CONTAINERS)" for i in range(n_args)]
+    inplace = (
+        " or _go_module.__dict__.get('inplace', False) is True" if inplace_in_dict
+        else " or _go_getattr(_go_module, 'inplace', False) is True"
+    )
+    args = [f"_go_args[{i}]" for i in range(n_args)]
+    source = _READER.format(
+        n_args=n_args, k=len(names), inplace=inplace, reads=reads.rstrip("\n"),
+        refuse=" or ".join(refuse) or "False", values=_tuple(["_go_module", *args, *ps]),
+    )
+    space = {f"_go_{key}": value for key, value in namespace.items()}
+    space.update(_go_len=len, _go_type=type, _go_getattr=getattr, _go_CLS=cls,
+                 _go_isinstance=isinstance, _go_CONTAINERS=(tuple, list, dict))
+    reader: Callable[[Any, tuple[Any, ...], dict[str, Any]], tuple[Any, ...] | None] = (
+        compile_source(source, f"{label} (reader)", space, owner="read")["read"]
+    )
+    return reader
 
 
 def _has_meta(i: int, module: ModuleTwin | None) -> bool:
@@ -378,8 +450,8 @@ def _results(names: tuple[str, ...], saved_slot: dict[int, int],
         """Source: whether slot i holds a differentiable tensor."""
         if module is not None and i == 0:
             return "False"
-        if i in param_slots:
-            return f"({_differentiable(f'v{i}')})"
+        if i in param_slots:  # (a parameter is a tensor)
+            return f"(v{i}.requires_grad or v{i}.is_floating_point() or v{i}.is_complex())"
         return f"_go_m{i} is not None"
 
     def full_meta(i: int) -> str:
@@ -438,7 +510,10 @@ def _results(names: tuple[str, ...], saved_slot: dict[int, int],
     for i in slots:
         lines += ["        " + line for line in checked(gs[i], i)]
     out = ["None" if module is not None and i == 0 else gs[i] for i in range(n)]
-    lines.append(f"        return {_tuple(['None', *out])}")
+    # (A module op's backward gives one more None: for `forward_given`'s output, which an
+    # owning call does not pass; autograd takes a trailing None beyond the inputs.)
+    extra = ["None"] if module is not None else []
+    lines.append(f"        return {_tuple(['None', *out, *extra])}")
     if module is None:
         # A tuple with one entry per slot.
         lines += [
@@ -451,7 +526,7 @@ def _results(names: tuple[str, ...], saved_slot: dict[int, int],
     metas = _tuple([full_meta(i) for i in range(n)])
     lines.append(
         "return (None, *_go_flat_gradients(_go_result, op=_go_OP, names=_go_NAMES, "
-        f"owned=_go_OWNED, layout=None, meta={metas}, module=_go_FORM))"
+        f"owned=_go_OWNED, layout=None, meta={metas}, module=_go_FORM){', None' if extra else ''})"
     )
     return "".join(f"    {line}\n" for line in lines)
 

@@ -41,6 +41,10 @@ Private torch pieces used elsewhere, each with a test that fails if it goes miss
   gradients apart (two threads' passes, a failed pass; without it they would share a step).
 * `torch._foreach_norm`, `_foreach_sign`, `_foreach_mul` (`_grad_statistics.py`): the
   multi-tensor calls the monitor reduces gradients with.
+* `torch._C._set_grad_enabled` (`set_grad_enabled`, `_override.py`): what
+  `torch.set_grad_enabled(mode)` does, without making the context-manager object (the
+  forward hooks of an override turn grad mode off and on around every call); dynamo traces
+  it as a grad-mode change.
 """
 
 from __future__ import annotations
@@ -62,6 +66,7 @@ __all__ = [
     "is_tracing",
     "is_transformed",
     "raw_apply",
+    "set_grad_enabled",
     "tracing_state",
     "transforms_active",
 ]
@@ -149,6 +154,11 @@ def is_transformed(value: Any) -> bool:
         isinstance(value, Tensor) and bool(torch._C._functorch.is_gradtrackingtensor(value))
     )
 
+
+#: `torch.set_grad_enabled(mode)` as a plain call (see the module docstring).
+set_grad_enabled: Callable[[bool], None] = getattr(
+    torch._C, "_set_grad_enabled", torch.set_grad_enabled
+)
 
 #: The C call under `torch.jit.is_tracing` (mypy sees it untyped): not None while
 #: torch.jit.trace records.

@@ -232,6 +232,21 @@ def _call(module: Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             rule = _rule_of(cls, assigned, method=False)
         elif cls.backward is not rule.user_rule:  # type: ignore[attr-defined]
             rule = _rule_of(cls, cls.backward, method=True)  # type: ignore[attr-defined]
+        last = rule.last
+        if last is not None:
+            # The layout of the last call (a module of the same class without submodules
+            # or buffers, the same parameter names), read by the op's generated reader:
+            # plain values, no per-call state.
+            values = last[0](module, args, kwargs)
+            if values is not None:
+                op = last[1]
+                eager = op._route.eager
+                if (
+                    eager is not None and id(module) in CHECKED and not RECORDERS
+                    and not transforms_active()
+                ):
+                    return eager(values)
+                return _through_route(module, op, values, None, args, kwargs, False)
     names, params = parameters_of(module)
     inplace = reads_inplace(module)
     op = rule.op_for(names, inplace, module)
@@ -241,7 +256,18 @@ def _call(module: Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if compiling:
             raise GradOverrideError(compiled_inplace_message(rule.where))
         refuse_inplace_views(rule.where, values[1 : len(values) - len(params)])
-    if compiling or (id(module) in CHECKED and not RECORDERS) or transforms_active():
+    elif not compiling:
+        reader = op.reader(cls)
+        if reader is not None:
+            rule.last = (reader, op)
+    return _through_route(module, op, values, state, args, kwargs, compiling)
+
+
+def _through_route(module: Module, op: Any, values: tuple[Any, ...], state: Any,
+                   args: tuple[Any, ...], kwargs: dict[str, Any], compiling: bool) -> Any:
+    """The op's route for a call of `module`; its first eager call checked (see `_audit`),
+    each call recorded while a recorder runs."""
+    if compiling or transforms_active() or (id(module) in CHECKED and not RECORDERS):
         return op._route.run_bound(values, state)
     if id(module) in CHECKED:
         run = functools.partial(op._route.run_bound, values, state)

@@ -119,10 +119,35 @@ class ModuleOp:
         self._tracks_inplace = inplace
         self._labels: dict[str, str] = {}
         self.forward = rule.forward
+        # The generated readers of this op's layout, per module class (see `reader`).
+        self.readers: dict[type, Any] = {}
 
     @property
     def function(self) -> type[torch.autograd.Function]:
         return self._route.function
+
+    def reader(self, cls: type) -> Any:
+        """`read(module, args, kwargs)` for modules of `cls` (see `_generate.generate_reader`),
+        or None where this op has none: a forward taking keywords or `*args`, a parameter
+        of a submodule, an in-place module."""
+        found = self.readers.get(cls, False)
+        if found is False:
+            found = None
+            signature = self.module_rule.signature
+            if (
+                signature.is_plain and not self.inplace
+                and not any("." in name for name in self.slots.params)
+                and _class_facts(cls)[0]
+            ):
+                from ._generate import generate_reader
+
+                found = generate_reader(
+                    label=self._name, cls=cls, names=self.slots.params,
+                    n_args=len(signature.names) - 1, inplace_in_dict=_class_facts(cls)[1],
+                    namespace={"UninitializedParameter": UninitializedParameter},
+                )
+            self.readers[cls] = found
+        return found
 
     def __call__(self, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
         """`module(*args, **kwargs)` through this op, without the module's hooks (what
@@ -168,6 +193,8 @@ class ModuleRule:
         self.materialize_grads = materialize_grads
         self.runs_forward = runs_forward
         self.ops: dict[tuple[tuple[str, ...], bool], ModuleOp] = {}
+        # (reader, op) of the last call that had a reader: tried first at the next call.
+        self.last: tuple[Any, ModuleOp] | None = None
         self._refuse_forgotten_star()
 
     def _refuse_forgotten_star(self) -> None:

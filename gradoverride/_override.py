@@ -32,6 +32,7 @@ from ._backends import backend
 from ._errors import GradOverrideError, GradOverrideTypeError
 from ._frameworks import autograph_artifact, is_keras_layer
 from ._function import RECORDERS, CallState, break_compiled_transform
+from ._internals import set_grad_enabled as _set_grad_enabled
 from ._internals import tracing_state, transforms_active
 from ._jit import RefuseScripting, jit_message
 from ._module import Module
@@ -69,6 +70,16 @@ class _Frame:
         self.grad_off = False
         self.swapped: Any = None  # the reparametrization to leave (owned parameters)
         self.audit: Any = None  # the first-call check in progress
+
+
+class _Given:
+    """The pre-hook's frame for a call the generated twin attaches (see `_Override.before`)."""
+
+    __slots__ = ("op", "values")
+
+    def __init__(self, op: ModuleOp, values: tuple[Any, ...]) -> None:
+        self.op = op
+        self.values = values
 
 
 class _Calls(threading.local):
@@ -116,9 +127,22 @@ class _Override:
             return None  # no gradient can be computed: the plain forward
         if tracing_state() is not None:
             raise GradOverrideError(jit_message(self.module_rule.where, "torch.jit.trace"))
-        if is_dynamo_compiling() and transforms_active():
+        compiling = is_dynamo_compiling()
+        if compiling and transforms_active():
             break_compiled_transform(self.module_rule.where.strip("`"))
         rule = self.rule_for(module)
+        last = rule.last
+        if last is not None and not compiling:
+            # The layout of the last call, read by the op's generated reader (see
+            # `go.Module`'s call): the generated twin attaches the rule to the output.
+            values = last[0](module, args, kwargs)
+            if (
+                values is not None and last[1]._route.given is not None
+                and id(module) in CHECKED and not transforms_active()
+            ):
+                frames[-1] = _Given(last[1], values)
+                _set_grad_enabled(False)
+                return None
         names, params = parameters_of(module)
         inplace = reads_inplace(module)
         op = rule.op_for(names, inplace, module)
@@ -147,6 +171,10 @@ class _Override:
             state.versions = tuple(v._version if isinstance(v, Tensor) else None
                                    for v in values)
         frames[-1] = frame
+        if not inplace and not compiling:
+            reader = op.reader(type(module))
+            if reader is not None:
+                rule.last = (reader, op)
         if not is_dynamo_compiling() and id(module) not in CHECKED and not transforms_active():
             from ._audit import ModuleAudit  # imported at the first check
 
@@ -155,7 +183,7 @@ class _Override:
         if owns_all:
             # The forward records no graph, as inside an autograd Function: the rule gives
             # every gradient.
-            torch.set_grad_enabled(False)
+            _set_grad_enabled(False)
             frame.grad_off = True
             return None
         if not frame.attach:
@@ -206,8 +234,19 @@ class _Override:
         frame = frames.pop() if frames else None
         if frame is None:
             return None
+        if type(frame) is _Given:
+            _set_grad_enabled(True)
+            if type(output) is Tensor:
+                result = frame.op._route.given(frame.values, output)
+                if RECORDERS:
+                    RECORDERS[0].module_output(module, frame.op, result)
+                return result
+            if output is None:  # the forward raised (this hook is called anyway)
+                return None
+            # Not one tensor: the general attach.
+            frame = _Frame(frame.op, frame.values, CallState())
         if frame.grad_off:
-            torch.set_grad_enabled(True)
+            _set_grad_enabled(True)
         if frame.swapped is not None:
             frame.swapped.__exit__(None, None, None)
         audit = frame.audit
