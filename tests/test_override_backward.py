@@ -10,6 +10,9 @@ import torch
 from torch import nn
 
 import gradoverride as go
+import threading
+from unittest import mock
+from torch.nn.utils import parametrize
 
 
 def _linear_rule(grad: torch.Tensor, *, input: torch.Tensor, module: nn.Linear) -> object:
@@ -158,3 +161,38 @@ def test_returning_a_parameter_it_does_not_own() -> None:
         match=re.escape("gradient for `weight`, which is a parameter the rule does not own"),
     ):
         linear(_x(3, 2).requires_grad_()).sum().backward()
+
+
+# ==== copies and replicas run themselves ====================================================
+
+
+def test_a_copy_of_an_overridden_module_runs_itself() -> None:
+    dropout = nn.Dropout(0.5)
+    go.override_backward(dropout, lambda grad, *, input: grad)
+    evaluated = copy.copy(dropout).eval()  # its own `training`, False
+    x = torch.ones(1000, requires_grad=True)
+    torch.testing.assert_close(evaluated(x), x.detach(), msg="an eval() copy drops nothing")
+    assert dropout.training
+
+
+def test_a_data_parallel_style_replica_uses_its_own_weight() -> None:
+    linear = nn.Linear(3, 2)
+    go.override_backward(linear, _doubling_linear_rule)
+    # What `nn.parallel.replicate` does on each device: a shallow copy holding the
+    # device's copies of the parameters (tensors computed from the originals).
+    replica = linear._replicate_for_data_parallel()
+    weight = torch.ones(2, 3, requires_grad=True)
+    replica._parameters["weight"] = weight * 1
+    replica._parameters["bias"] = linear.bias * 1
+    x = torch.ones(1, 3, requires_grad=True)
+    out = replica(x)
+    torch.testing.assert_close(out, x.detach() @ torch.ones(3, 2) + linear.bias.detach())
+    out.sum().backward()
+    torch.testing.assert_close(x.grad, torch.full((1, 3), 4.0))  # twice ones^T @ ones
+    torch.testing.assert_close(weight.grad, torch.ones(2, 3))
+    assert linear.weight.grad is None
+
+
+
+def _doubling_linear_rule(grad, *, input, module):
+    return {"input": grad @ module.weight * 2, "weight": grad.T @ input, "bias": grad.sum(0)}

@@ -937,3 +937,24 @@ def test_open_clamp_bounds_rounded_to_the_dtype_alike_eager_and_inductor(
     assert_consistent(recipe, x, modes=("compile",), backend="inductor")
     g = torch.ones(6, dtype=dtype)
     assert _grad(recipe, x, g)[1].tolist() == [0, 0, 1, 1, 0, 1]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+@pytest.mark.parametrize("bound", [0.1, 0.3, 0.7, 1.0])
+def test_the_hardtanh_preset_is_torch_hardtanh_at_every_value(dtype, bound) -> None:
+    # At the bound rounded to a half-precision dtype, and its neighbours, forward and backward.
+    preset = R.ste_clamp.preset("torch.nn.functional.hardtanh", -bound, bound)
+    b = torch.tensor(bound, dtype=dtype)
+    around = [b, torch.nextafter(b, b + 1), torch.nextafter(b, b - 1)]
+    x = torch.stack([*around, *(-v for v in around), torch.tensor(0.0, dtype=dtype)])
+
+    def grad_of(fn):
+        v = x.clone().requires_grad_()
+        fn(v).sum().backward()
+        return v.grad
+
+    def torch_hardtanh(v):
+        return torch.nn.functional.hardtanh(v, -bound, bound)
+
+    torch.testing.assert_close(preset(x), torch_hardtanh(x), rtol=0, atol=0)
+    torch.testing.assert_close(grad_of(preset), grad_of(torch_hardtanh), rtol=0, atol=0)

@@ -578,3 +578,61 @@ def test_rectangular_proxy_is_strict_at_its_window_ends(leak: float) -> None:
     _, gx = _grad(recipe, x, torch.ones_like(x))
     assert gx.tolist() == [leak, leak, 2.0, 2.0, leak]
     torch.testing.assert_close(_proxy_grad(recipe, x, torch.ones_like(x)), gx)
+
+
+# ---- edge values, and a spike built inside a compiled forward --------------------------------
+
+
+@pytest.mark.compile
+@pytest.mark.filterwarnings("ignore:.*should not be instantiated:DeprecationWarning")
+@pytest.mark.parametrize("leak", [0.0, 0.1])
+def test_rectangular_at_nan_is_outside_eagerly_and_compiled(leak: float) -> None:
+    torch._dynamo.reset()
+    surrogate = R.spike(surrogate="rectangular", leak=leak)
+    x = torch.tensor([float("nan"), 0.1, 2.0])
+
+    def grad_of(fn: Any) -> torch.Tensor:
+        v = x.clone().requires_grad_()
+        fn(v).sum().backward()
+        assert v.grad is not None
+        return v.grad
+
+    compiled = torch.compile(lambda v: surrogate(v), fullgraph=True, backend="aot_eager")
+    eager, traced = grad_of(surrogate), grad_of(compiled)
+    torch.testing.assert_close(eager, traced)
+    # SpikingJelly's rectangle, `alpha * (x.abs() < 0.5 / alpha) * grad`, is 0 at NaN.
+    assert float(eager[0]) == pytest.approx(leak)
+
+
+class _Built(torch.nn.Module):
+    """A forward that builds its spike at each call, as spiking models often do."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+        self.alpha = 2.0
+        self.w = torch.nn.Parameter(torch.ones(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.how == "default":
+            surrogate = R.spike()
+        elif self.how == "preset":
+            surrogate = R.spike.preset("snntorch.atan")
+        else:
+            surrogate = R.spike(alpha=self.alpha)
+        return surrogate(x * self.w)
+
+
+@pytest.mark.compile
+@pytest.mark.filterwarnings("ignore:.*should not be instantiated:DeprecationWarning")
+@pytest.mark.parametrize("how", ["default", "preset", "attribute"])
+def test_a_spike_built_in_a_dynamic_compiled_forward(how: str) -> None:
+    torch._dynamo.reset()
+    module = _Built(how)
+    compiled = torch.compile(module, fullgraph=True, dynamic=True, backend="aot_eager")
+    for n in (4, 6):
+        x = torch.randn(n, 3, generator=torch.Generator().manual_seed(n))
+        x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+        module(x1).sum().backward()
+        compiled(x2).sum().backward()
+        torch.testing.assert_close(x2.grad, x1.grad)
