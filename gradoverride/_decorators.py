@@ -158,12 +158,13 @@ class CustomBackward(Generic[P, R]):
         changed in place; see `_audit`) or to record (see `_recorder`)."""
         if is_dynamo_compiling() or any_tensorflow(args, kwargs):
             return self._run(args, kwargs)
+        run: Callable[[], Any]
         if not self._check_next or transforms_active() or not torch.is_grad_enabled():
             run = functools.partial(self._run, args, kwargs)
         else:
             from ._audit import audit_call  # imported at the first check, not with the package
 
-            def run() -> Any:
+            def run() -> Any:  # (the check, then the call)
                 result = audit_call(self, args, kwargs)
                 self._check_next = False
                 return result

@@ -499,7 +499,7 @@ def build_route(plan: OpPlan) -> Route:
             start, stop, spec = ranges[slot]
             values = flat[start:stop]
             if copies:
-                values = tuple(copies.get(i, v) for i, v in zip(range(start, stop), values))
+                values = tuple(copies.get(start + k, v) for k, v in enumerate(values))
             keep(name, spec, values)
         if wants_output:
             keep("output", state.out_spec, outputs)
@@ -513,7 +513,7 @@ def build_route(plan: OpPlan) -> Route:
                 keep(name, None, (flat[entry.index],))
             else:
                 keep(name, None, (residual_tensors[entry],))
-        held = None
+        held: tuple[Any, tuple[Any, ...], tuple[int, ...] | None] | None = None
         if form is not None:
             # The parameters the forward saw, for the rule (under functional_call the module
             # holds others by then): in the eager twin by reference, with their version
@@ -640,8 +640,11 @@ def build_route(plan: OpPlan) -> Route:
         else:
             with parameters_as(module, seen):
                 result = call_rule(user_rule, args, kwargs, autocast, once, note)
-        for name, p, grad in zip(watch, current, before, strict=True):
-            if p is not None and p.is_leaf and p.grad is not grad and _single_thread():
+        for name, held_now, grad in zip(watch, current, before, strict=True):
+            if (
+                held_now is not None and held_now.is_leaf and held_now.grad is not grad
+                and _single_thread()
+            ):
                 raise GradOverrideError(wrote_grad_message(op, name))
         return result
 
@@ -695,10 +698,7 @@ def _no_gradient(flat: Sequence[Any]) -> bool:
         return True
     if not is_dynamo_compiling():
         return False
-    for value in flat:
-        if isinstance(value, Tensor) and value.requires_grad:
-            return False
-    return True
+    return not any(isinstance(value, Tensor) and value.requires_grad for value in flat)
 
 
 def _build_owning(plan: OpPlan, common: _Common) -> Route:

@@ -231,13 +231,14 @@ def generate(
 
     `n_forward`: the forward takes the first `n_forward` values (a module op's parameters
     stay in the module); `defaults`: every slot's default, `inspect.Parameter.empty` where
-    it has none (`run` is generated for an op called by users, not for a module's). `namespace` provides, without the `_go_` prefix:
-    fn, rule, Tensor, CallState, as_output, shape_output, setup, backward_general,
-    saved_for, call_rule, check_gradient, flat_gradients, GradOverrideError, SKIP, FORM
-    (the op's ModuleForm or None), OWNED, autocast_state, any_autocast_enabled, and for a
-    module op module_rule, current, single_thread, wrote_grad; for `run`: run_general,
-    run_bound, run_tensorflow, any_tensorflow, finish, raw, is_grad_enabled,
-    tracing_state, is_dynamo_compiling, transforms_active, FAST_APPLY.
+    it has none (`run` is generated for an op called by users, not for a module's).
+    `namespace` provides, without the `_go_` prefix: fn, rule, rule_name, Tensor,
+    CallState, as_output, shape_output, setup, backward_general, saved_for, call_rule,
+    check_gradient, flat_gradients, GradOverrideError, SKIP, FORM (the op's ModuleForm or
+    None), OWNED, autocast_state, any_autocast_enabled; for a module op module_rule,
+    current, single_thread, wrote_grad; for `run` run_general, run_bound, run_tensorflow,
+    any_tensorflow, finish, is_grad_enabled, tracing_state, is_dynamo_compiling,
+    transforms_active, FAST_APPLY (and `_go_raw`, set afterwards: see `Twin`).
     """
     n = len(names)
     values = [f"v{i}" for i in range(n)]
@@ -396,7 +397,9 @@ def generate_reader(
     (the caller then walks). What `parameters_of` and binding give, read from the module's
     own dicts with the layout written out. `namespace` provides UninitializedParameter."""
     ps = [f"_go_p{i}" for i in range(len(names))]
-    reads = "".join(f"    {p} = _go_params.get({name!r})\n" for p, name in zip(ps, names, strict=True))
+    reads = "".join(
+        f"    {p} = _go_params.get({name!r})\n" for p, name in zip(ps, names, strict=True)
+    )
     refuse = [f"{p} is None or _go_type({p}) is _go_UninitializedParameter" for p in ps]
     refuse += [f"{a} is {b}" for i, a in enumerate(ps) for b in ps[i + 1 :]]
     refuse += [f"_go_isinstance(_go_args[{i}], _go_CONTAINERS)" for i in range(n_args)]
@@ -466,8 +469,12 @@ def _results(names: tuple[str, ...], saved_slot: dict[int, int],
     def mismatch(g: str, i: int) -> str:
         if i in param_slots or i in saved_slot:
             t = f"v{i}" if i in param_slots else f"_go_s{saved_slot[i]}"
-            return f"{g}.shape != {t}.shape or {g}.dtype is not {t}.dtype or {_other_device(g, t)}"
-        return f"{g}.shape != _go_m{i}[0] or {g}.dtype is not _go_m{i}[1] or {g}.device != _go_m{i}[2]"
+            return (
+                f"{g}.shape != {t}.shape or {g}.dtype is not {t}.dtype or "
+                f"{_other_device(g, t)}"
+            )
+        m = f"_go_m{i}"
+        return f"{g}.shape != {m}[0] or {g}.dtype is not {m}[1] or {g}.device != {m}[2]"
 
     def checked(g: str, i: int) -> list[str]:
         """Lines checking gradient `g` for slot i (None stays None); a gradient of the

@@ -213,7 +213,9 @@ def _module_result(
             )
             raise GradOverrideError(msg)
         by_name = {wanted[0]: result} if wanted and result is not None else {}
-        by_name.update({names[i]: None for i in form.inputs if owned[i] and names[i] not in by_name})
+        by_name.update(
+            {names[i]: None for i in form.inputs if owned[i] and names[i] not in by_name}
+        )
     params = {names[i]: i for i in form.params}
     valid = [*inputs, *(names[i] for i in owned_params)]
     for key in by_name:

@@ -273,9 +273,14 @@ def grad_hooks_on(module: nn.Module) -> list[tuple[Place, _Transforming | _Param
               if isinstance(h, _AtOutputs)]
     for hook in module._forward_pre_hooks.values():
         owner = getattr(hook, "__self__", None)  # its before_root, a bound method
-        if isinstance(owner, _ParameterHooks) and hook.__func__ is _ParameterHooks.before_root:
+        if isinstance(owner, _ParameterHooks) and _is_root_hook(hook):
             found.append(("parameters", owner))
     return found
+
+
+def _is_root_hook(hook: Any) -> bool:
+    """Whether `hook` is a parameters hook's own, on the module grad_hook was given."""
+    return getattr(hook, "__func__", None) is _ParameterHooks.before_root
 
 
 def _hook_entries(module: nn.Module) -> list[_Removable]:
@@ -284,9 +289,7 @@ def _hook_entries(module: nn.Module) -> list[_Removable]:
     for hooks in (module._forward_pre_hooks, module._forward_hooks):
         for key, hook in list(hooks.items()):
             owner = getattr(hook, "__self__", hook)  # bound methods of _ParameterHooks
-            if isinstance(owner, _ParameterHooks) and (
-                hook.__func__ is not _ParameterHooks.before_root
-            ):
+            if isinstance(owner, _ParameterHooks) and not _is_root_hook(hook):
                 continue  # a submodule's, removed with the hook of the module it was given
             if isinstance(owner, _Transforming | _ParameterHooks):
                 entries.append(_HookEntry(module, key))
@@ -791,8 +794,8 @@ class _ParameterHooks:
             handle.remove()
         self.handles.clear()
         self.handle_ids.clear()
-        for handle in self.holders.values():
-            handle.remove()
+        for holder in self.holders.values():
+            holder.remove()
         self.holders.clear()
         module = None if self.module is None else self.module()
         if module is not None:

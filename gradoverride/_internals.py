@@ -156,8 +156,12 @@ def is_transformed(value: Any) -> bool:
 
 
 #: `torch.set_grad_enabled(mode)` as a plain call (see the module docstring).
+def _set_grad_enabled_fallback(mode: bool) -> None:  # pragma: no cover - torch version
+    torch.set_grad_enabled(mode)
+
+
 set_grad_enabled: Callable[[bool], None] = getattr(
-    torch._C, "_set_grad_enabled", torch.set_grad_enabled
+    torch._C, "_set_grad_enabled", _set_grad_enabled_fallback
 )
 
 #: The C call under `torch.jit.is_tracing` (mypy sees it untyped): not None while

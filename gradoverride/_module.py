@@ -190,7 +190,7 @@ class Module(nn.Module, metaclass=_ModuleMeta):
         # the rule would be silently dropped (`__prepare_scriptable__` refuses instead).
         del forward_with_rule.__wrapped__  # type: ignore[attr-defined]
         forward_with_rule.__qualname__ = f"{cls.__qualname__}.forward"
-        cls.forward = forward_with_rule  # type: ignore[method-assign]
+        cls.forward = forward_with_rule
 
     def __prepare_scriptable__(self) -> nn.Module:
         # torch.jit.script calls this on every module it scripts.
@@ -269,13 +269,14 @@ def _through_route(module: Module, op: Any, values: tuple[Any, ...], state: Any,
     each call recorded while a recorder runs."""
     if compiling or transforms_active() or (id(module) in CHECKED and not RECORDERS):
         return op._route.run_bound(values, state)
+    run: Callable[[], Any]
     if id(module) in CHECKED:
         run = functools.partial(op._route.run_bound, values, state)
     else:
         # The first eager call of each instance (a copy included) is checked.
         from ._audit import audit_module_call  # imported at the first check
 
-        def run() -> Any:
+        def run() -> Any:  # (the check, then the call)
             result = audit_module_call(op, values, state)
             mark_checked(module)
             return result

@@ -41,12 +41,12 @@ from ._signature import ForwardSignature, describe, listing
 
 __all__ = [
     "CHECKED",
-    "mark_checked",
     "ModuleOp",
     "ModuleRule",
     "call_state",
     "compiled_inplace_message",
     "floating_buffers",
+    "mark_checked",
     "parameters_of",
     "reads_inplace",
     "refuse_inplace_views",
@@ -152,7 +152,7 @@ class ModuleOp:
     def __call__(self, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
         """`module(*args, **kwargs)` through this op, without the module's hooks (what
         `gradient_report` calls in an override's place)."""
-        names, params = parameters_of(module)
+        _, params = parameters_of(module)
         values = self.module_rule.values(module, args, kwargs, params)
         return self._route.run_bound(values, call_state(module, self.module_rule.where))
 
@@ -332,7 +332,7 @@ def parameters_of(
         params = module._parameters
         values = tuple(params.values())
         for p in values:
-            if p is None or type(p) is UninitializedParameter:
+            if p is None or isinstance(p, UninitializedParameter):
                 break
         else:
             # (A tensor held under two names is given once, by the walk below.)

@@ -39,10 +39,10 @@ from ._module import Module
 from ._module_op import (
     CHECKED,
     ModuleOp,
-    mark_checked,
     ModuleRule,
     call_state,
     compiled_inplace_message,
+    mark_checked,
     parameters_of,
     reads_inplace,
     refuse_inplace_views,
@@ -87,7 +87,7 @@ class _Calls(threading.local):
     module, inside its forward)."""
 
     def __init__(self) -> None:
-        self.frames: list[_Frame | None] = []
+        self.frames: list[_Frame | _Given | None] = []
 
 
 class _Override:
@@ -231,20 +231,23 @@ class _Override:
     def after(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
               output: Any) -> Any:
         frames = self.calls.frames
-        frame = frames.pop() if frames else None
-        if frame is None:
+        popped = frames.pop() if frames else None
+        if popped is None:
             return None
-        if type(frame) is _Given:
+        if isinstance(popped, _Given):
             _set_grad_enabled(True)
-            if type(output) is Tensor:
-                result = frame.op._route.given(frame.values, output)
+            given = popped.op._route.given
+            if type(output) is Tensor and given is not None:
+                result = given(popped.values, output)
                 if RECORDERS:
-                    RECORDERS[0].module_output(module, frame.op, result)
+                    RECORDERS[0].module_output(module, popped.op, result)
                 return result
             if output is None:  # the forward raised (this hook is called anyway)
                 return None
             # Not one tensor: the general attach.
-            frame = _Frame(frame.op, frame.values, CallState())
+            frame = _Frame(popped.op, popped.values, CallState())
+        else:
+            frame = popped
         if frame.grad_off:
             _set_grad_enabled(True)
         if frame.swapped is not None:
@@ -255,11 +258,13 @@ class _Override:
             if audit is not None:
                 audit.end()
             return None
+        attach = frame.op._route.attach
+        assert attach is not None  # (a module's op attaches)
         if audit is None:
-            result = frame.op._route.attach(frame.values, frame.state, output)
+            result = attach(frame.values, frame.state, output)
         else:
             try:
-                result = frame.op._route.attach(frame.values, frame.state, output)
+                result = attach(frame.values, frame.state, output)
             finally:
                 audit.end()
             audit.finish(result)
@@ -456,7 +461,7 @@ def override_backward(
     if not isinstance(module, nn.Module):
         if is_keras_layer(module):
             # The Keras layer's handle (a LayerHandle).
-            return backend("tensorflow").override_layer(  # type: ignore[no-any-return]
+            return backend("tensorflow").override_layer(
                 module, rule, owns=owns, once_differentiable=once_differentiable,
                 materialize_grads=materialize_grads,
             )

@@ -144,7 +144,7 @@ class Recorder:
         # Per backward pass (autograd's graph task id): (site, span), returned,
         # needs_input_grad, arriving, one per backward call (appended from autograd's
         # threads; list.append is atomic). Two threads' passes, running at once, stay apart.
-        self._pending: dict[int, list[tuple[Any, Any, tuple[bool, ...], tuple[Any, ...]]]] = {}
+        self._pending: dict[int, list[tuple[Any, tuple[Any, ...], tuple[Any, ...]]]] = {}
         self._counting = threading.Lock()  # `passes += 1` from two threads' flushes
         self.started = False
 

@@ -20,11 +20,9 @@ import torch
 from torch import nn
 
 import gradoverride as go
-from gradoverride.recipes import reverse_grad, scale_grad
-from gradoverride.testing import check_backward, saved_bytes
-import numpy as np
 from gradoverride import recipes
-from gradoverride.testing import assert_consistent, check_backward
+from gradoverride.recipes import reverse_grad, scale_grad
+from gradoverride.testing import assert_consistent, check_backward, saved_bytes
 
 # ---- module-level ops (pickling needs them importable by name) ---------------------------
 

@@ -8,11 +8,10 @@ from dataclasses import dataclass
 import pytest
 import torch
 from torch import nn
-from torch.func import functional_call
+from torch.func import functional_call, grad, vmap
 
 import gradoverride as go
 from gradoverride.recipes import GradientTransform
-from torch.func import functional_call, grad, vmap
 
 
 @dataclass(frozen=True, repr=False)
@@ -464,8 +463,8 @@ def test_input_hooks_of_an_inplace_module_from_two_threads() -> None:
     for t in threads:
         t.join()
     assert len(results) == 2
-    for grad in results:
-        torch.testing.assert_close(grad, torch.full((2,), 10.0))
+    for got in results:
+        torch.testing.assert_close(got, torch.full((2,), 10.0))
 
 
 def test_an_override_and_an_input_hook_on_one_inplace_module() -> None:

@@ -10,22 +10,21 @@ import re
 import subprocess
 import sys
 import textwrap
+import threading
 from collections.abc import Iterator
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import saved_models
 import torch
 from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
+from torch.nn.utils import parametrize
 
 import gradoverride as go
 from gradoverride._decorators import arm_all
 from gradoverride.recipes import reverse_grad
-import threading
-from unittest import mock
-from torch import nn
-from torch.nn.utils import parametrize
 
 
 class LayerWithCustomGrad(go.Module):
@@ -1295,7 +1294,8 @@ def triple_negated(grad: Tensor) -> Tensor:
     return grad * -3
 
 
-# ==== a backward assigned later, each instance checked, parameters renamed, returned or changed, threads ====
+# ==== a backward assigned later, each instance checked, a parameter renamed, returned or ====
+# ==== changed before backward, two threads ===================================================
 
 
 class Scale(go.Module):
@@ -1507,7 +1507,8 @@ def test_a_parameter_the_rule_reads_changed_before_backward_is_refused() -> None
 
 
 def test_a_forgotten_star_is_said_when_the_class_is_made() -> None:
-    with pytest.raises(go.GradOverrideTypeError, match=r"Did you mean `def backward\(self, grad, \*, x\)`"):
+    with pytest.raises(go.GradOverrideTypeError,
+                       match=r"Did you mean `def backward\(self, grad, \*, x\)`"):
 
         class Forgot(go.Module):
             def __init__(self) -> None:

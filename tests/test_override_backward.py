@@ -10,9 +10,6 @@ import torch
 from torch import nn
 
 import gradoverride as go
-import threading
-from unittest import mock
-from torch.nn.utils import parametrize
 
 
 def _linear_rule(grad: torch.Tensor, *, input: torch.Tensor, module: nn.Linear) -> object:

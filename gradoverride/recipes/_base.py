@@ -130,7 +130,7 @@ def finite(value: float) -> bool:
     """`math.isfinite(value)` in comparisons, which dynamo applies to a float it traces as
     symbolic (`torch.compile(dynamic=True)` makes a module's float attributes so), where it
     cannot apply `math.isfinite`."""
-    return value == value and -math.inf < value < math.inf  # noqa: PLR0124 - NaN != NaN
+    return value == value and -math.inf < value < math.inf
 
 
 def positive_number(recipe: str, name: str, value: object, hint: str = "") -> float:

@@ -14,7 +14,6 @@ with "Data-dependent branching". The gradient keeps the input's dtype.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
@@ -28,8 +27,8 @@ from .._frameworks import is_tensorflow
 from .._passthrough import passthrough
 from ._base import (
     GradientTransform,
-    finite,
     RecipeModule,
+    finite,
     keep_dtype,
     tensorflow_call,
     tensorflow_transform,

@@ -34,7 +34,6 @@ from .._straight_through import (
     masked_gradient,
     parse_clip,
     parse_inclusive,
-    rounded,
     straight_through,
     window_bounds,
     window_gradient,
