@@ -5,6 +5,11 @@ work is all there is to measure.
 * `go.Module` (`x * weights`, its rule giving both gradients) against the same layer
   calling a hand-made autograd.Function, with the default ownership, with `owns=`, and
   with the rule naming `weights` as a keyword instead of reading `self.weights`;
+* a `go.Module` holding a submodule (an `nn.Linear(256, 256)`), its rule giving the input's
+  and the submodule's parameters' gradients, against a hand-made Function whose forward
+  calls that submodule;
+* a `go.Module` whose rule owns only `x` (`owns="x"`: the parameter keeps autograd's
+  gradient) against the hand-made Function computing both;
 * `go.override_backward` on an `nn.Linear(256, 256)`, a rule giving the input, weight and
   bias gradients, against a module calling a hand-made Function for the same three;
 * `go.grad_hook` reversing the gradient (`-g`) at an `nn.Linear`'s inputs, outputs and
@@ -65,6 +70,13 @@ class ScaleNaming(Scale):
         return {"x": grad * weights, "weights": (grad * x).sum(0)}
 
 
+class ScalePartial(Scale, owns="x"):
+    """The rule gives `x`'s gradient; `weights` keeps its ordinary autograd gradient."""
+
+    def backward(self, grad: torch.Tensor, *, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return grad * self.weights
+
+
 class ScaleFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
@@ -84,6 +96,49 @@ class ScaleByHand(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out: torch.Tensor = ScaleFunction.apply(x, self.weights)
+        return out
+
+
+class Block(go.Module):
+    """A go.Module holding a submodule: its rule gives the submodule's parameters' gradients
+    by their dotted names."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.inner = nn.Linear(n, n)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.inner(x)
+        return out
+
+    def backward(self, grad: torch.Tensor, *, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"x": grad @ self.inner.weight, "inner.weight": grad.T @ x,
+                "inner.bias": grad.sum(0)}
+
+
+class BlockFunction(torch.autograd.Function):
+    """The hand-made baseline: its forward calls the submodule (recording nothing there)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor,  # type: ignore[override]
+                inner: nn.Module) -> torch.Tensor:
+        ctx.save_for_backward(x, w)
+        out: torch.Tensor = inner(x)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:  # type: ignore[override]
+        x, w = ctx.saved_tensors
+        return grad @ w, grad.T @ x, grad.sum(0), None
+
+
+class BlockByHand(nn.Module):
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.inner = nn.Linear(n, n)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = BlockFunction.apply(x, self.inner.weight, self.inner.bias, self.inner)
         return out
 
 
@@ -159,6 +214,29 @@ def main() -> None:
             "go.Module": step(layer),
             "go.Module, owns=('x', 'weights')": step(owning),
             "go.Module, rule naming `weights`": step(naming),
+        },
+        ["hand-made Function module"],
+    )
+
+    torch.manual_seed(0)
+    block, block_by_hand = Block(N).to(device), BlockByHand(N).to(device)
+    report(
+        "go.Module holding an nn.Linear(256, 256), its rule giving the submodule's "
+        "gradients:",
+        {
+            "hand-made Function calling it": step(block_by_hand),
+            "go.Module with a submodule": step(block),
+        },
+        ["hand-made Function calling it"],
+    )
+
+    torch.manual_seed(0)
+    partial = ScalePartial(N).to(device)
+    report(
+        "go.Module owning only x (the parameter keeps autograd's gradient):",
+        {
+            "hand-made Function module": step(by_hand),
+            "go.Module, owns='x'": step(partial),
         },
         ["hand-made Function module"],
     )

@@ -202,8 +202,17 @@ def test_modules_benchmark_quick() -> None:
     out = _run("benchmarks/modules.py", "--quick").stdout
     for case in ("go.Module", "go.override_backward", "go.grad_hook(at='inputs')",
                  "go.grad_hook(at='outputs')", "go.grad_hook(at='parameters')",
-                 "register_full_backward_hook", "tensor hooks registered once"):
+                 "register_full_backward_hook", "tensor hooks registered once",
+                 "go.Module with a submodule", "go.Module, owns='x'"):
         assert re.search(rf"^  {re.escape(case)}\s+[\d.]+ us\s+ratio [\d.]+$", out, re.M), (
+            case, out
+        )
+
+
+def test_spiking_benchmark_quick() -> None:
+    out = _run("benchmarks/spiking.py", "--quick").stdout
+    for case in ("hand-written Function", "spike.preset('snntorch.atan')"):
+        assert re.search(rf"^  {re.escape(case)}\s+[\d.]+ ms\s+ratio [\d.]+$", out, re.M), (
             case, out
         )
 
