@@ -165,7 +165,8 @@ class Route:
       op has none), for a caller that has checked what `run_bound` checks first: eager
       mode (no dynamo, no torch.func transform, no `torch.jit.trace`), grad enabled, the
       values plain (no containers), no per-call state;
-    * `attach(values, state, out)`: a forward run outside the route (a module's hooks);
+    * `attach(values, state, out, seen)`: a forward run outside the route (a module's
+      hooks), `seen` the detached tensors it saw instead of the owned inputs;
     * `given(values, out)`: `attach`'s eager step itself, the generated twin (None where the
       op has none), for a caller that has checked what `eager` needs, a rule owning every
       input and parameter, the forward run under no_grad and `out` one tensor.
@@ -177,7 +178,7 @@ class Route:
         self,
         run: Callable[[tuple[Any, ...], dict[str, Any]], Any],
         run_bound: Callable[[tuple[Any, ...], CallState | None], Any],
-        attach: Callable[[tuple[Any, ...], CallState, Any], Any] | None,
+        attach: Callable[..., Any] | None,
         function: type[torch.autograd.Function],
         eager: Callable[[tuple[Any, ...]], Any] | None = None,
         given: Callable[[tuple[Any, ...], Any], Any] | None = None,
@@ -322,14 +323,25 @@ except ImportError:  # pragma: no cover - depends on torch version
 
 
 def current_parameter(module: nn.Module, name: str) -> Tensor | None:
-    """The tensor `module` holds as parameter `name` now (a dotted name for a submodule's)."""
+    """The tensor `module` holds as parameter `name` now (a dotted name for a submodule's):
+    a Parameter, or what stands for it (`torch.func.functional_call` swaps plain tensors
+    in); None where it holds none by that name."""
     if "." not in name:
         found: Any = module._parameters.get(name)
         return found  # type: ignore[no-any-return]
-    try:
-        return module.get_parameter(name)
-    except AttributeError:
-        return None
+    *path, leaf = name.split(".")
+    return parameter_at(module, tuple(path), leaf)
+
+
+def parameter_at(module: nn.Module, path: tuple[str, ...], leaf: str) -> Tensor | None:
+    """`current_parameter` for the name `path` + `leaf`, split once (generated code)."""
+    node: Any = module
+    for part in path:
+        node = node._modules.get(part)
+        if node is None:
+            return None
+    found: Any = node._parameters.get(leaf)
+    return found  # type: ignore[no-any-return]
 
 
 @contextmanager
@@ -873,8 +885,9 @@ def _build_owning(plan: OpPlan, common: _Common) -> Route:
     return Route(run, run_bound, None, cls, eager)
 
 
-def _twin(plan: OpPlan, common: _Common, pieces: dict[str, Any]) -> Any:
-    """The generated eager twin (`_generate`) of an owning op, where it covers the rule."""
+def _twin(plan: OpPlan, common: _Common, pieces: dict[str, Any], attach: bool = False) -> Any:
+    """The generated eager twin (`_generate`) of an op, where it covers the rule; `attach`:
+    of a module's op whose rule owns some inputs only."""
     rule, form = plan.rule, plan.form
     if (
         plan.track_inplace or plan.residuals or rule.n_grads not in (None, 1)
@@ -892,6 +905,8 @@ def _twin(plan: OpPlan, common: _Common, pieces: dict[str, Any]) -> Any:
             method=rule.method,
             params=tuple((i, plan.names[i]) for i in form.params),
             owned_params=tuple(plan.names[i] for i in form.params if rule.owned[i]),
+            owned_inputs=tuple(i for i in form.inputs if rule.owned[i]),
+            attach=attach,
         )
     namespace = {
         "fn": plan.plain_signature, "rule": rule.rule, "rule_name": rule.name,
@@ -902,7 +917,7 @@ def _twin(plan: OpPlan, common: _Common, pieces: dict[str, Any]) -> Any:
         "flat_gradients": flat_gradients, "GradOverrideError": GradOverrideError,
         "SKIP": SKIP, "FORM": form, "OWNED": rule.owned, "autocast_state": _autocast_state,
         "any_autocast_enabled": any_autocast_enabled,
-        "module_rule": common.call_module_rule, "current": current_parameter,
+        "module_rule": common.call_module_rule, "parameter_at": parameter_at,
         "single_thread": _single_thread,
         "wrote_grad": lambda name: _raise(wrote_grad_message(plan.op, name)),
         "run_general": pieces["run_general"], "run_bound": pieces["run_bound"],
@@ -981,11 +996,34 @@ def _build_attaching(plan: OpPlan, common: _Common) -> Route:
             for _ in range(1 if entry is None else entry[1])
         )
 
-    def attach(values: tuple[Any, ...], state: CallState, out: Any) -> Any:
+    fast = None
+    if plan.form is not None and not plan.rule.owns_all:
+        # A module's rule owning some inputs only: the generated twin, given an output that
+        # is one tensor showing no input.
+        twin = _twin(plan, common, {
+            "setup": setup, "shape_output": None, "run_general": None, "run_bound": None,
+            "run_tensorflow": None, "finish": None,
+        }, attach=True)
+        if twin is not None and twin.forward_given is not None:
+            fast = raw_apply(
+                _classic_function_class(name, plan.module, op, twin.forward_given, twin.backward)
+            )
+
+    def attach(values: tuple[Any, ...], state: CallState, out: Any,
+               seen: tuple[Any, ...] = ()) -> Any:
         """Attach the rule to `out`, what the forward returned for `values` (as the caller
-        holds them; the forward saw the owned ones detached, or ran under no_grad)."""
+        holds them; the forward saw the owned ones detached, `seen`, or ran under
+        no_grad)."""
+        if (
+            fast is not None and type(out) is Tensor and out._base is None
+            and state.layout is None and state.versions is None and not AUDITS
+            and not RECORDERS and FAST_APPLY and not is_dynamo_compiling()
+            and not transforms_active()
+            and not any(out is v for v in values) and not any(out is v for v in seen)
+        ):
+            return fast(state, *values, out)
         if is_dynamo_compiling() and transforms_active():
-            return _outside_compile(op, attach, values, state, out)
+            return _outside_compile(op, attach, values, state, out, seen)
         flat = values if state.layout is None else flatten_inputs(values)[0]
         state.n_in = len(flat)
         state.n_tensor_in = sum(1 for v in flat if isinstance(v, Tensor))
@@ -1014,12 +1052,12 @@ def _build_attaching(plan: OpPlan, common: _Common) -> Route:
         # An output that shows an input (the input itself, its detached copy, or a view of
         # either) is returned as a view, so an in-place op on the result is refused as on any
         # view, instead of changing the caller's tensor behind autograd's back.
-        seen = (*flat, *(v.detach() if isinstance(v, Tensor) else v for v in flat))
+        shown = (*flat, *seen)
         state.input_views = tuple(
             k for k, leaf in enumerate(leaves)
             if isinstance(leaf, Tensor)
             and (
-                shows_input(leaf, seen)
+                shows_input(leaf, shown)
                 or any(
                     isinstance(other, Tensor) and related(leaf, other)
                     for j, other in enumerate(leaves) if j != k
@@ -1052,12 +1090,28 @@ def _build_attaching(plan: OpPlan, common: _Common) -> Route:
             for value, is_owned in zip(flat, owned, strict=True)
         )
         out = call(detached if layout is None else unflatten_inputs(detached, layout))
-        return attach(values, state, out)
+        return attach(values, state, out, detached)
 
     def run(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if any_tensorflow(args, kwargs):
             return run_tensorflow(args, kwargs)
         return run_bound(bind(args, kwargs), CallState())
+
+    eager = None
+    if fast is not None and plan.runs_forward:
+
+        def eager(values: tuple[Any, ...]) -> Any:
+            detached = tuple(
+                v.detach() if is_owned and isinstance(v, Tensor) else v
+                for v, is_owned in zip(values, owned_params, strict=True)
+            )
+            out = call(detached)
+            if (
+                type(out) is Tensor and out._base is None and not AUDITS
+                and not any(out is v for v in values) and not any(out is v for v in detached)
+            ):
+                return fast(None, *values, out)
+            return attach(values, CallState(), out, detached)
 
     given = None
     if plan.rule.owns_all and not plan.runs_forward:
@@ -1075,7 +1129,7 @@ def _build_attaching(plan: OpPlan, common: _Common) -> Route:
             def given(values: tuple[Any, ...], out: Any) -> Any:
                 return given_raw(None, *values, (out,))
 
-    return Route(run, run_bound, attach, cls, given=given)
+    return Route(run, run_bound, attach, cls, eager=eager, given=given)
 
 
 # ---- helpers of the forward side ------------------------------------------------------------

@@ -41,7 +41,7 @@ import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
-__all__ = ["ModuleTwin", "Twin", "compile_source", "generate", "generate_reader"]
+__all__ = ["ModuleTwin", "TreeNode", "Twin", "compile_source", "generate", "generate_reader"]
 
 _counter = 0
 
@@ -65,11 +65,15 @@ def compile_source(
 
 class ModuleTwin(NamedTuple):
     """What a module op's twin adds: slot 0 holds the module; `params` are (slot, name) of
-    its parameters; `method`: the rule takes the module first."""
+    its parameters; `method`: the rule takes the module first; `owned_inputs`: the slots of
+    the inputs its rule owns; `attach`: the rule owns some inputs only (see
+    `_FORWARD_ATTACH`)."""
 
     method: bool
     params: tuple[tuple[int, str], ...]
     owned_params: tuple[str, ...]
+    owned_inputs: tuple[int, ...]
+    attach: bool = False
 
 
 class Twin(NamedTuple):
@@ -80,7 +84,9 @@ class Twin(NamedTuple):
     backward: Callable[..., Any]
     run: Callable[[tuple[Any, ...], dict[str, Any]], Any] | None
     namespace: dict[str, Any]
-    forward_given: Callable[..., Any] | None  # a module op's (see `_FORWARD_GIVEN`)
+    # A module op's forward given the output the module computed (see `_FORWARD_GIVEN` and
+    # `_FORWARD_ATTACH`).
+    forward_given: Callable[..., Any] | None
 
 
 def _tuple(items: Sequence[str]) -> str:
@@ -138,6 +144,16 @@ def forward_given(ctx, _go_state, {values}, _go_given):
         _go_out = _go_as_output(_go_out, {all_values})
 {record}
     return _go_out
+"""
+
+# A module's op whose rule owns some inputs only: the forward ran on the ordinary graph (the
+# owned inputs detached), and its output, one tensor that shows no input, comes as the last
+# input of the Function; the Function returns a new tensor sharing its memory, and its
+# backward passes the upstream gradient on into that graph (see `_results`).
+_FORWARD_ATTACH = """
+def forward_given(ctx, _go_state, {values}, _go_out):
+{record}
+    return _go_out.detach()
 """
 
 _BACKWARD_HEAD = """
@@ -236,7 +252,7 @@ def generate(
     CallState, as_output, shape_output, setup, backward_general, saved_for, call_rule,
     check_gradient, flat_gradients, GradOverrideError, SKIP, FORM (the op's ModuleForm or
     None), OWNED, autocast_state, any_autocast_enabled; for a module op module_rule,
-    current, single_thread, wrote_grad; for `run` run_general, run_bound, run_tensorflow,
+    parameter_at, single_thread, wrote_grad; for `run` run_general, run_bound, run_tensorflow,
     any_tensorflow, finish, is_grad_enabled, tracing_state, is_dynamo_compiling,
     transforms_active, FAST_APPLY (and `_go_raw`, set afterwards: see `Twin`).
     """
@@ -288,7 +304,7 @@ def generate(
         record="\n".join("    " + line for line in record),
     )
     if module is not None:
-        source += _FORWARD_GIVEN.format(
+        source += (_FORWARD_ATTACH if module.attach else _FORWARD_GIVEN).format(
             values=", ".join(values),
             returned_input=" or ".join(f"_go_out is {v}" for v in values),
             all_values=_tuple(values),
@@ -370,53 +386,65 @@ def generate(
 _FAST: Any = object()
 
 
-_READER = """
-def read(_go_module, _go_args, _go_kwargs):
-    if (_go_kwargs or _go_len(_go_args) != {n_args} or _go_type(_go_module) is not _go_CLS
-            or _go_module._modules or _go_module._buffers{inplace}):
-        return None
-    _go_params = _go_module._parameters
-    if _go_len(_go_params) != {k}:
-        return None
-{reads}
-    if {refuse}:
-        return None
-    return {values}
-"""
-
 # (A reader's values are plain: no argument is a container, which the route would flatten.)
 
 
+#: One module of a tree a reader reads, in `named_modules()` order: (its path, as a prefix of
+#: its parameters' names, "" for the root; its class; its parameters' names; its
+#: submodules' names).
+TreeNode = tuple[str, type, tuple[str, ...], tuple[str, ...]]
+
+
 def generate_reader(
-    *, label: str, cls: type, names: tuple[str, ...], n_args: int, inplace_in_dict: bool,
+    *, label: str, tree: tuple[TreeNode, ...], n_args: int, inplace_in_dict: bool,
     namespace: dict[str, Any],
 ) -> Callable[[Any, tuple[Any, ...], dict[str, Any]], tuple[Any, ...] | None]:
-    """`read(module, args, kwargs)`: the values of a call of a module of class `cls` with no
-    submodules or buffers whose parameters are `names` (plain tensors, each once, none
-    lazy), called with `n_args` positional arguments; None for any other module or call
-    (the caller then walks). What `parameters_of` and binding give, read from the module's
-    own dicts with the layout written out. `namespace` provides UninitializedParameter."""
-    ps = [f"_go_p{i}" for i in range(len(names))]
-    reads = "".join(
-        f"    {p} = _go_params.get({name!r})\n" for p, name in zip(ps, names, strict=True)
-    )
-    refuse = [f"{p} is None or _go_type({p}) is _go_UninitializedParameter" for p in ps]
-    refuse += [f"{a} is {b}" for i, a in enumerate(ps) for b in ps[i + 1 :]]
+    """`read(module, args, kwargs)`: the values of a call, with `n_args` positional
+    arguments, of a module whose tree is `tree` (each module of the class it names, with
+    exactly those parameters, plain tensors each held once, and submodules, and no
+    buffers); None for any other module or call (the caller then walks). What
+    `parameters_of` and binding give, read from the modules' own dicts with the layout
+    written out. `namespace` provides UninitializedParameter."""
+    lines = [
+        "def read(_go_module, _go_args, _go_kwargs):",
+        f"    if _go_kwargs or _go_len(_go_args) != {n_args}"
+        + (" or _go_module.__dict__.get('inplace', False) is True" if inplace_in_dict
+           else " or _go_getattr(_go_module, 'inplace', False) is True") + ":",
+        "        return None",
+    ]
+    var = {"": "_go_module"}
+    space: dict[str, Any] = {}
+    params: list[str] = []
+    for j, (path, cls, names, children) in enumerate(tree):
+        node = var[path]
+        space[f"_go_T{j}"] = cls
+        lines += [
+            f"    if (_go_type({node}) is not _go_T{j} or _go_len({node}._modules) != "
+            f"{len(children)} or {node}._buffers or _go_len({node}._parameters) != "
+            f"{len(names)}):",
+            "        return None",
+        ]
+        for k, child in enumerate(children):
+            var[f"{path}{child}."] = f"_go_n{j}_{k}"
+            lines.append(f"    _go_n{j}_{k} = {node}._modules.get({child!r})")
+        for name in names:
+            p = f"_go_p{len(params)}"
+            params.append(p)
+            lines.append(f"    {p} = {node}._parameters.get({name!r})")
+    refuse = [f"{p} is None or _go_type({p}) is _go_UninitializedParameter" for p in params]
+    refuse += [f"{a} is {b}" for i, a in enumerate(params) for b in params[i + 1 :]]
     refuse += [f"_go_isinstance(_go_args[{i}], _go_CONTAINERS)" for i in range(n_args)]
-    inplace = (
-        " or _go_module.__dict__.get('inplace', False) is True" if inplace_in_dict
-        else " or _go_getattr(_go_module, 'inplace', False) is True"
-    )
-    args = [f"_go_args[{i}]" for i in range(n_args)]
-    source = _READER.format(
-        n_args=n_args, k=len(names), inplace=inplace, reads=reads.rstrip("\n"),
-        refuse=" or ".join(refuse) or "False", values=_tuple(["_go_module", *args, *ps]),
-    )
-    space = {f"_go_{key}": value for key, value in namespace.items()}
-    space.update(_go_len=len, _go_type=type, _go_getattr=getattr, _go_CLS=cls,
+    lines += [
+        f"    if {' or '.join(refuse) or 'False'}:",
+        "        return None",
+        f"    return {_tuple(['_go_module', *(f'_go_args[{i}]' for i in range(n_args)), *params])}",
+    ]
+    space.update({f"_go_{key}": value for key, value in namespace.items()})
+    space.update(_go_len=len, _go_type=type, _go_getattr=getattr,
                  _go_isinstance=isinstance, _go_CONTAINERS=(tuple, list, dict))
     reader: Callable[[Any, tuple[Any, ...], dict[str, Any]], tuple[Any, ...] | None] = (
-        compile_source(source, f"{label} (reader)", space, owner="read")["read"]
+        compile_source("\n".join(lines) + "\n", f"{label} (reader)", space,
+                       owner="read")["read"]
     )
     return reader
 
@@ -430,7 +458,8 @@ def _has_meta(i: int, module: ModuleTwin | None) -> bool:
 def _holds(slot: int, name: str) -> str:
     """Source: the module holds, as parameter `name`, the tensor its forward saw."""
     if "." in name:
-        return f"_go_current(_go_module, {name!r}) is v{slot}"
+        *path, leaf = name.split(".")
+        return f"_go_parameter_at(_go_module, {tuple(path)!r}, {leaf!r}) is v{slot}"
     return f"_go_module._parameters.get({name!r}) is v{slot}"
 
 
@@ -492,6 +521,24 @@ def _results(names: tuple[str, ...], saved_slot: dict[int, int],
     slots = list(range(1, n)) if module is not None else list(range(n))
     lines: list[str] = []
     gs = [f"_go_r{i}" for i in range(n)]
+    # (A module op's backward gives one more value, for `forward_given`'s output: None where
+    # an owning call does not pass it, autograd taking a trailing None beyond the inputs;
+    # the upstream gradient where the rule owns some inputs only.)
+    extra = [] if module is None else ["_go_g0"] if module.attach else ["None"]
+    owned_inputs = () if module is None else module.owned_inputs
+    if module is not None and not module.owned_params and 0 < len(owned_inputs) <= _UNROLL:
+        # A lone tensor, for the one owned input holding a differentiable tensor (a module
+        # owning no parameter; see `_module_result`): others take `flat_gradients`.
+        lines.append("if _go_isinstance(_go_result, _go_Tensor):")
+        for i in owned_inputs:
+            others = " and ".join(f"_go_m{j} is None" for j in owned_inputs if j != i)
+            ret = ["None"] * (n + 1) + extra
+            ret[i + 1] = "_go_result"
+            lines += [
+                f"    if _go_m{i} is not None{' and ' + others if others else ''}:",
+                *("        " + line for line in checked("_go_result", i)),
+                f"        return {_tuple(ret)}",
+            ]
     if module is None and n <= _UNROLL:
         # A lone tensor, for the one slot holding a differentiable tensor (first: the
         # commonest return of an op's rule).
@@ -517,9 +564,6 @@ def _results(names: tuple[str, ...], saved_slot: dict[int, int],
     for i in slots:
         lines += ["        " + line for line in checked(gs[i], i)]
     out = ["None" if module is not None and i == 0 else gs[i] for i in range(n)]
-    # (A module op's backward gives one more None: for `forward_given`'s output, which an
-    # owning call does not pass; autograd takes a trailing None beyond the inputs.)
-    extra = ["None"] if module is not None else []
     lines.append(f"        return {_tuple(['None', *out, *extra])}")
     if module is None:
         # A tuple with one entry per slot.
@@ -533,7 +577,8 @@ def _results(names: tuple[str, ...], saved_slot: dict[int, int],
     metas = _tuple([full_meta(i) for i in range(n)])
     lines.append(
         "return (None, *_go_flat_gradients(_go_result, op=_go_OP, names=_go_NAMES, "
-        f"owned=_go_OWNED, layout=None, meta={metas}, module=_go_FORM){', None' if extra else ''})"
+        f"owned=_go_OWNED, layout=None, meta={metas}, module=_go_FORM)"
+        f"{''.join(', ' + e for e in extra)})"
     )
     return "".join(f"    {line}\n" for line in lines)
 

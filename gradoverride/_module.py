@@ -234,9 +234,9 @@ def _call(module: Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             rule = _rule_of(cls, cls.backward, method=True)  # type: ignore[attr-defined]
         last = rule.last
         if last is not None:
-            # The layout of the last call (a module of the same class without submodules
-            # or buffers, the same parameter names), read by the op's generated reader:
-            # plain values, no per-call state.
+            # The layout of the last call (a module tree of the same classes and parameter
+            # names, without buffers), read by the op's generated reader: plain values, no
+            # per-call state.
             values = last[0](module, args, kwargs)
             if values is not None:
                 op = last[1]
@@ -257,7 +257,7 @@ def _call(module: Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             raise GradOverrideError(compiled_inplace_message(rule.where))
         refuse_inplace_views(rule.where, values[1 : len(values) - len(params)])
     elif not compiling:
-        reader = op.reader(cls)
+        reader = op.reader(module)
         if reader is not None:
             rule.last = (reader, op)
     return _through_route(module, op, values, state, args, kwargs, compiling)

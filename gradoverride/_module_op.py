@@ -119,34 +119,37 @@ class ModuleOp:
         self._tracks_inplace = inplace
         self._labels: dict[str, str] = {}
         self.forward = rule.forward
-        # The generated readers of this op's layout, per module class (see `reader`).
-        self.readers: dict[type, Any] = {}
+        # The generated readers of this op's layout, per module tree (see `reader`).
+        self.readers: dict[tuple[Any, ...], Any] = {}
 
     @property
     def function(self) -> type[torch.autograd.Function]:
         return self._route.function
 
-    def reader(self, cls: type) -> Any:
-        """`read(module, args, kwargs)` for modules of `cls` (see `_generate.generate_reader`),
-        or None where this op has none: a forward taking keywords or `*args`, a parameter
-        of a submodule, an in-place module."""
-        found = self.readers.get(cls, False)
+    def reader(self, module: nn.Module) -> Any:
+        """`read(module, args, kwargs)` for modules shaped as `module` (see
+        `_generate.generate_reader`), or None where this op has none: a forward taking
+        keywords or `*args`, an in-place module, a tree `_tree` cannot read."""
+        signature = self.module_rule.signature
+        if not signature.is_plain or self.inplace:
+            return None
+        tree = _tree(module)
+        if tree is None:
+            return None
+        found = self.readers.get(tree, False)
         if found is False:
             found = None
-            signature = self.module_rule.signature
-            if (
-                signature.is_plain and not self.inplace
-                and not any("." in name for name in self.slots.params)
-                and _class_facts(cls)[0]
+            if tuple(f"{path}{name}" for path, _, names, _ in tree for name in names) == (
+                self.slots.params
             ):
                 from ._generate import generate_reader
 
                 found = generate_reader(
-                    label=self._name, cls=cls, names=self.slots.params,
-                    n_args=len(signature.names) - 1, inplace_in_dict=_class_facts(cls)[1],
+                    label=self._name, tree=tree, n_args=len(signature.names) - 1,
+                    inplace_in_dict=_class_facts(type(module))[1],
                     namespace={"UninitializedParameter": UninitializedParameter},
                 )
-            self.readers[cls] = found
+            self.readers[tree] = found
         return found
 
     def __call__(self, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -314,6 +317,29 @@ def _class_facts(cls: type) -> tuple[bool, bool]:
         )
         facts = _CLASSES[cls] = (standard, in_dict)
     return facts
+
+
+def _tree(module: nn.Module) -> tuple[Any, ...] | None:
+    """`module`'s tree as a reader reads it (see `_generate.TreeNode`), or None where none
+    can: a buffer, a submodule held twice or as None, a parameter None or lazy, a class
+    with its own way of listing parameters."""
+    nodes: list[Any] = []
+    seen: set[int] = set()
+
+    def visit(path: str, node: nn.Module) -> bool:
+        if id(node) in seen or node._buffers or not _class_facts(type(node))[0]:
+            return False
+        seen.add(id(node))
+        for p in node._parameters.values():
+            if p is None or isinstance(p, UninitializedParameter):
+                return False
+        nodes.append((path, type(node), tuple(node._parameters), tuple(node._modules)))
+        return all(
+            child is not None and visit(f"{path}{name}.", child)
+            for name, child in node._modules.items()
+        )
+
+    return tuple(nodes) if visit("", module) else None
 
 
 def reads_inplace(module: nn.Module) -> bool:

@@ -60,7 +60,7 @@ except ImportError:  # pragma: no cover - depends on torch version
 class _Frame:
     """What the pre-hook leaves for the forward hook of the same call."""
 
-    __slots__ = ("attach", "audit", "grad_off", "op", "state", "swapped", "values")
+    __slots__ = ("attach", "audit", "grad_off", "op", "seen", "state", "swapped", "values")
 
     def __init__(self, op: ModuleOp, values: tuple[Any, ...], state: CallState) -> None:
         self.attach = True  # False: the forward alone (see `_Override.before`)
@@ -70,6 +70,7 @@ class _Frame:
         self.grad_off = False
         self.swapped: Any = None  # the reparametrization to leave (owned parameters)
         self.audit: Any = None  # the first-call check in progress
+        self.seen: tuple[Any, ...] = ()  # the detached tensors the forward sees instead
 
 
 class _Given:
@@ -172,7 +173,7 @@ class _Override:
                                    for v in values)
         frames[-1] = frame
         if not inplace and not compiling:
-            reader = op.reader(type(module))
+            reader = op.reader(module)
             if reader is not None:
                 rule.last = (reader, op)
         if not is_dynamo_compiling() and id(module) not in CHECKED and not transforms_active():
@@ -226,6 +227,7 @@ class _Override:
             for name, value in zip(positional, args, strict=False)
         )
         new_kwargs = {k: detached.get(k, v) for k, v in kwargs.items()}
+        frame.seen = (*swap.values(), *_leaves(tuple(detached.values())))
         return new_args, new_kwargs
 
     def after(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
@@ -261,10 +263,10 @@ class _Override:
         attach = frame.op._route.attach
         assert attach is not None  # (a module's op attaches)
         if audit is None:
-            result = attach(frame.values, frame.state, output)
+            result = attach(frame.values, frame.state, output, frame.seen)
         else:
             try:
-                result = attach(frame.values, frame.state, output)
+                result = attach(frame.values, frame.state, output, frame.seen)
             finally:
                 audit.end()
             audit.finish(result)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import ast
 import importlib.util
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -104,3 +105,44 @@ def test_the_tensorflow_backend_provides_every_entry_point() -> None:
     backend = _backends.backend("tensorflow")
     missing = [name for name in _backends.ENTRY_POINTS if not callable(getattr(backend, name))]
     assert not missing, missing
+
+
+ARCHITECTURE = Path(__file__).resolve().parent.parent / "docs" / "architecture.md"
+
+
+def _layout_entries() -> dict[str, str]:
+    """The package's entries in the layout block of docs/architecture.md: each file or
+    subpackage named at the start of a line, with the text describing it."""
+    text = ARCHITECTURE.read_text(encoding="utf-8")
+    block = text.split("```text\ngradoverride/\n", 1)[1].split("\ntests/", 1)[0]
+    entries: dict[str, str] = {}
+    name = ""
+    for line in block.splitlines():
+        if line.startswith("  ") and not line.startswith("   "):
+            name, _, rest = line.strip().partition(" ")
+            entries[name] = rest
+        elif name:
+            entries[name] += " " + line.strip()
+    return entries
+
+
+def test_the_architecture_page_names_every_module_and_nothing_else() -> None:
+    if not ARCHITECTURE.exists():
+        pytest.skip("docs/architecture.md is not here (an installed package)")
+    entries = _layout_entries()
+    top = {p.name for p in PACKAGE.glob("*.py")} | {
+        f"{p.name}/" for p in PACKAGE.iterdir() if (p / "__init__.py").exists()
+    }
+    assert set(entries) == top, (
+        f"docs/architecture.md lists {sorted(set(entries) - top)} that are not in the package "
+        f"and misses {sorted(top - set(entries))}"
+    )
+    for name, described in entries.items():
+        if not name.endswith("/"):
+            continue
+        files = {p.name for p in (PACKAGE / name).glob("*.py")} - {"__init__.py"}
+        named = set(re.findall(r"\b\w+\.py\b", described))
+        assert named == files, (
+            f"docs/architecture.md's {name} lists {sorted(named - files)} that are not there "
+            f"and misses {sorted(files - named)}"
+        )

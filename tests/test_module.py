@@ -383,6 +383,49 @@ def test_override_backward_with_owns_under_functional_call() -> None:
     torch.testing.assert_close(x.grad, torch.ones(2) @ weight * 10)
 
 
+class ReturnsItsInput(go.Module, owns="x"):
+    """Owns `x`, which its forward returns as it is."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(3))
+
+    def forward(self, x):
+        return x
+
+    def backward(self, grad, *, x):
+        return grad * 2
+
+
+def _returns_input_override():
+    class Identity(nn.Module):
+        def forward(self, x):
+            return x
+
+    layer = Identity()
+    go.override_backward(layer, lambda grad, *, x: grad * 2, owns="x")
+    return layer
+
+
+@pytest.mark.parametrize("build", [ReturnsItsInput, _returns_input_override],
+                         ids=["go.Module", "override_backward"])
+def test_partial_ownership_output_that_is_the_input_cannot_change_it_in_place(build) -> None:
+    # The forward sees `x` detached and returns it: the output shares `x`'s memory, so an
+    # in-place op on it would change the caller's `x` behind autograd's back. It is a view,
+    # refused as any view of an input (first call and warm calls alike).
+    layer = build()
+    leaf = torch.zeros(3, requires_grad=True)
+    for _ in range(3):
+        x = leaf * 1
+        y = layer(x)
+        with pytest.raises(RuntimeError, match="is a view and is being modified inplace"):
+            y.add_(1)
+        torch.testing.assert_close(x.detach(), torch.zeros(3))
+    y = layer(leaf * 1)
+    y.sum().backward()
+    torch.testing.assert_close(leaf.grad, torch.full((3,), 2.0))
+
+
 # ---- a module that changes its input in place ---------------------------------------------
 
 
