@@ -172,15 +172,18 @@ _SAVED = """
         raise
 """
 
-_CALL = """
-    if _go_autocast is None:
+# The rule's call, its errors but ours noted with the rule and the op.
+_TRY_RULE = """
         try:
             _go_result = _go_rule({call})
         except _go_GradOverrideError:
             raise
         except _go_Exception as _go_exc:
             _go_exc.add_note(_go_NOTE)
-            raise
+            raise"""
+
+_CALL = """
+    if _go_autocast is None:{try_rule}
     else:
         _go_result = _go_call_rule(_go_rule, {call_args}, {call_kwargs}, _go_autocast, False,
                                    _go_NOTE)
@@ -192,14 +195,7 @@ _CALL = """
 # first-call check sees the rule's writes exactly).
 _MODULE_CALL = """
     if _go_autocast is None and {holds}:
-        _go_before = {grads_before}
-        try:
-            _go_result = _go_rule({call})
-        except _go_GradOverrideError:
-            raise
-        except _go_Exception as _go_exc:
-            _go_exc.add_note(_go_NOTE)
-            raise
+        _go_before = {grads_before}{try_rule}
 {grad_checks}
     else:
         _go_result = _go_module_rule(_go_module, _go_held, _go_versions, _go_CallState(),
@@ -338,7 +334,8 @@ def generate(
     call_args = _tuple([*first, "_go_g0"])
     call_kwargs = "{" + ", ".join(f"{kw!r}: {local}" for kw, local in keywords) + "}"
     if module is None:
-        source += _CALL.format(call=call, call_args=call_args, call_kwargs=call_kwargs)
+        source += _CALL.format(try_rule=_TRY_RULE.format(call=call), call_args=call_args,
+                               call_kwargs=call_kwargs)
     else:
         holds = " and ".join(
             [_holds(slot, name) for slot, name in module.params]
@@ -354,7 +351,7 @@ def generate(
             for j, (slot, name) in enumerate(owned)
         )
         source += _MODULE_CALL.format(
-            holds=holds, call=call, call_args=call_args, call_kwargs=call_kwargs,
+            holds=holds, try_rule=_TRY_RULE.format(call=call), call_kwargs=call_kwargs,
             grads_before=grads_before, grad_checks=grad_checks,
         )
     source += _results(names, saved_slot, module)
