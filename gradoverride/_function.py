@@ -63,6 +63,7 @@ from ._gradients import (
 from ._internals import (
     FAST_APPLY,
     any_autocast_enabled,
+    in_compiled_autograd,
     raw_apply,
     tracing_state,
     transforms_active,
@@ -98,8 +99,9 @@ class CallState:
 
     Class attributes are the defaults, so the common call allocates an empty object. It holds
     no tensors, but for a module op's floating buffers (`buffers`), which the rule reads as
-    the forward saw them and which get no gradient (nor a version check: a forward updating
-    its running statistics in place must not trip it).
+    the forward left them and which get no gradient; their version counters are read when
+    the forward ends (`buffer_versions`: a forward updating its running statistics in place
+    does not trip them, a later call updating them again does, where the rule reads one).
     """
 
     layout: Any = None  # None, or per parameter: None | (treespec, n_leaves)
@@ -113,6 +115,7 @@ class CallState:
     dirty: tuple[int, ...] = ()  # flat inputs the forward changed in place (tracked ops only)
     input_views: tuple[int, ...] = ()  # outputs showing an input (the attach form)
     buffers: dict[str, Tensor] | None = None  # a module op's floating buffers
+    buffer_versions: tuple[int, ...] | None = None  # theirs when the forward ended
     # Copies of inputs the rule reads, taken before a forward that changes its inputs in
     # place (by flat index): saved instead of the inputs.
     copies: dict[int, Tensor] | None = None
@@ -328,6 +331,8 @@ def current_parameter(module: nn.Module, name: str) -> Tensor | None:
     in); None where it holds none by that name."""
     if "." not in name:
         found: Any = module._parameters.get(name)
+        if found is None and module.__dict__.get("_is_replica", False):
+            found = module.__dict__.get(name)  # (see `parameter_at`)
         return found  # type: ignore[no-any-return]
     *path, leaf = name.split(".")
     return parameter_at(module, tuple(path), leaf)
@@ -341,6 +346,9 @@ def parameter_at(module: nn.Module, path: tuple[str, ...], leaf: str) -> Tensor 
         if node is None:
             return None
     found: Any = node._parameters.get(leaf)
+    if found is None and node.__dict__.get("_is_replica", False):
+        # A replica `nn.DataParallel` made holds its parameters' copies as plain attributes.
+        found = node.__dict__.get(leaf)
     return found  # type: ignore[no-any-return]
 
 
@@ -368,7 +376,9 @@ def _held(module: nn.Module, name: str) -> Any:
     owner: Any = module.get_submodule(prefix) if prefix else module
     if leaf in owner._parameters:
         return owner._parameters[leaf]
-    return owner._buffers.get(leaf)
+    if leaf in owner._buffers:
+        return owner._buffers[leaf]
+    return parameter_at(owner, (), leaf)  # (a replica's copy)
 
 
 class _StaleParameter(Tensor):
@@ -376,7 +386,7 @@ class _StaleParameter(Tensor):
     any use beyond its metadata raises, naming the parameter (a rule that never reads it runs,
     as plain autograd runs when no saved tensor was changed)."""
 
-    _gradoverride_stale: tuple[str, str]
+    _gradoverride_stale: tuple[str, str, str]  # (op, name, "parameter" | "buffer")
 
     @classmethod
     def __torch_function__(
@@ -394,21 +404,25 @@ class _StaleParameter(Tensor):
         stale = next(
             a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, _StaleParameter)
         )
-        op, parameter = stale._gradoverride_stale
+        op, name, kind = stale._gradoverride_stale
+        when = (
+            "(an optimizer step, or an in-place update such as `.mul_()` or `.copy_()`, "
+            "between forward and backward)" if kind == "parameter"
+            else "(another call of the module updating it, a running statistic, before this "
+            "call's backward)"
+        )
         msg = (
-            f"the backward rule of `{op}` reads the parameter `{parameter}`, which was changed "
-            "in place after the forward (an optimizer step, or an in-place update such as "
-            "`.mul_()` or `.copy_()`, between forward and backward), so it would compute with "
-            "a value the forward never used. Run backward before changing the parameter, or "
-            "change it out of place."
+            f"the backward rule of `{op}` reads the {kind} `{name}`, which was changed in "
+            f"place after the forward {when}, so it would compute with a value the forward "
+            f"never used. Run backward before changing the {kind}, or change it out of place."
         )
         raise GradOverrideError(msg)
 
 
-def _stale(p: Tensor, op: str, name: str) -> Tensor:
+def _stale(p: Tensor, op: str, name: str, kind: str = "parameter") -> Tensor:
     # `.data`: the new tensor's version counter is its own, so saving it trips nothing.
     stale = torch.Tensor._make_subclass(_StaleParameter, p.data, False)
-    stale._gradoverride_stale = (op, name)
+    stale._gradoverride_stale = (op, name, kind)
     return stale
 
 
@@ -533,6 +547,8 @@ def build_route(plan: OpPlan) -> Route:
             # since gets an error, one that does not read it runs); else saved.
             module = flat[0]
             params = tuple(flat[ranges[i][0]] for i in param_slots)
+            if state.buffers and not is_dynamo_compiling():
+                state.buffer_versions = tuple(b._version for b in state.buffers.values())
             if state.eager:
                 held = (module, params, tuple(p._version for p in params))
             else:
@@ -639,7 +655,14 @@ def build_route(plan: OpPlan) -> Route:
         ):
             seen[name] = p if version is None or p._version == version else _stale(p, op, name)
         if state.buffers:
-            seen.update(state.buffers)
+            for (name, b), version in zip(
+                state.buffers.items(),
+                state.buffer_versions or (None,) * len(state.buffers), strict=True,
+            ):
+                seen[name] = (
+                    b if version is None or b._version == version
+                    else _stale(b, op, name, "buffer")
+                )
         # The `.grad` a rule might write: read before it runs (see `_wrote_grad`).
         watch = owned_params if not is_dynamo_compiling() else ()
         current = [current_parameter(module, n) for n in watch]
@@ -736,7 +759,7 @@ def _build_owning(plan: OpPlan, common: _Common) -> Route:
             return (*(_as_output(leaf, flat, dirty, leaves, state) for leaf in leaves), *res)
         if isinstance(out, Tensor):
             return _as_output(out, flat, dirty, (), state)
-        leaves = _flatten_output(out, state, op)
+        leaves = _repeats_as_views(_flatten_output(out, state, op))
         return tuple(_as_output(leaf, flat, dirty, leaves, state) for leaf in leaves)
 
     def _as_output(t: Any, flat: tuple[Any, ...], dirty: tuple[int, ...],
@@ -851,7 +874,7 @@ def _build_owning(plan: OpPlan, common: _Common) -> Route:
             # Eager, no torch.func transform: the classic twin (see above).
             state.eager = True
             return finish(raw(state, *flat), state)
-        return finish(apply(state, *flat), state)
+        return finish(_apply_general(op, apply, state, *flat), state)
 
     def run(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if any_tensorflow(args, kwargs):
@@ -1049,6 +1072,14 @@ def _build_attaching(plan: OpPlan, common: _Common) -> Route:
                     "(as `x.relu_()` returns `x`), or changed out of place."
                 )
                 raise GradOverrideError(msg)
+        # An input returned as it is (not changed in place), or a tensor returned twice, goes
+        # in as a view of it: a Function's inputs are distinct tensors under dynamo.
+        leaves = _repeats_as_views(tuple(
+            leaf.view_as(leaf)
+            if isinstance(leaf, Tensor) and k not in state.dirty_outputs
+            and any(leaf is v for v in flat) else leaf
+            for k, leaf in enumerate(leaves)
+        ))
         # An output that shows an input (the input itself, its detached copy, or a view of
         # either) is returned as a view, so an in-place op on the result is refused as on any
         # view, instead of changing the caller's tensor behind autograd's back.
@@ -1068,7 +1099,7 @@ def _build_attaching(plan: OpPlan, common: _Common) -> Route:
             state.eager = True
             result = raw(state, *flat, *leaves, *res)
         else:
-            result = apply(state, *flat, *leaves, *res)
+            result = _apply_general(op, apply, state, *flat, *leaves, *res)
         if state.out_spec is None:
             return result
         return pytree.tree_unflatten(list(result), state.out_spec)
@@ -1201,6 +1232,20 @@ def _flatten_output(out: Any, state: CallState, op: str) -> tuple[Any, ...]:
     return tuple(leaves)
 
 
+def _repeats_as_views(leaves: tuple[Any, ...]) -> tuple[Any, ...]:
+    """`leaves` with a tensor met again (`return y, y`) as a view of it: a Function's outputs
+    are distinct tensors (dynamo cannot trace one returned twice); an in-place op on either
+    stays an error, as on any two outputs sharing memory."""
+    if sum(1 for leaf in leaves if isinstance(leaf, Tensor)) < 2:
+        return leaves
+    out: list[Any] = []
+    for leaf in leaves:
+        if isinstance(leaf, Tensor) and any(leaf is earlier for earlier in out):
+            leaf = leaf.view_as(leaf)
+        out.append(leaf)
+    return tuple(out)
+
+
 def _short_repr(value: object) -> str:
     shown = repr(value)
     return shown if len(shown) <= 60 else shown[:57] + "..."
@@ -1256,14 +1301,16 @@ def _autocast_state(inputs: Sequence[Any]) -> tuple[str, Any, bool] | None:
 def _fill_none(
     grads: list[Tensor | None], meta: Sequence[Any], unowned: tuple[Any, ...]
 ) -> list[Tensor | None]:
-    """Zeros instead of None for inputs that need a gradient, in a compiled backward only.
+    """Zeros instead of None for inputs that need a gradient, under compiled autograd only.
 
     Compiled autograd adds the gradients an input receives from several nodes without
     skipping a None (eager autograd skips it), and fails with "add(): argument 'input' must
-    be Tensor, not NoneType"; an explicit zero is the same gradient. Eager backward keeps
-    None, which costs nothing. `meta` holds the owned inputs' metadata (a tuple where the
-    gradient is needed), `unowned` the others'."""
-    if not torch.compiler.is_compiling():
+    be Tensor, not NoneType"; an explicit zero is the same gradient there. Elsewhere None
+    stays None (eagerly and in a plain compiled backward): a parameter the rule gives no
+    gradient keeps `.grad` None, which an optimizer treats otherwise than zeros (weight
+    decay). `meta` holds the owned inputs' metadata (a tuple where the gradient is needed),
+    `unowned` the others'."""
+    if not torch.compiler.is_compiling() or not in_compiled_autograd():
         return grads
     out = list(grads)
     needed = [(i, *m) for i, m in enumerate(meta) if type(m) is tuple]
@@ -1383,7 +1430,40 @@ def _function_class(
         "__qualname__": name,
         "__doc__": f"The autograd.Function gradoverride generated for `{op}`.",
     }
+    # (No `jvp` here: dynamo refuses to trace a Function that defines one; see
+    # `_apply_general`.)
     return type(name, (torch.autograd.Function,), namespace)
+
+
+def _apply_general(op: str, apply: Callable[..., Any], *args: Any) -> Any:
+    """`apply(*args)` of an op's general Function, forward-mode differentiation refused
+    naming the op (PyTorch's own error names neither it nor the fix)."""
+    if is_dynamo_compiling() or not transforms_active():
+        return apply(*args)
+    try:
+        return apply(*args)
+    except NotImplementedError as exc:
+        if "jvp" in str(exc):
+            raise GradOverrideError(_forward_mode_message(op)) from exc
+        raise
+
+
+def _forward_mode_message(op: str) -> str:
+    return (
+        f"`{op}` has a backward (reverse-mode) rule only, which forward-mode differentiation "
+        "(torch.func.jvp, jacfwd, hessian, torch.autograd.forward_ad) cannot use. Use "
+        "reverse mode: torch.func.jacrev, torch.func.vjp, or jacrev(jacrev(f)) for a "
+        "Hessian."
+    )
+
+
+def _no_forward_mode(op: str) -> Callable[..., Any]:
+    """The eager Function's `jvp`: forward-mode differentiation, refused naming the op."""
+
+    def jvp(ctx: Any, *tangents: Any) -> Any:
+        raise GradOverrideError(_forward_mode_message(op))
+
+    return jvp
 
 
 def _classic_function_class(
@@ -1401,6 +1481,7 @@ def _classic_function_class(
     namespace: dict[str, Any] = {
         "forward": staticmethod(forward),
         "backward": staticmethod(backward),
+        "jvp": staticmethod(_no_forward_mode(op)),
         "__module__": module,
         "__qualname__": name,
         "__doc__": f"The autograd.Function gradoverride generated for `{op}` (eager form).",

@@ -317,14 +317,18 @@ def _per_slot(
         return _from_dict(result, op=op, names=names, owned=owned, meta=meta, ranges=ranges)
     if type(result) is tuple:
         single = _maybe_single(owned, meta, ranges)
-        if len(result) == n_slots and (single is None or ranges[single][2] is None or
-                                       _matches(result[single], ranges[single][2], tensor)):
-            return list(result)
-        if single is not None and ranges[single][2] is not None and _matches(
+        # One entry per parameter, unless it is the one owned container input's own
+        # gradient (a tuple of its structure), where the entry for it is not.
+        whole = single is not None and ranges[single][2] is not None and _matches(
             result, ranges[single][2], tensor
+        )
+        if len(result) == n_slots and not (
+            whole and not _matches(result[single], ranges[single][2], tensor)  # type: ignore[index]
         ):
+            return list(result)
+        if whole:
             out: list[Any] = [None] * n_slots
-            out[single] = result
+            out[single] = result  # type: ignore[index]
             return out
         msg = (
             f"backward of `{op}` returned {len(result)} gradients, but `{op}` has {n_slots} "
@@ -447,6 +451,10 @@ def _fit_dtype(grad: Tensor, dtype: torch.dtype, op: str, name: str) -> Tensor:
     if grad.dtype.is_floating_point and dtype.is_floating_point:
         return grad.to(dtype)
     if grad.dtype.is_complex and dtype.is_complex:
+        return grad.to(dtype)
+    if grad.dtype.is_floating_point and dtype.is_complex:
+        # A real gradient for a complex input (of a real function of it, such as
+        # `2 * z.real`): its imaginary part is zero, as PyTorch takes it.
         return grad.to(dtype)
     msg = dtype_message(
         str(grad.dtype), str(dtype), dtype.is_complex, op, name, f"`.to({name}.dtype)`"

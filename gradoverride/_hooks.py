@@ -664,7 +664,7 @@ class _ParameterHooks:
         """Hook `module`'s parameters; the module's own forward pre-hook, returned."""
         self.module = weakref.ref(module)
         _watch_registrations()
-        handle = module.register_forward_pre_hook(self.before_root)
+        handle = module.register_forward_pre_hook(self.before_root, prepend=True)
         self._walk(module)
         return handle
 
@@ -678,7 +678,9 @@ class _ParameterHooks:
                 if found:  # a copied or loaded holder: its hook came with it
                     self.holders[id(sub)] = _HookEntry(sub, found[0])
                 else:
-                    self.holders[id(sub)] = sub.register_forward_pre_hook(self.before_forward)
+                    self.holders[id(sub)] = sub.register_forward_pre_hook(
+                        self.before_forward, prepend=True
+                    )
             for p in sub._parameters.values():
                 if p is not None and p.requires_grad:
                     self._take(p)
@@ -778,8 +780,16 @@ class _ParameterHooks:
         if is_dynamo_compiling() and transforms_active():
             break_compiled_transform(f"the go.grad_hook of `{type(module).__name__}`")
         root = None if self.module is None else self.module()
-        if root is not None and _EPOCH[0] != self.epoch and not is_dynamo_compiling():
-            self._walk(root)
+        if root is not None and _EPOCH[0] != self.epoch:
+            if not is_dynamo_compiling():
+                self._walk(root)
+            elif any(
+                p is not None and p.requires_grad and not self._hooked(p)
+                for sub in root.modules() for p in sub._parameters.values()
+            ):
+                # Something new in the model since the last eager call: hooked eagerly, a
+                # graph break (see `_prepare_eager_hook`).
+                _walk_eagerly(self, root)
         for p in module._parameters.values():
             if p is not None and p.requires_grad:
                 self._take(p)
@@ -809,26 +819,45 @@ def _hook_eagerly_now(hooks: _ParameterHooks, p: Tensor) -> None:
     hooks._hook(p)
 
 
+def _walk_eagerly_now(hooks: _ParameterHooks, root: nn.Module) -> None:
+    hooks._walk(root)
+
+
 def _hook_eagerly(hooks: _ParameterHooks, p: Tensor) -> None:
     """`hooks._hook(p)` as a graph break, made by `_prepare_eager_hook` when a parameters
     hook is registered (`torch.compiler.disable` imports dynamo, which `import
     gradoverride` must not, and it cannot be called while dynamo traces)."""
-    assert _eager_hook is not None
-    _eager_hook(hooks, p)
+    assert _EAGER
+    _EAGER[0](hooks, p)
+
+
+def _walk_eagerly(hooks: _ParameterHooks, root: nn.Module) -> None:
+    """`hooks._walk(root)` as a graph break (see `_hook_eagerly`)."""
+    assert _EAGER
+    _EAGER[1](hooks, root)
 
 
 def _prepare_eager_hook() -> None:
-    global _eager_hook
-    if _eager_hook is None:
+    if not _EAGER:
         disable: Any = torch.compiler.disable
-        _eager_hook = disable(
+        _EAGER.append(disable(
             _hook_eagerly_now,
             reason=(
                 "grad_hook(at='parameters'): a parameter began requiring grad, or was "
                 "replaced, after the hook was registered, and gradoverride hooks it eagerly. "
                 "Call the module once outside torch.compile after changing its parameters."
             ),
-        )
+        ))
+        _EAGER.append(disable(
+            _walk_eagerly_now,
+            reason=(
+                "grad_hook(at='parameters'): a parameter or submodule was added or replaced "
+                "in the model after the hook was registered, and gradoverride hooks it "
+                "eagerly. Call the module once outside torch.compile after changing its "
+                "structure."
+            ),
+        ))
 
 
-_eager_hook: Callable[[_ParameterHooks, Tensor], None] | None = None
+#: The eager steps under dynamo, `_hook_eagerly`'s and `_walk_eagerly`'s (made once).
+_EAGER: list[Callable[..., None]] = []

@@ -62,6 +62,7 @@ __all__ = [
     "add_tensor_hook",
     "any_autocast_enabled",
     "graph_task_id",
+    "in_compiled_autograd",
     "is_batched",
     "is_tracing",
     "is_transformed",
@@ -182,3 +183,12 @@ def graph_task_id() -> int | None:
     torch does not say."""
     current = _CURRENT_GRAPH_TASK
     return None if current is None else current()
+
+
+def in_compiled_autograd() -> bool:
+    """Whether compiled autograd is tracing the backward now (a plain compiled backward,
+    traced by AOTAutograd, is not): read from its module, never imported here."""
+    import sys
+
+    module = sys.modules.get("torch._dynamo.compiled_autograd")
+    return module is not None and bool(getattr(module, "in_compiled_autograd_region", False))

@@ -183,6 +183,10 @@ class Module(nn.Module, metaclass=_ModuleMeta):
         cls._gradoverride_rule = _rule_of(cls, backward, method=True)
 
         def forward_with_rule(self: Module, *args: Any, **kwargs: Any) -> Any:
+            if type(self)._gradoverride_forward is not forward:  # type: ignore[attr-defined]
+                # A subclass's forward calling this one (`super().forward(x)`), inside the
+                # subclass's rule: this class's forward, as a step of it.
+                return forward(self, *args, **kwargs)
             return _call(self, args, kwargs)
 
         functools.update_wrapper(forward_with_rule, forward)
@@ -197,10 +201,20 @@ class Module(nn.Module, metaclass=_ModuleMeta):
         refuse_scripting(f"`{type(self).__qualname__}`")
 
 
-def _rule_of(cls: type, backward: Callable[..., Any], method: bool) -> ModuleRule:
-    """The rule `backward` read for `cls` (once per function)."""
+def _rule_of(cls: type, backward: Callable[..., Any], method: bool,
+             compiling: bool = False) -> ModuleRule:
+    """The rule `backward` read for `cls` (once per function; eagerly: reading a rule is
+    more Python than torch.compile traces)."""
     rules: dict[Callable[..., Any], ModuleRule] = cls._gradoverride_rules  # type: ignore[attr-defined]
     rule = rules.get(backward)
+    if rule is None and compiling:
+        msg = (
+            f"`{cls.__qualname__}` has a `backward` assigned after its rule was read (on the "
+            "class or the instance), and torch.compile cannot read a rule while tracing. "
+            "Call the module once outside torch.compile after assigning it (torch.compile "
+            "then uses the new rule)."
+        )
+        raise GradOverrideError(msg)
     if rule is None:
         options = cls._gradoverride_options  # type: ignore[attr-defined]
         rule = rules[backward] = ModuleRule(
@@ -225,13 +239,13 @@ def _call(module: Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     if tracing_state() is not None:
         raise GradOverrideError(jit_message(rule.where, "torch.jit.trace"))
     compiling = is_dynamo_compiling()
+    # The `backward` the module has now (see the module docstring).
+    assigned = module.__dict__.get("backward")
+    if assigned is not None:
+        rule = _rule_of(cls, assigned, method=False, compiling=compiling)
+    elif cls.backward is not rule.user_rule:  # type: ignore[attr-defined]
+        rule = _rule_of(cls, cls.backward, method=True, compiling=compiling)  # type: ignore[attr-defined]
     if not compiling:
-        # The `backward` the module has now (see the module docstring).
-        assigned = module.__dict__.get("backward")
-        if assigned is not None:
-            rule = _rule_of(cls, assigned, method=False)
-        elif cls.backward is not rule.user_rule:  # type: ignore[attr-defined]
-            rule = _rule_of(cls, cls.backward, method=True)  # type: ignore[attr-defined]
         last = rule.last
         if last is not None:
             # The layout of the last call (a module tree of the same classes and parameter

@@ -78,6 +78,15 @@ class _Slots:
         self.where = where
         self.inputs = forward.names[1:]
         self.params = params
+        clash = [n for n in params if n in self.inputs]
+        if clash:
+            msg = (
+                f"{where}'s forward takes an argument named `{clash[0]}`, and the module has a "
+                f"parameter of that name: a rule naming `{clash[0]}`, or returning a gradient "
+                f"by that name, could mean either. Rename the forward's argument (say "
+                f"`{clash[0]}_in`) or the parameter."
+            )
+            raise GradOverrideError(msg)
         self.names = (*forward.names, *params)
         self.index = {n: i for i, n in enumerate(self.names)}
 
@@ -354,7 +363,10 @@ def parameters_of(
     module: nn.Module, lazy_ok: bool = False
 ) -> tuple[tuple[str, ...], tuple[Tensor, ...]]:
     """`module`'s parameters as `named_parameters()` gives them: names and tensors."""
-    if not module._modules and (_CLASSES.get(type(module)) or _class_facts(type(module)))[0]:
+    if (
+        not module._modules and (_CLASSES.get(type(module)) or _class_facts(type(module)))[0]
+        and not module.__dict__.get("_is_replica", False)
+    ):
         params = module._parameters
         values = tuple(params.values())
         for p in values:
@@ -364,11 +376,27 @@ def parameters_of(
             # (A tensor held under two names is given once, by the walk below.)
             if len(values) < 2 or len(set(map(id, values))) == len(values):
                 return tuple(params), values  # type: ignore[return-value]
-    found = list(module.named_parameters())
-    for name, p in found:
-        if isinstance(p, UninitializedParameter) and not lazy_ok:
+    found: list[tuple[str, Tensor]] = list(module.named_parameters())
+    if not found and module.__dict__.get("_is_replica", False):
+        found = _replica_parameters(module)
+    for name, tensor in found:
+        if isinstance(tensor, UninitializedParameter) and not lazy_ok:
             raise GradOverrideError(_lazy_message(f"`{type(module).__qualname__}`", name))
-    return tuple(n for n, _ in found), tuple(p for _, p in found)
+    return tuple(n for n, _ in found), tuple(t for _, t in found)
+
+
+def _replica_parameters(module: nn.Module) -> list[tuple[str, Tensor]]:
+    """The parameters of a replica `nn.DataParallel` made (`torch.nn.parallel.replicate`),
+    as `named_parameters()` names the original's: a replica holds copies computed from the
+    original's parameters (not leaves, so plain attributes), listed in `_former_parameters`."""
+    found: list[tuple[str, Tensor]] = []
+    seen: set[int] = set()
+    for path, sub in module.named_modules():
+        for name, p in getattr(sub, "_former_parameters", {}).items():
+            if p is not None and id(p) not in seen:
+                seen.add(id(p))
+                found.append((f"{path}.{name}" if path else name, p))
+    return found
 
 
 def floating_buffers(module: nn.Module, where: str) -> dict[str, Tensor] | None:

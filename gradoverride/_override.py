@@ -51,12 +51,6 @@ from ._signature import describe
 
 __all__ = ["OverrideHandle", "override_backward"]
 
-try:  # the context manager `torch.func.functional_call` is built on
-    from torch.nn.utils.stateless import _reparametrize_module as _reparametrize
-except ImportError:  # pragma: no cover - depends on torch version
-    _reparametrize = None  # type: ignore[assignment]
-
-
 class _Frame:
     """What the pre-hook leaves for the forward hook of the same call."""
 
@@ -129,6 +123,8 @@ class _Override:
         if tracing_state() is not None:
             raise GradOverrideError(jit_message(self.module_rule.where, "torch.jit.trace"))
         compiling = is_dynamo_compiling()
+        if not compiling:
+            self._check_order(module)
         if compiling and transforms_active():
             break_compiled_transform(self.module_rule.where.strip("`"))
         rule = self.rule_for(module)
@@ -191,6 +187,30 @@ class _Override:
             return None
         return self._detach_owned(module, op, rule, args, kwargs, params, frame)
 
+    def _check_order(self, module: nn.Module) -> None:
+        """The override's pre-hook must run last and its forward hook first: a pre-hook
+        registered after it would change the inputs after the rule took them (and with
+        grad off), a forward hook prepended after it would see the output before the rule
+        is attached; either would silently lose a gradient."""
+        last = next(reversed(module._forward_pre_hooks.values()))
+        first = next(iter(module._forward_hooks.values()))
+        if getattr(last, "__self__", None) is self and getattr(first, "__self__", None) is self:
+            return
+        which = (
+            "a forward pre-hook registered after it runs after the override took the inputs "
+            "(grad off where its rule owns them all), so the rule would not see what the hook "
+            "changes and the hook's gradient would be lost"
+            if getattr(last, "__self__", None) is not self
+            else "a forward hook registered after it with prepend=True runs before the override "
+            "attaches its rule, so it would see an output without the rule's gradient"
+        )
+        msg = (
+            f"{self.module_rule.where} has an override_backward, and {which}. Register that "
+            "hook before calling override_backward (or remove the override, register the "
+            "hook, and override again)."
+        )
+        raise GradOverrideError(msg)
+
     def _detach_owned(
         self, module: nn.Module, op: ModuleOp, rule: ModuleRule, args: tuple[Any, ...],
         kwargs: dict[str, Any], params: tuple[Tensor, ...], frame: _Frame,
@@ -206,15 +226,17 @@ class _Override:
             ) if is_owned
         }
         if swap:
-            if _reparametrize is None:  # pragma: no cover
-                msg = (
-                    "this torch has no `torch.nn.utils.stateless._reparametrize_module`, which "
-                    "a rule owning some parameters but not all needs; own all parameters or "
-                    "none."
-                )
-                raise GradOverrideError(msg)
-            frame.swapped = _reparametrize(module, swap)
-            frame.swapped.__enter__()
+            if is_dynamo_compiling():
+                import torch._dynamo  # (imported: dynamo is tracing)
+
+                torch._dynamo.graph_break(msg=(
+                    f"override_backward of {self.module_rule.where} owns some of its "
+                    "parameters but not all, and swaps the owned ones for detached copies "
+                    "around its forward, which torch.compile cannot trace whole (a graph "
+                    "break). Own every parameter or none, or subclass go.Module with `owns=` "
+                    "to compile it with fullgraph=True."
+                ))
+            frame.swapped = _swap_parameters(module, swap)
         bound = rule.signature.bind((module, *args), kwargs)
         detached = {
             name: _detached(value) for name, value in zip(rule.signature.names, bound,
@@ -253,7 +275,7 @@ class _Override:
         if frame.grad_off:
             _set_grad_enabled(True)
         if frame.swapped is not None:
-            frame.swapped.__exit__(None, None, None)
+            _restore_parameters(frame.swapped)
         audit = frame.audit
         if output is None or not frame.attach:
             # The forward raised (this hook is called anyway), or runs alone.
@@ -293,6 +315,26 @@ class _Override:
 
     def __repr__(self) -> str:
         return f"<override of {self.module_rule.where} with backward {describe(self.rule)}>"
+
+
+def _swap_parameters(
+    module: nn.Module, swap: dict[str, Tensor]
+) -> list[tuple[nn.Module, str, Any]]:
+    """Hold `swap` (tensors by parameter name) in `module`'s parameters' places for its
+    forward, as `torch.func.functional_call` does (plain dict writes, which torch.compile
+    traces); what `_restore_parameters` puts back."""
+    held: list[tuple[nn.Module, str, Any]] = []
+    for name, tensor in swap.items():
+        prefix, _, leaf = name.rpartition(".")
+        owner = module.get_submodule(prefix) if prefix else module
+        held.append((owner, leaf, owner._parameters[leaf]))
+        owner._parameters[leaf] = tensor  # type: ignore[assignment]
+    return held
+
+
+def _restore_parameters(held: list[tuple[nn.Module, str, Any]]) -> None:
+    for owner, leaf, original in held:
+        owner._parameters[leaf] = original
 
 
 def _leaves(values: tuple[Any, ...]) -> list[Any]:

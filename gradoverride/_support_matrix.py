@@ -199,7 +199,15 @@ NOTES: dict[tuple[str, str], str] = {
     ("go.Module owns=", "functional_call"): "The rule reads the parameters passed in.",
     ("override_backward", "functional_call"): "The rule reads the parameters passed in.",
     ("grad_hook parameters", "functional_call"): (
-        "The passed tensors' total gradients are transformed, as a parameter's own is."
+        "The passed tensors' total gradients are transformed, as a parameter's own is; a "
+        "tensor computed from a hooked parameter (MAML's fast weights `p - lr * g`) is not "
+        "hooked itself: its gradient reaches the parameter, which transforms it once."
+    ),
+    ("grad_hook parameters", "checkpoint"): (
+        "With `use_reentrant=True` PyTorch runs one backward pass per checkpointed segment, "
+        "so a parameter used in several segments has each segment's part transformed on "
+        "its own (the same total for a linear transform such as a scale, not for a norm "
+        "clip); `use_reentrant=False` transforms the total."
     ),
     ("grad_hook parameters", "save/load"): (
         "`torch.save` keeps no tensor hooks; the loaded module hooks its parameters again "

@@ -2086,3 +2086,88 @@ def test_compiled_around_a_torch_func_transform_keeps_the_rule_or_says_why(vmapp
     with pytest.raises(Exception, match=r"`_tenfold_round` is called inside a torch\.func "
                                         r"transform .* torch\.compile traces"):
         torch.compile(fn, fullgraph=True, backend="aot_eager")(x)
+
+
+# ==== found by review: repeated outputs, forward mode, real gradients of complex inputs ====
+
+
+@go.custom_backward
+def _twice_returned(x):
+    y = x * 2
+    return y, y
+
+
+@_twice_returned.backward
+def _(g1, g2, *, x):
+    return 2 * (g1 + g2)
+
+
+@pytest.mark.compile
+@pytest.mark.filterwarnings("ignore:.*should not be instantiated:DeprecationWarning")
+def test_a_tensor_returned_twice_compiles() -> None:
+    x = torch.ones(3, requires_grad=True)
+    step = torch.compile(lambda a: (lambda p, q: (p + 10 * q).sum())(*_twice_returned(a)),
+                         fullgraph=True, backend="aot_eager")
+    step(x).backward()
+    torch.testing.assert_close(x.grad, torch.full((3,), 22.0))  # 2 * (1 + 10)
+
+
+@go.custom_backward
+def _cube(x):
+    return x**3
+
+
+@_cube.backward
+def _(grad, *, x):
+    return grad * 3 * x**2
+
+
+# (torch's own warning: forward mode scripts some of torch's decompositions at first use)
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
+@pytest.mark.parametrize("transform", ["jacfwd", "hessian", "jvp"])
+def test_forward_mode_is_refused_naming_the_op(transform) -> None:
+    x = torch.tensor([1.0, 2.0])
+    run = {
+        "jacfwd": lambda: torch.func.jacfwd(_cube)(x),
+        "hessian": lambda: torch.func.hessian(lambda v: _cube(v).sum())(x),
+        "jvp": lambda: torch.func.jvp(_cube, (x,), (torch.ones(2),)),
+    }[transform]
+    with pytest.raises(go.GradOverrideError,
+                       match=r"`_cube` has a backward \(reverse-mode\) rule only.*jacrev\(jacrev"):
+        run()
+
+
+@go.custom_backward
+def _twice_real(z):
+    return z.real * 2
+
+
+@_twice_real.backward
+def _(grad, *, z):
+    return grad * 2  # real: the imaginary part of the gradient is zero
+
+
+def test_a_real_gradient_for_a_complex_input_is_taken_as_pytorch_takes_it() -> None:
+    z = torch.randn(3, dtype=torch.complex64, requires_grad=True)
+    reference = z.detach().clone().requires_grad_()
+    (reference.real * 2).sum().backward()
+    _twice_real(z).sum().backward()
+    torch.testing.assert_close(z.grad, reference.grad)
+
+
+@go.custom_backward
+def _pair_sum(xs, k):
+    return xs[0] * k + xs[1]
+
+
+@_pair_sum.backward
+def _(g, *, xs, k):
+    return ((g * k, g), None)  # a tuple for the list `xs`
+
+
+def test_a_gradient_of_another_structure_than_its_container_input_is_named() -> None:
+    xs = [torch.randn(3, requires_grad=True), torch.randn(3, requires_grad=True)]
+    with pytest.raises(go.GradOverrideError,
+                       match=r"gradient for `xs` whose structure does not match the input's: "
+                             r"the input is a list of 2 leaves and the gradient is a tuple"):
+        _pair_sum(xs, 2.0).sum().backward()

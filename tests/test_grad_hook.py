@@ -284,6 +284,25 @@ def test_a_parameter_unfrozen_later_under_compile_is_transformed_or_refused() ->
     torch.testing.assert_close(linear.weight.grad, torch.full((1, 2), 10.0))
 
 
+@pytest.mark.compile
+@pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf")
+def test_a_submodule_replaced_under_compile_is_transformed_or_refused() -> None:
+    # Replacing a layer after compiling (a new head): its parameters get the transform, or
+    # fullgraph=True says why it cannot.
+    model = nn.Sequential(nn.Linear(2, 1))
+    go.grad_hook(model, times_ten, at="parameters")
+    x = torch.ones(1, 2)
+    step = torch.compile(lambda t: model(t), backend="aot_eager")
+    step(x).sum().backward()
+    model[0] = nn.Linear(2, 1)
+    with pytest.raises(Exception, match=r"added or replaced in the model"):
+        torch.compile(lambda t: model(t), fullgraph=True, backend="aot_eager")(x)
+    model[0] = nn.Linear(2, 1)
+    step(x).sum().backward()  # without fullgraph: a graph break
+    torch.testing.assert_close(model[0].weight.grad, torch.full((1, 2), 10.0))
+    torch.testing.assert_close(model[0].bias.grad, torch.full((1,), 10.0))
+
+
 @pytest.mark.parametrize("at", ["inputs", "outputs", "parameters"])
 def test_a_module_with_grad_hooks_saves_loads_and_copies_with_them(at) -> None:
     import copy

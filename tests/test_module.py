@@ -1563,3 +1563,128 @@ def test_a_forgotten_star_is_said_when_the_class_is_made() -> None:
 
             def backward(self, grad, x):
                 return {"x": grad, "w": grad}
+
+
+# ---- found by review: names, subclasses, compiled rules, buffers ----------------------------
+
+
+def test_a_forward_argument_named_like_a_parameter_is_refused() -> None:
+    class Clash(go.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.bias = nn.Parameter(torch.zeros(3))
+
+        def forward(self, x, bias):
+            return x + bias + self.bias
+
+        def backward(self, grad, *, x):
+            return {"x": grad, "bias": grad}
+
+    with pytest.raises(go.GradOverrideError,
+                       match=r"Clash`'s forward takes an argument named `bias`, and the module "
+                             r"has a parameter of that name.*Rename the forward's argument"):
+        Clash()
+
+
+class Base(go.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(3))
+
+    def forward(self, x):
+        return x * self.w
+
+    def backward(self, grad, *, x):
+        return {"x": grad * 2, "w": grad * x}
+
+
+class Child(Base):
+    def forward(self, x):
+        return super().forward(x) + 1  # the base's forward, as a step of the child's
+
+
+def test_a_subclass_calling_super_forward_runs_its_own_rule() -> None:
+    x = torch.ones(3, requires_grad=True)
+    child = Child()
+    y = child(x)
+    torch.testing.assert_close(y.detach(), torch.full((3,), 2.0))
+    y.sum().backward()
+    torch.testing.assert_close(x.grad, torch.full((3,), 2.0))  # the rule's, once
+    with torch.no_grad():
+        torch.testing.assert_close(child(x), torch.full((3,), 2.0))
+
+
+def triple_by_instance(grad, *, x, module):
+    return {"x": 3 * grad * module.w, "w": 3 * grad * x}
+
+
+def triple_by_class(self, grad, *, x):
+    return {"x": 3 * grad * self.w, "w": 3 * grad * x}
+
+
+@pytest.mark.compile
+def test_a_backward_assigned_later_is_the_compiled_rule_or_refused() -> None:
+    layer = Base()
+    layer.backward = triple_by_instance
+    x = torch.ones(3, requires_grad=True)
+    layer(x).sum().backward()  # an eager call reads the new rule
+    x.grad = None
+    torch.compile(layer, fullgraph=True, backend="aot_eager")(x).sum().backward()
+    torch.testing.assert_close(x.grad, torch.full((3,), 3.0))
+    fresh = Base()
+    with mock.patch.object(Base, "backward", triple_by_class), pytest.raises(
+        Exception, match=r"has a `backward` assigned after its rule was read.*Call the module "
+                         r"once outside torch.compile"
+    ):
+        torch.compile(fresh, fullgraph=True, backend="aot_eager")(x)
+
+
+class Gate(go.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(3))
+        self.frozen_by_rule = nn.Parameter(torch.ones(3))
+
+    def forward(self, x):
+        return x * self.w * self.frozen_by_rule
+
+    def backward(self, grad, *, x):
+        return {"x": grad * self.w, "w": grad * x, "frozen_by_rule": None}
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_a_parameter_the_rule_gives_no_gradient_keeps_grad_none(compiled) -> None:
+    # None, not zeros: an optimizer's weight decay would move a zero-gradient parameter.
+    layer = Gate()
+    run = torch.compile(layer, fullgraph=True, backend="aot_eager") if compiled else layer
+    run(torch.ones(3, requires_grad=True)).sum().backward()
+    assert layer.frozen_by_rule.grad is None
+    torch.testing.assert_close(layer.w.grad, torch.ones(3))
+
+
+class RunningScale(go.Module):
+    """Updates a running scale in its forward, which its rule reads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("s", torch.ones(()))
+
+    def forward(self, x):
+        self.s.mul_(0.5)
+        return x * self.s
+
+    def backward(self, grad, *, x):
+        return grad * self.s
+
+
+def test_a_buffer_changed_after_the_forward_is_refused_where_the_rule_reads_it() -> None:
+    layer = RunningScale()
+    x = torch.ones(2, requires_grad=True)
+    first = layer(x)  # the rule reads s = 0.5, as this forward left it
+    first.sum().backward()
+    torch.testing.assert_close(x.grad, torch.full((2,), 0.5))
+    first = layer(x)
+    layer(x)  # updates s again before the first call's backward
+    with pytest.raises(go.GradOverrideError, match=r"reads the buffer `s`, which was changed"):
+        first.sum().backward()

@@ -176,11 +176,15 @@ def test_a_data_parallel_style_replica_uses_its_own_weight() -> None:
     linear = nn.Linear(3, 2)
     go.override_backward(linear, _doubling_linear_rule)
     # What `nn.parallel.replicate` does on each device: a shallow copy holding the
-    # device's copies of the parameters (tensors computed from the originals).
+    # device's copies of the parameters (tensors computed from the originals, not leaves:
+    # plain attributes, listed in `_former_parameters`).
     replica = linear._replicate_for_data_parallel()
+    replica._former_parameters = {}
     weight = torch.ones(2, 3, requires_grad=True)
-    replica._parameters["weight"] = weight * 1
-    replica._parameters["bias"] = linear.bias * 1
+    for name, value in (("weight", weight * 1), ("bias", linear.bias * 1)):
+        setattr(replica, name, value)
+        replica._former_parameters[name] = value
+    assert list(replica.named_parameters()) == []
     x = torch.ones(1, 3, requires_grad=True)
     out = replica(x)
     torch.testing.assert_close(out, x.detach() @ torch.ones(3, 2) + linear.bias.detach())
@@ -193,3 +197,73 @@ def test_a_data_parallel_style_replica_uses_its_own_weight() -> None:
 
 def _doubling_linear_rule(grad, *, input, module):
     return {"input": grad @ module.weight * 2, "weight": grad.T @ input, "bias": grad.sum(0)}
+
+
+# ---- found by review: hook order, identity and partial parameters compiled ------------------
+
+
+def _true_linear_rule(grad, *, input, module):
+    return {"input": grad @ module.weight, "weight": grad.T @ input, "bias": grad.sum(0)}
+
+
+def test_a_pre_hook_registered_after_the_override_is_refused() -> None:
+    linear = nn.Linear(3, 2)
+    go.override_backward(linear, _true_linear_rule)
+    linear.register_forward_pre_hook(lambda module, args: (args[0] * 2,))
+    with pytest.raises(go.GradOverrideError,
+                       match=r"`Linear` has an override_backward, and a forward pre-hook "
+                             r"registered after it.*Register that hook before calling"):
+        linear(torch.ones(1, 3, requires_grad=True))
+
+
+def test_a_forward_hook_prepended_after_the_override_is_refused() -> None:
+    linear = nn.Linear(3, 2)
+    go.override_backward(linear, _true_linear_rule)
+    linear.register_forward_hook(lambda module, args, out: None, prepend=True)
+    with pytest.raises(go.GradOverrideError, match=r"registered after it with prepend=True"):
+        linear(torch.ones(1, 3, requires_grad=True))
+
+
+def test_hooks_registered_before_the_override_keep_their_gradient() -> None:
+    linear = nn.Linear(3, 2)
+    linear.register_forward_pre_hook(lambda module, args: (args[0] * 2,))
+    go.override_backward(linear, _true_linear_rule)
+    x = torch.ones(1, 3, requires_grad=True)
+    linear(x).sum().backward()
+    torch.testing.assert_close(x.grad, 2 * torch.ones(1, 2) @ linear.weight.detach())
+
+
+# (torch's own warnings while dynamo traces a Function and resumes after a graph break)
+TORCH_COMPILE_WARNINGS = (
+    pytest.mark.filterwarnings("ignore:.*should not be instantiated:DeprecationWarning"),
+    pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf"),
+)
+
+
+@pytest.mark.compile
+@TORCH_COMPILE_WARNINGS[0]
+def test_an_overridden_identity_compiles_whole() -> None:
+    identity = nn.Identity()
+    go.override_backward(identity, lambda grad, *, input: -grad)  # gradient reversal
+    x = torch.ones(3, requires_grad=True)
+    torch.compile(identity, fullgraph=True, backend="aot_eager")(x).sum().backward()
+    torch.testing.assert_close(x.grad, -torch.ones(3))
+
+
+def _weight_rule(grad, *, input):
+    return {"weight": 3 * grad.T @ input}
+
+
+@pytest.mark.compile
+@TORCH_COMPILE_WARNINGS[0]
+@TORCH_COMPILE_WARNINGS[1]
+def test_owning_some_parameters_compiles_with_a_graph_break_that_says_why() -> None:
+    torch.manual_seed(0)
+    linear = nn.Linear(3, 2)
+    go.override_backward(linear, _weight_rule, owns="weight")
+    x = torch.randn(4, 3, requires_grad=True)
+    with pytest.raises(Exception, match=r"owns some of its parameters but not all"):
+        torch.compile(linear, fullgraph=True, backend="aot_eager")(x)
+    torch.compile(linear, backend="aot_eager")(x).sum().backward()
+    torch.testing.assert_close(linear.weight.grad, 3 * torch.ones(4, 2).T @ x.detach())
+    torch.testing.assert_close(x.grad, torch.ones(4, 2) @ linear.weight.detach())

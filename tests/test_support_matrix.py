@@ -316,16 +316,28 @@ def run_copy(kind: str) -> None:
 
 
 def replica_of(module: nn.Module) -> nn.Module:
-    """What `torch.nn.parallel.replicate` makes for one device: each module shallow-copied,
-    holding copies of the parameters computed from them (so their gradients reach the
-    originals), the buffers shared."""
+    """What `torch.nn.parallel.replicate` makes for one device, step by step as it makes it
+    (its broadcast needs CUDA): each module shallow-copied, holding copies of the
+    parameters computed from them (not leaves: plain attributes, listed in
+    `_former_parameters`), so their gradients reach the originals; the buffers shared."""
+    from collections import OrderedDict
+
     copies = {id(m): m._replicate_for_data_parallel() for m in module.modules()}
+    for replica in copies.values():
+        replica._former_parameters = OrderedDict()
     for m in module.modules():
         replica = copies[id(m)]
         for name, child in m._modules.items():
-            replica._modules[name] = None if child is None else copies[id(child)]
+            if child is None:
+                replica._modules[name] = None
+            else:
+                setattr(replica, name, copies[id(child)])
         for name, p in m._parameters.items():
-            replica._parameters[name] = None if p is None else p * 1
+            if p is None:
+                replica._parameters[name] = None
+            else:
+                setattr(replica, name, p * 1)
+                replica._former_parameters[name] = replica.__dict__[name]
     return copies[id(module)]
 
 
