@@ -296,16 +296,23 @@ class _Check:
         fn = self.fn
         code = getattr(fn, "__code__", None)
         if code is not None:
+            found: list[tuple[str, Any, str]] = []  # (name, value, what it is)
             for name, cell in zip(code.co_freevars, fn.__closure__ or (), strict=False):
                 try:
-                    if cell.cell_contents is t:
-                        return f"`{name}` (a variable of an enclosing function)"
+                    found.append((name, cell.cell_contents, "a variable of an enclosing function"))
                 except ValueError:  # an empty cell
                     continue
             namespace = getattr(fn, "__globals__", {})
-            for name in code.co_names:
-                if namespace.get(name) is t:
-                    return f"`{name}` (a global)"
+            found += [(name, namespace.get(name), "a global") for name in code.co_names]
+            for name, value, what in found:
+                if value is t:
+                    return f"`{name}` ({what})"
+            for name, value, what in found:
+                # A module the forward reaches (`layer(x)` for a global `layer`).
+                if isinstance(value, nn.Module):
+                    for pname, p in value.named_parameters():
+                        if p is t:
+                            return f"`{name}.{pname}` (a parameter of `{name}`, {what})"
         for name, value in zip(self.names, self.values, strict=False):
             if isinstance(value, nn.Module):
                 for pname, p in value.named_parameters():

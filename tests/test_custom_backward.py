@@ -1371,6 +1371,23 @@ def test_a_closure_variable_is_named_and_the_fixes_are_given() -> None:
         assert fix in text
 
 
+def test_a_parameter_of_a_module_the_forward_reaches_is_named() -> None:
+    lin = nn.Linear(2, 2)
+
+    @go.custom_backward
+    def through_lin(x):
+        return lin(x)
+
+    @through_lin.backward
+    def _(grad):
+        return grad
+
+    with pytest.raises(go.GradOverrideError,
+                       match=r"reads `lin.weight` \(a parameter of `lin`, a variable of an "
+                             r"enclosing function\)"):
+        through_lin(torch.randn(2))
+
+
 def test_self_weight_in_a_decorated_method_is_named() -> None:
     class Layer(nn.Module):
         def __init__(self) -> None:
