@@ -665,6 +665,8 @@ def build_route(plan: OpPlan) -> Route:
                 )
         # The `.grad` a rule might write: read before it runs (see `_wrote_grad`).
         watch = owned_params if not is_dynamo_compiling() else ()
+        if watch:
+            in_backward()
         current = [current_parameter(module, n) for n in watch]
         # (`.grad` of a tensor that is not a leaf, a replica's parameter, is never written.)
         before = [None if p is None or not p.is_leaf else p.grad for p in current]
@@ -941,7 +943,7 @@ def _twin(plan: OpPlan, common: _Common, pieces: dict[str, Any], attach: bool = 
         "SKIP": SKIP, "FORM": form, "OWNED": rule.owned, "autocast_state": _autocast_state,
         "any_autocast_enabled": any_autocast_enabled,
         "module_rule": common.call_module_rule, "parameter_at": parameter_at,
-        "single_thread": _single_thread,
+        "single_thread": _single_thread, "in_backward": in_backward,
         "wrote_grad": lambda name: _raise(wrote_grad_message(plan.op, name)),
         "run_general": pieces["run_general"], "run_bound": pieces["run_bound"],
         "run_tensorflow": pieces["run_tensorflow"], "any_tensorflow": any_tensorflow,
@@ -1370,11 +1372,31 @@ def call_rule(
         raise
 
 
+#: The Python threads whose backward pass runs through a module op's rule now, registered
+#: by `in_backward` while more than one thread runs (until the pass ends).
+_IN_BACKWARD: dict[int, bool] = {}
+
+
+def in_backward() -> None:
+    """Note that this thread's backward pass runs through a module op's rule (see
+    `_single_thread`); a no-op while this process runs one Python thread."""
+    if threading.active_count() == 1:
+        return
+    ident = threading.get_ident()
+    if ident not in _IN_BACKWARD:
+        _IN_BACKWARD[ident] = True
+        # Forgotten when the pass ends, its gradients accumulated.
+        torch.autograd.Variable._execution_engine.queue_callback(
+            lambda: _IN_BACKWARD.pop(ident, None)
+        )
+
+
 def _single_thread() -> bool:
-    """Whether this process runs one Python thread: then a parameter's `.grad` that changes
-    while a rule runs was written by the rule (with two, another thread's backward may be
-    accumulating into it; the first-call check still sees a rule's writes exactly)."""
-    return threading.active_count() == 1
+    """Whether no other thread's backward pass runs through a module op's rule now: then a
+    parameter's `.grad` that changed while this thread's rule ran was written by the rule
+    (another thread training the same module may be accumulating into it; threads doing
+    anything else do not count). The first-call check sees a rule's writes exactly."""
+    return len(_IN_BACKWARD) <= 1
 
 
 def compiled_transform_message(op: str) -> str:

@@ -190,12 +190,13 @@ _CALL = """
 """
 
 # A module's op: the rule runs with the module holding what its forward saw (the general
-# steps swap that in when it is not so now); a `.grad` it writes is refused while one Python
-# thread runs (with more, another thread's backward may be accumulating into it; the
-# first-call check sees the rule's writes exactly).
+# steps swap that in when it is not so now); a `.grad` it writes is refused unless another
+# thread's backward runs through a module op's rule now (it may be accumulating into that
+# `.grad`; see `_function._single_thread`; the first-call check sees a rule's writes
+# exactly).
 _MODULE_CALL = """
     if _go_autocast is None and {holds}:
-        _go_before = {grads_before}{try_rule}
+        _go_before = {grads_before}{enter}{try_rule}
 {grad_checks}
     else:
         _go_result = _go_module_rule(_go_module, _go_held, _go_versions, _go_CallState(),
@@ -248,8 +249,8 @@ def generate(
     CallState, as_output, shape_output, setup, backward_general, saved_for, call_rule,
     check_gradient, flat_gradients, GradOverrideError, SKIP, FORM (the op's ModuleForm or
     None), OWNED, autocast_state, any_autocast_enabled; for a module op module_rule,
-    parameter_at, single_thread, wrote_grad; for `run` run_general, run_bound, run_tensorflow,
-    any_tensorflow, finish, is_grad_enabled, tracing_state, is_dynamo_compiling,
+    parameter_at, single_thread, in_backward, wrote_grad; for `run` run_general, run_bound,
+    run_tensorflow, any_tensorflow, finish, is_grad_enabled, tracing_state, is_dynamo_compiling,
     transforms_active, FAST_APPLY (and `_go_raw`, set afterwards: see `Twin`).
     """
     n = len(names)
@@ -352,6 +353,7 @@ def generate(
         )
         source += _MODULE_CALL.format(
             holds=holds, try_rule=_TRY_RULE.format(call=call), call_kwargs=call_kwargs,
+            enter="\n        _go_in_backward()" if owned else "",
             grads_before=grads_before, grad_checks=grad_checks,
         )
     source += _results(names, saved_slot, module)

@@ -1297,6 +1297,22 @@ def test_a_rule_mistake_on_a_warm_module_is_refused(mistake: str, match: str) ->
         grads_of(layer)
 
 
+def test_a_warm_rule_writing_grad_is_refused_while_an_idle_thread_lives() -> None:
+    # Threads that do not train the module (a data loader, a compile worker) do not turn
+    # the check off.
+    stop = threading.Event()
+    idle = threading.Thread(target=stop.wait)
+    idle.start()
+    try:
+        layer = warm(WritesGrad())
+        layer.mistake = "grad"
+        with pytest.raises(go.GradOverrideError, match=r"wrote `w\.grad` itself"):
+            grads_of(layer)
+    finally:
+        stop.set()
+        idle.join()
+
+
 def test_warm_rules_and_hooks_on_each_device(device: torch.device) -> None:
     """The fast paths on each device (CUDA where there is one): three calls each, against
     plain autograd of the same math."""
