@@ -1386,9 +1386,11 @@ def in_backward() -> None:
     if ident not in _IN_BACKWARD:
         _IN_BACKWARD[ident] = True
         # Forgotten when the pass ends, its gradients accumulated.
-        torch.autograd.Variable._execution_engine.queue_callback(
-            lambda: _IN_BACKWARD.pop(ident, None)
-        )
+
+        def forget() -> None:
+            _IN_BACKWARD.pop(ident, None)
+
+        torch.autograd.Variable._execution_engine.queue_callback(forget)
 
 
 def _single_thread() -> bool:
