@@ -15,7 +15,7 @@
 from typing import TYPE_CHECKING, Any
 
 from ._decorators import CustomBackward, CustomBackwardModule, custom_backward
-from ._errors import GradOverrideError, GradOverrideTypeError
+from ._errors import GradOverrideError, GradOverrideTypeError, GradOverrideWarning
 from ._module import Module
 from ._override import OverrideHandle, override_backward
 from ._rule import RESERVED_NAMES
@@ -70,6 +70,7 @@ __all__ = [
     "CustomBackwardModule",
     "GradOverrideError",
     "GradOverrideTypeError",
+    "GradOverrideWarning",
     "HookHandle",
     "Module",
     "Monitor",

@@ -6,7 +6,7 @@ expected, what was got, and how to fix it.
 
 from __future__ import annotations
 
-__all__ = ["GradOverrideError", "GradOverrideTypeError"]
+__all__ = ["GradOverrideError", "GradOverrideTypeError", "GradOverrideWarning"]
 
 
 class GradOverrideError(Exception):
@@ -26,6 +26,14 @@ class GradOverrideTypeError(GradOverrideError, TypeError):
     """
 
 
+class GradOverrideWarning(UserWarning):
+    """Something gradoverride does not do for a call it cannot refuse, said where it happens.
+
+    For example a monitored model whose compiled calls run unrecorded.
+    """
+
+
 # Tracebacks and reprs show the public path, not the private module.
 GradOverrideError.__module__ = "gradoverride"
 GradOverrideTypeError.__module__ = "gradoverride"
+GradOverrideWarning.__module__ = "gradoverride"

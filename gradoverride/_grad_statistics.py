@@ -58,6 +58,7 @@ class GradientStatistics:
         results: dict[K, list[float]] = {}
         aligned: list[tuple[K, Tensor, Tensor]] = []
         for key, grads in groups.items():
+            grads = _plain(grads)
             if grads.aligned and grads.arriving:
                 got = self._stack("got", grads.arriving, len(aligned))
                 gave = self._stack("gave", grads.returned, len(aligned))
@@ -116,6 +117,51 @@ class GradientStatistics:
             buffer = self._scratch[key] = torch.empty(numel, dtype=like.dtype,
                                                       device=like.device)
         return buffer[:numel]
+
+
+def _plain(grads: Gradients) -> Gradients:
+    """`grads` with complex gradients as their elements' magnitudes (the same sums of
+    squares, zeros, NaN and infinities) and sparse ones as their stored values (the same
+    sums of squares; a pair is compared where both store the same elements, else dense)."""
+    if not any(map(_special, grads.arriving)) and not any(map(_special, grads.returned)):
+        return grads
+    pairs = [_stored_pair(gave, got) for gave, got in grads.pairs]
+    sparse = any(t.layout != torch.strided for t in (*grads.arriving, *grads.returned))
+    return Gradients(
+        calls=grads.calls,
+        arriving=[_values(t) for t in grads.arriving],
+        returned=[_values(t) for t in grads.returned],
+        pairs=pairs,
+        aligned=grads.aligned and not sparse,
+    )
+
+
+def _special(t: Tensor) -> bool:
+    return t.is_complex() or t.layout != torch.strided
+
+
+def _values(t: Tensor) -> Tensor:
+    """A sparse tensor's stored values (summed where an index repeats); a complex tensor's
+    magnitudes."""
+    if t.layout == torch.sparse_coo:
+        t = t.coalesce().values()
+    elif t.layout != torch.strided:
+        t = t.values()
+    return t.abs() if t.is_complex() else t
+
+
+def _stored_pair(gave: Tensor, got: Tensor) -> tuple[Tensor, Tensor]:
+    """A (returned, arriving) pair as plain tensors compared element by element: the stored
+    values of two sparse tensors storing the same elements, else both dense."""
+    if gave.layout == got.layout == torch.sparse_coo:
+        gave, got = gave.coalesce(), got.coalesce()
+        if torch.equal(gave.indices(), got.indices()):
+            return _values(gave), _values(got)
+    if gave.layout != torch.strided:
+        gave = gave.to_dense()
+    if got.layout != torch.strided:
+        got = got.to_dense()
+    return _values(gave), _values(got)
 
 
 def _common(got: Tensor, gave: Tensor) -> tuple[Tensor, Tensor]:

@@ -233,14 +233,36 @@ def _hook_records(path: str, module: nn.Module) -> list[OverrideRecord]:
     ]
 
 
+# What every nn.Module holds in its `__dict__` itself (its parameters, hooks, ...).
+_MODULE_INTERNALS = frozenset(vars(nn.Module()))
+
+
 def _held(module: nn.Module) -> Iterator[tuple[str, Any]]:
-    """The recipes and ops a module holds as attributes (not submodules)."""
-    recipes = sys.modules.get("gradoverride.recipes._base")
+    """The recipes, ops and bridges a module holds as attributes (not submodules), or as
+    items of a list, tuple or dict attribute, named as its code reads them."""
     for attribute, value in vars(module).items():
-        if isinstance(value, CustomBackward) or (
-            recipes is not None and isinstance(value, recipes.Recipe)
-        ):
+        if attribute in _MODULE_INTERNALS:
+            continue
+        if _is_override(value):
             yield attribute, value
+        elif isinstance(value, list | tuple):
+            for k, item in enumerate(value):
+                if _is_override(item):
+                    yield f"{attribute}[{k}]", item
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                if _is_override(item):
+                    yield f"{attribute}[{key!r}]", item
+
+
+def _is_override(value: Any) -> bool:
+    if isinstance(value, CustomBackward):
+        return True
+    recipes = sys.modules.get("gradoverride.recipes._base")
+    if recipes is not None and isinstance(value, recipes.Recipe):
+        return True
+    bridges = sys.modules.get("gradoverride._bridge")
+    return bridges is not None and isinstance(value, bridges.Bridge)
 
 
 def _held_record(path: str, attribute: str, value: Any,
@@ -250,19 +272,31 @@ def _held_record(path: str, attribute: str, value: Any,
 
 
 def _kind_of(value: Any) -> str:
-    return "op" if isinstance(value, CustomBackward) else "recipe"
+    if isinstance(value, CustomBackward):
+        return "op"
+    return "recipe" if _is_recipe(value) else "bridge"
+
+
+def _is_recipe(value: Any) -> bool:
+    recipes = sys.modules.get("gradoverride.recipes._base")
+    return recipes is not None and isinstance(value, recipes.Recipe)
 
 
 def _name_of(value: Any) -> str:
     if isinstance(value, CustomBackward):
         return str(getattr(value, "__name__", value._name))
+    if not _is_recipe(value):
+        return f"bridge({value._name})"
     return one_line(repr(value))
 
 
 def _identity(value: Any) -> object:
-    """What tells two ops or recipes apart: an op by identity, a recipe by its settings
-    (one made at each call of a forward is one row)."""
-    return id(value) if isinstance(value, CustomBackward) else repr(value)
+    """What tells two ops, recipes or bridges apart: an op by identity, a bridge by its op's
+    (what its calls run), a recipe by its settings (one made at each call of a forward is
+    one row)."""
+    if isinstance(value, CustomBackward):
+        return id(value)
+    return repr(value) if _is_recipe(value) else id(value.op)
 
 
 def _called_in_forward(model: nn.Module, args: tuple[Any, ...],

@@ -9,18 +9,22 @@ While a recorder is started:
   `Node.register_hook`): it hands what that node got and returned to the recorder, exactly
   the override's own gradients, whatever else reads its inputs, with no identity op added
   and no tensor copied;
-* the row of an op called in a module's forward is that module's path, read from the call
-  stack (the nearest frame whose `self` is one of the model's modules);
+* the row of an op called in a module's forward is that module's path: global module
+  forward hooks, registered only while recording, keep each thread's stack of running
+  module calls, and the recipes push themselves on it (`recipe_call`), so the row is the
+  innermost module of the model on it and the recipe that made the call, however deep
+  below the module's forward the op is called;
 * each `grad_hook` transform in the model is wrapped, in place (the module hook's attribute,
   or the parameter's hook dict, which keeps its order among other hooks).
 
 Nothing is registered on the model itself, so a model saved or copied while recorded carries
-none of it. A step is one backward pass that reaches an override of the model: the
-gradients of a pass (autograd's graph task, so that two threads' passes running at once
-stay apart) are handed to the recorder's `sink` at its end (`queue_callback`), grouped by
-override; a pass that fails is handed on when autograd drops its callback, and a reentrant
-checkpoint's nested pass is part of the pass that recomputed it. With `every=N`, the ops
-of an unrecorded step only mark one node, whose backward counts the pass.
+none of it (the module hooks are torch's global ones, removed when recording stops). A step
+is one backward pass that reaches an override of the model: the gradients of a pass
+(autograd's graph task, so that two threads' passes running at once stay apart) are handed
+to the recorder's `sink` at its end (`queue_callback`), grouped by override; a pass that
+fails is handed on when autograd drops its callback, and a reentrant checkpoint's nested
+pass is part of the pass that recomputed it. With `every=N`, the ops of an unrecorded step
+only mark one node, whose backward counts the pass.
 
 Stopping restores every transform and leaves the list the ops consult: afterwards nothing
 of the recorder is left and an op call costs what it did before.
@@ -30,6 +34,8 @@ from __future__ import annotations
 
 import sys
 import threading
+import warnings
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,9 +43,13 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from torch.compiler import is_dynamo_compiling
+from torch.nn.modules.module import (
+    register_module_forward_hook,
+    register_module_forward_pre_hook,
+)
 
 from ._decorators import CustomBackward
-from ._errors import GradOverrideError
+from ._errors import GradOverrideError, GradOverrideWarning
 from ._function import RECORDERS
 from ._internals import graph_task_id, transforms_active
 from ._module import Module
@@ -78,8 +88,6 @@ class Gradients:
     aligned: bool = True
 
 
-# How many frames up from an op call to look for the module calling it.
-_FRAMES = 12
 _MARK: Any = object()  # a node of an unrecorded step: its backward only counts the pass
 
 
@@ -131,12 +139,15 @@ class Recorder:
         self.passes = 0
         self.paths: dict[int, str] = {}
         self._retransformed: list[tuple[Any, Any]] = []
-        # Places seen before (see `_seen_before`): (op, calling code) -> [(the codes of the
-        # frames up to the module's, the recipe argument's index or -1, the frame holding
-        # the recipe or -1)], and (op, module) -> (the recipe of the last call, its site).
-        # Ids of ops and modules, which stay alive.
-        self._known: dict[tuple[int, Any], list[tuple[tuple[Any, ...], int, int]]] = {}
-        self._by_owner: dict[tuple[int, int], tuple[Any, Site]] = {}
+        # The row of each op's (and recipe setting's) last call in a forward: the row of a
+        # call recomputing a checkpointed function inside a backward pass.
+        self._last: dict[tuple[Any, Any], Site] = {}
+        self._op_rows: dict[int, int] = {}  # see `_op_row`: by the ops' ids, while alive
+        self._reprs: dict[int, str] = {}  # see `_recipe_key`: by the recipes' ids, while alive
+        # The module hooks keeping each thread's call stack (see `_place`).
+        self._handles: list[Any] = []
+        self._warned_compiled = False
+        self.model_name = type(model).__name__
         self._positions: dict[str, int] = {}
         self._outside: set[int] = set()  # ids of modules met that are not in the model
         self._count = 0
@@ -167,12 +178,22 @@ class Recorder:
         self.paths = model_paths(self.model)
         self._positions = {path: k for k, path in enumerate(self.paths.values())}
         self._wrap_hook_transforms()
+        # Every module call, in the model or not (one added to it later, or a helper it
+        # calls), keeps this thread's call stack while recording: the path of an op's row
+        # is the innermost module of the model on it, however deep the op is called.
+        self._handles = [
+            register_module_forward_pre_hook(_entered),
+            register_module_forward_hook(_left, always_call=True),
+        ]
         RECORDERS.append(self)
         self.started = True
 
     def stop(self) -> None:
         if self in RECORDERS:
             RECORDERS.remove(self)
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
         for task in sorted(self._pending):
             self._flush(task)  # a backward pass still running in another thread
         for hook, transform in self._retransformed:
@@ -188,12 +209,17 @@ class Recorder:
                 kwargs: dict[str, Any], run: Callable[[], Any]) -> Any:
         """An op called while recording (eager): `run()` makes the call."""
         if self.substitute is not None:
-            site = self._site_of(op, args, 5)  # above _caller_path, _site_of, here, the op's two
+            site = self._site_of(op, args)
             if site is not None:
                 return self.substitute(site, op, args, kwargs)
         out = run()
-        if torch.is_grad_enabled() and not transforms_active():
-            self._observe(op, args, out, None)
+        if not transforms_active():
+            if torch.is_grad_enabled():
+                self._observe(op, args, out, None)
+            elif _stack():
+                # Under no_grad (a checkpoint's first forward): the row its recomputation,
+                # inside the backward pass, will belong to.
+                self._site_of(op, args)
         if self.on_call is not None:
             self._called(op, args)
         return out
@@ -214,6 +240,36 @@ class Recorder:
         site = self._module_site(module)
         if site is not None and not transforms_active():
             self._observe(op, (), out, site)
+
+    def new_forward(self) -> None:
+        """A module's call starts with none running in this thread: the modules met
+        outside the model are looked up again (one may have been added to it since)."""
+        if self._outside:
+            self._outside = set()
+
+    def compiled_call(self, module: nn.Module) -> None:
+        """A `torch.compile`d module (dynamo's wrapper, whose `_orig_mod` is the module it
+        compiles) was called: if it compiles the model or a part of it, the overrides it
+        runs are not recorded; warned once."""
+        inner = module._modules["_orig_mod"]
+        if self._warned_compiled or inner is None:
+            return
+        path = self.paths.get(id(inner))
+        if path is None:
+            path = self._path_of_new(inner)
+        if path is None:
+            return
+        self._warned_compiled = True
+        where = f"`{path}` of {self.model_name}" if path else self.model_name
+        msg = (
+            f"{self.purpose}: {where} runs compiled (torch.compile), and the overrides inside "
+            "a compiled call are not recorded: its backward is one compiled graph. To see "
+            "them, call the eager module in the steps you want recorded (`model`, not "
+            "`torch.compile(model)`; for example every N steps, inside the monitor). (A "
+            "warning from torch about global module hooks comes from this recorder's hooks, "
+            "removed when it stops.)"
+        )
+        warnings.warn(msg, GradOverrideWarning, stacklevel=2)
 
     def _wrap_hook_transforms(self) -> None:
         """Each grad_hook in the model records what its transform gets and gives."""
@@ -246,16 +302,16 @@ class Recorder:
         outer = current_pass()
         if outer >= 0 and outer not in self._pending:
             self._open(outer)  # (the outer pass is the one running: queued at its end)
-        if site is None:
-            site = self._seen_before(op, args)
+        if self.passes % self.every != 0:
+            # Not a recorded step: the hook only counts the backward pass when it runs (a
+            # call inside the model: where, and which row, does not matter).
+            if site is not None or self._place()[0] is not None:
+                node.register_hook(_NodeHook(self, _MARK, (), outer))
+            return
         if site is None:
             site = self._site_of(op, args)
             if site is None:
                 return  # called outside the model
-        if self.passes % self.every != 0:
-            # Not a recorded step: the hook only counts the backward pass when it runs.
-            node.register_hook(_NodeHook(self, _MARK, (), outer))
-            return
         # One gradient per tensor input, None where the input needs none; an attaching
         # Function (a rule owning some inputs) then passes its outputs' gradients on into
         # the ordinary graph, which are not the rule's.
@@ -264,81 +320,42 @@ class Recorder:
             needs = needs[: node.gradoverride[0].n_tensor_in]
         node.register_hook(_NodeHook(self, site, needs, outer))
 
-    def _seen_before(self, op: CustomBackward[..., Any], args: tuple[Any, ...]) -> Site | None:
-        """The site of a call from a place seen before: the same op, the same chain of
-        calling code up to the module's frame (compared frame by frame, so a helper called
-        from two modules, or a child's `forward` called directly, are told apart), the same
-        module and the same recipe argument; what `_site_of` found then, with one frame's
-        locals read. None for anything else, which `_site_of` resolves."""
-        start = sys._getframe(5)  # the op's caller (above this, _observe, op_call, the op's two)
-        places = self._known.get((id(op), start.f_code))
-        if places is None:
-            return None
-        for chain, at, at_frame in places:
-            frame: Any = start
-            recipe = None
-            for k, code in enumerate(chain):
-                if frame is None or frame.f_code is not code:
-                    break
-                if k == at_frame:
-                    recipe = frame.f_locals.get("self")
-                if k < len(chain) - 1:
-                    frame = frame.f_back
-            else:
-                entry = self._by_owner.get((id(op), id(frame.f_locals.get("self"))))
-                if entry is None:
-                    return None
-                subject, site = entry
-                if at_frame >= 0:
-                    return site if recipe is subject else None
-                if at < 0 or (at < len(args) and args[at] is subject):
-                    return site
-                return None  # another recipe object than last time (one made each call)
-        return None
+    def _place(self) -> tuple[str | None, Any]:
+        """Where an op called now runs: the path of the innermost module of the model whose
+        forward runs in this thread (None outside the model), and the innermost recipe
+        whose call is running inside it (a recipe's module form counts as its recipe), or
+        None. Read off this thread's call stack, which the recorder's module hooks and the
+        recipes keep."""
+        recipe: Any = None
+        for entry in reversed(_stack()):
+            if isinstance(entry, nn.Module):
+                if recipe is None and isinstance(entry, _recipe_module_type()):
+                    recipe = entry.recipe
+                path = self.paths.get(id(entry))
+                if path is None:
+                    path = self._path_of_new(entry)
+                if path is not None:
+                    return path, recipe
+            elif recipe is None:
+                recipe = entry
+        return None, recipe
 
     def _called(self, op: CustomBackward[..., Any], args: tuple[Any, ...]) -> None:
         if self.on_call is None:
             return
-        found = self._caller_path(5)  # above _caller_path, _called, op_call and the op's two
-        if found is None:
+        path, recipe = self._place()
+        if path is None:
             return
         subject, kind = _subject(op, args)
-        if kind == "op" and found[3] is not None:  # a recipe whose __call__ called the op
-            subject, kind = found[3][0], "recipe"
+        if kind == "op" and recipe is not None:  # a recipe whose call called the op
+            subject, kind = recipe, "recipe"
         if kind != "grad_hook":  # hooks: listed from the modules
-            self.on_call(found[0], subject)
-
-    def _caller_path(self, depth: int) -> tuple[str, Any, int, tuple[Any, int] | None] | None:
-        """The innermost module of the model whose forward (or hook) is running in this
-        thread: the nearest frame whose `self` is one of the model's modules, read off the
-        call stack (`depth` frames up is the op's caller); its path, the module, how many
-        frames above the caller it is, and the nearest recipe on the way (a frame whose
-        `self` is a recipe, with its distance: the recipe whose `__call__` called the op).
-        A hook on every module to track this would cost more than the override itself in a
-        small recurrent layer."""
-        paths = self.paths
-        recipe_type = _recipe_type()
-        recipe: tuple[Any, int] | None = None
-        frame: Any = sys._getframe(depth)
-        for distance in range(_FRAMES):
-            if frame is None:
-                return None
-            if frame.f_code.co_argcount:
-                owner = frame.f_locals.get("self")
-                path = paths.get(id(owner)) if owner is not None else None
-                if path is None and isinstance(owner, nn.Module):
-                    path = self._path_of_new(owner)
-                    paths = self.paths
-                if path is not None:
-                    return path, owner, distance, recipe
-                if recipe is None and isinstance(owner, recipe_type):
-                    recipe = (owner, distance)
-            frame = frame.f_back
-        return None
+            self.on_call(path, subject)
 
     def _path_of_new(self, module: nn.Module) -> str | None:
         """The path of a module added to the model after the recorder started (the paths
-        are read again), or None for a module outside the model (remembered)."""
+        are read again), or None for a module outside the model (remembered until the
+        next forward: it may be added to the model by then)."""
         if id(module) in self._outside:
             return None
         self.paths = model_paths(self.model)
@@ -363,41 +380,63 @@ class Recorder:
                                            index=self._next_index())
         return site
 
-    def _site_of(self, op: CustomBackward[..., Any], args: tuple[Any, ...],
-                 depth: int = 6) -> Site | None:
-        """The row of a call of `op` with `args`; `depth` frames up is the op's caller (6:
-        above _caller_path, _site_of, _observe, op_call and the op's two)."""
-        found = self._caller_path(depth)
-        if found is None:
-            return None  # called outside the model's forward
-        path, owner, distance, caller = found
+    def _site_of(self, op: CustomBackward[..., Any], args: tuple[Any, ...]) -> Site | None:
+        """The row of a call of `op` with `args`, or None for a call outside the model.
+
+        The recipes of one setting share a row (keyed by their repr), and an op made anew
+        at each forward call takes the row of the one made there before (see `_op_row`),
+        so that the rows and what they keep stay bounded however many are made. A call
+        inside a backward pass with no module of the model running (a checkpointed
+        function recomputing its forward) belongs to the row of the same op's last call in
+        a forward."""
+        path, recipe = self._place()
         subject, kind = _subject(op, args)
-        at_frame = -1
-        if kind == "op" and caller is not None:  # a recipe whose __call__ called the op
-            subject, kind = caller[0], "recipe"
-            at_frame = caller[1]
+        if kind == "op" and recipe is not None:  # a recipe whose call called the op
+            subject, kind = recipe, "recipe"
         if isinstance(subject, _MeasuredTransform):
             return None  # a grad_hook's transform, which records itself
-        # A recipe by its settings (its repr): one made at each call is still one row.
-        key = (id(op), path, repr(subject) if kind == "recipe" else id(subject))
+        code = _code_of(op)
+        if kind == "recipe":
+            what: Any = self._recipe_key(subject)
+        else:
+            what = None if kind == "op" else id(subject)
+        late = (code, what)
+        if path is None:
+            return self._last.get(late) if current_pass() >= 0 else None
+        if kind == "op":
+            what = self._op_row(op, code, path)
+        key = (code, path, what)
         site = self._sites.get(key)
         if site is None:
             site = self._sites[key] = self._make_site(path, subject, kind)
-        if depth == 6:  # from _observe: remember the place for `_seen_before`
-            at = -1 if subject is op or at_frame >= 0 else next(
-                (k for k, a in enumerate(args) if a is subject), len(args)
-            )
-            frame: Any = sys._getframe(depth - 1)  # the op's caller
-            chain = []
-            for _ in range(distance + 1):  # the codes up to the module's frame, included
-                chain.append(frame.f_code)
-                frame = frame.f_back
-            places = self._known.setdefault((id(op), chain[0]), [])
-            place = (tuple(chain), at, at_frame)
-            if place not in places:
-                places.append(place)
-            self._by_owner[(id(op), id(owner))] = (subject, site)
+        self._last[late] = site
         return site
+
+    def _recipe_key(self, recipe: Any) -> str:
+        """A recipe's repr (its settings: a recipe is frozen), read once per recipe object."""
+        key = self._reprs.get(id(recipe))
+        if key is None:
+            key = repr(recipe)
+            try:
+                weakref.finalize(recipe, self._reprs.pop, id(recipe), None)
+            except TypeError:
+                return key  # not weakly referenceable: read at each call
+            self._reprs[id(recipe)] = key
+        return key
+
+    def _op_row(self, op: Any, code: Any, path: str) -> int:
+        """Which of the ops made from one function (`code`) at `path` `op` is: ops alive at
+        once are told apart by the order of their first calls in a forward, and an op
+        made anew at each forward call is the same one as the op made in the forward
+        before at the same place (a row is not a new row each step)."""
+        row = self._op_rows.get(id(op))
+        if row is None:
+            fresh = _fresh()
+            row = fresh.get((code, path), 0)
+            fresh[(code, path)] = row + 1
+            self._op_rows[id(op)] = row
+            weakref.finalize(op, self._op_rows.pop, id(op), None)
+        return row
 
     def _next_index(self) -> int:
         self._count += 1
@@ -568,11 +607,107 @@ def _leaves(out: Any) -> Iterator[Any]:
     yield from pytree.tree_leaves(out)
 
 
-def _recipe_type() -> type:
-    """The recipes' base class, or a class nothing is an instance of before any recipe was
+def _recipe_module_type() -> type:
+    """The recipes' module form, or a class nothing is an instance of before any recipe was
     imported."""
     base = sys.modules.get("gradoverride.recipes._base")
-    return base.Recipe if base is not None else _Never
+    return base.RecipeModule if base is not None else _Never
+
+
+def _code_of(op: Any) -> Any:
+    """What one op's calls share with the ops made from the same function: its code."""
+    return getattr(getattr(op, "__wrapped__", None), "__code__", op)
+
+
+# -- each thread's call stack while recording ---------------------------------------------
+
+_THREAD = threading.local()
+
+
+def _stack() -> list[Any]:
+    """This thread's running module and recipe calls, outermost first."""
+    try:
+        return _THREAD.stack  # type: ignore[no-any-return]
+    except AttributeError:
+        stack: list[Any] = []
+        _THREAD.stack = stack
+        return stack
+
+
+def _fresh() -> dict[tuple[Any, str], int]:
+    """How many ops made from each function were first met at each path in this thread's
+    current outermost module call (see `Recorder._op_row`)."""
+    try:
+        return _THREAD.fresh  # type: ignore[no-any-return]
+    except AttributeError:
+        fresh: dict[tuple[Any, str], int] = {}
+        _THREAD.fresh = fresh
+        return fresh
+
+
+def _entered(module: nn.Module, args: Any) -> None:
+    if is_dynamo_compiling():
+        return  # compiled calls are not recorded (and a compiled graph keeps no stack)
+    stack = _stack()
+    if not stack:  # an outermost call: a new forward
+        _fresh().clear()
+        if _STARTED:
+            _STARTED[0].new_forward()
+    stack.append(module)
+    if "_orig_mod" in module._modules and _STARTED:
+        _STARTED[0].compiled_call(module)
+    if module._forward_hooks:
+        # torch runs the global forward hooks before the module's own: the module leaves
+        # the stack after its own forward hooks instead (ops they call are its rows).
+        _LeftLate(module)
+
+
+def _left(module: nn.Module, args: Any, out: Any) -> None:
+    if is_dynamo_compiling() or _LeftLate.pending(module):
+        return
+    _pop(module)
+
+
+class _LeftLate:
+    """A forward hook registered on a module with forward hooks of its own as its call
+    starts, so that it runs after them: takes the module off the stack, and itself off
+    the module."""
+
+    __slots__ = ("handle", "module")
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+        self.handle = module.register_forward_hook(self, always_call=True)
+
+    @staticmethod
+    def pending(module: nn.Module) -> bool:
+        return any(isinstance(hook, _LeftLate) for hook in module._forward_hooks.values())
+
+    def __call__(self, module: nn.Module, args: Any, out: Any) -> None:
+        self.handle.remove()
+        _pop(module)
+
+
+def _pop(module: nn.Module) -> None:
+    stack = _stack()
+    # Down to this module's entry: a hook that raised after ours ran leaves nothing behind.
+    # (Not there: the recorder started while this module's forward ran.)
+    for k in range(len(stack) - 1, -1, -1):
+        if stack[k] is module:
+            del stack[k:]
+            break
+
+
+def recipe_call(recipe: Any, call: Callable[..., Any], args: tuple[Any, ...],
+                kwargs: dict[str, Any]) -> Any:
+    """A recipe called while recording: its ops' rows name it."""
+    stack = _stack()
+    stack.append(recipe)
+    try:
+        return call(recipe, *args, **kwargs)
+    finally:
+        if stack and stack[-1] is recipe:
+            stack.pop()
 
 
 class _Never:

@@ -4,9 +4,13 @@ hand; and nothing of it is left once the `with` block ends."""
 
 from __future__ import annotations
 
+import gc
 import math
 import pickle
 import threading
+import warnings
+import weakref
+from typing import Any
 
 import pytest
 import torch
@@ -373,6 +377,7 @@ def test_nothing_is_left_after_the_block() -> None:
         layer(torch.randn(2, 3)).sum().backward()
         assert go._function.RECORDERS
     assert not go._function.RECORDERS  # what the ops consult
+    assert not torch.nn.modules.module._has_any_global_hook()  # the recorder's module hooks
     assert type(inner) is before_class and vars(inner) == before_state
     function = type(model.act(torch.randn(2, requires_grad=True)).grad_fn)._forward_cls
     assert function.__dict__["backward"].__func__.__name__ == "backward"
@@ -411,6 +416,8 @@ def test_torch_func_transforms_run_unrecorded_with_their_gradients() -> None:
 
 @pytest.mark.compile
 @pytest.mark.filterwarnings("ignore:.*should not be instantiated:DeprecationWarning")  # dynamo's
+# torch's, about the recorder's global module hooks (which its own warning explains):
+@pytest.mark.filterwarnings("ignore:Using `torch.compile.module.` when there are global hooks")
 def test_compiled_steps_run_unrecorded_with_their_gradients() -> None:
     torch.manual_seed(0)
     model = Binarized()
@@ -420,7 +427,16 @@ def test_compiled_steps_run_unrecorded_with_their_gradients() -> None:
     expected = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
     with go.monitor(model) as mon:
-        compiled(x).sum().backward()
+        with pytest.warns(go.GradOverrideWarning, match=r"go\.monitor of Binarized: "
+                          r"Binarized runs compiled \(torch\.compile\), and the overrides "
+                          r"inside a compiled call are not recorded.*`model`, not "
+                          r"`torch\.compile\(model\)`"):
+            compiled(x).sum().backward()
+        model.zero_grad()
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            compiled(x).sum().backward()
+        assert not [w for w in seen if w.category is go.GradOverrideWarning]  # warned once
     assert mon.history == {}
     assert "steps compiled with torch.compile" in str(mon.summary())
     for p, e in zip(model.parameters(), expected, strict=True):
@@ -800,8 +816,9 @@ def test_two_overrides_with_one_name_in_one_module_are_two_rows() -> None:
 
 
 def test_rows_stay_at_their_module_over_steps() -> None:
-    # The second step resolves rows from the places the first one met: a helper called
-    # from the model, a child's forward called directly, a loop, a forward hook.
+    # Rows by the module whose call runs: a helper called from the model, a child's
+    # forward called directly (not through `__call__`, so no module call of its own: its
+    # ops are the caller's), the child called, a loop, a forward hook; the same over steps.
     spike = recipes.spike()
 
     def helper(x):
@@ -821,7 +838,7 @@ def test_rows_stay_at_their_module_over_steps() -> None:
 
         def forward(self, x):
             a = (lambda t: helper(t))(x)
-            b = self.child.forward(x)  # not through __call__
+            b = self.child.forward(x) + self.child(x)
             for block in self.blocks:
                 x = spike(block(x))
             return a.sum() + b.sum() + self.hooked(x).sum()
@@ -832,7 +849,7 @@ def test_rows_stay_at_their_module_over_steps() -> None:
             model(torch.randn(2, 3, requires_grad=True)).backward()
     calls = {label: [r.calls for r in records] for label, records in mon.history.items()}
     assert calls == {
-        f"(model): {spike!r}": [3, 3, 3],
+        f"(model): {spike!r}": [4, 4, 4],
         f"child: {spike!r}": [1, 1, 1],
         "hooked: ste_round()": [1, 1, 1],
     }
@@ -864,3 +881,187 @@ def test_a_recipe_with_tensor_settings_is_a_one_line_row() -> None:
     assert "\n" not in label and label.startswith("(model): ste_clamp(")
     table = str(go.overrides(nn.Sequential(clamp.module())))
     assert len(table.splitlines()) == 4, table  # title, header, rule, one row
+
+
+# -- where a row is: the module whose call runs, however the override is reached ----------
+
+
+BIN = repr(recipes.binarize())  # binarize(clip=1.0, ...)
+
+
+def _deep(x: torch.Tensor, act, depth: int) -> torch.Tensor:
+    return act(x) if depth == 0 else _deep(x, act, depth - 1)
+
+
+def test_an_override_called_far_below_a_module_forward_is_its_row() -> None:
+    class Deep(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.act = recipes.binarize()
+
+        def forward(self, x):
+            return _deep(x, self.act, 20)  # 20 helper frames below the forward
+
+    model = nn.Sequential(nn.Linear(4, 4), Deep())
+    with go.monitor(model) as mon:
+        (3 * model(torch.randn(5, 4))).sum().backward()
+    [records] = mon.history.values()
+    assert list(mon.history) == [f"1: {BIN}"]
+    # The loss's gradient at the op's output: 3 at each of 20 elements.
+    assert records[0].grad_in == pytest.approx(3 * math.sqrt(20))
+
+
+_SEGMENT_ACT = recipes.binarize()
+
+
+def _segment(h: torch.Tensor) -> torch.Tensor:
+    return 2 * _SEGMENT_ACT(h)
+
+
+@pytest.mark.filterwarnings("ignore:.*use_reentrant:UserWarning")
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_an_override_in_a_checkpointed_function_is_recorded(reentrant: bool) -> None:
+    # A reentrant checkpoint runs the function under no_grad and again inside the backward
+    # pass, where no module's call runs: the recomputed call is the row of the first.
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 6)
+
+        def forward(self, x):
+            return torch.utils.checkpoint.checkpoint(_segment, self.fc(x),
+                                                     use_reentrant=reentrant)
+
+    model = Model()
+    with go.monitor(model) as mon:
+        for _ in range(2):
+            model(torch.randn(5, 4)).sum().backward()
+    assert list(mon.history) == [f"(model): {BIN}"]
+    records = mon.history[f"(model): {BIN}"]
+    assert [(r.step, r.calls) for r in records] == [(0, 1), (1, 1)]
+    assert records[0].grad_in == pytest.approx(2 * math.sqrt(30))  # 2 at each of 30
+
+
+def test_a_module_called_outside_the_model_then_added_is_recorded() -> None:
+    torch.manual_seed(0)
+    late = Binarized()
+    model = nn.ModuleList([Binarized()])
+    x = torch.randn(3, 4)
+    with go.monitor(model) as mon:
+        late(x).sum().backward()  # not the model's yet: not a step
+        model.append(late)
+        for _ in range(2):
+            sum(m(x).sum() for m in model).backward()
+    assert sorted(mon.history) == [f"0: {BIN}", f"1: {BIN}"]
+    assert [r.step for r in mon.history[f"1: {BIN}"]] == [0, 1]
+
+
+def test_an_op_made_at_each_forward_is_one_row_and_not_kept() -> None:
+    made: list[weakref.ref[Any]] = []
+
+    class PerCall(nn.Module):
+        def forward(self, x):
+            @go.custom_backward
+            def doubled_grad(x):
+                return x.clone()
+
+            @doubled_grad.backward
+            def _(grad, *, x):
+                return 2 * grad
+
+            made.append(weakref.ref(doubled_grad))
+            return doubled_grad(x) + doubled_grad(x)  # one op, two calls
+
+    model = nn.Sequential(nn.Linear(3, 3), PerCall())
+    with go.monitor(model) as mon:
+        for _ in range(30):
+            model(torch.randn(2, 3)).sum().backward()
+        gc.collect()
+        alive = [r for r in made if r() is not None]
+    assert list(mon.history) == ["1: doubled_grad"]
+    assert [r.calls for r in mon.history["1: doubled_grad"]] == [2] * 30
+    assert len(alive) <= 2  # the row's own and the last step's, not one per step
+
+
+def test_two_ops_made_at_each_forward_are_two_rows() -> None:
+    class Two(nn.Module):
+        def forward(self, x):
+            ops = []
+            for factor in (2.0, 3.0):
+                @go.custom_backward
+                def scaled_grad(x, factor=factor):
+                    return x.clone()
+
+                @scaled_grad.backward
+                def _(grad, *, factor):
+                    return factor * grad
+
+                ops.append(scaled_grad)
+            return ops[0](x) + ops[1](x)
+
+    model = nn.Sequential(nn.Linear(3, 3), Two())
+    with go.monitor(model) as mon:
+        for _ in range(3):
+            model(torch.randn(2, 3)).sum().backward()
+    assert list(mon.history) == ["1: scaled_grad", "1: scaled_grad #2"]
+    for records, factor in zip(mon.history.values(), (2.0, 3.0), strict=True):
+        # 1 arrives at each of 6 elements and `factor` goes back.
+        assert [r.grad_out for r in records] == pytest.approx([factor * math.sqrt(6)] * 3)
+
+
+# -- gradients of every kind ---------------------------------------------------------------
+
+
+def test_sparse_gradients_are_recorded() -> None:
+    # nn.Embedding(sparse=True): the rows looked up get the gradient. Looked up: 1 once and
+    # 2 twice, so with a loss of sum() row 1 gets ones and row 2 twos (4 wide).
+    expected_in = math.sqrt(4 * 1 + 4 * 4)
+    hooked = nn.Embedding(10, 4, sparse=True)
+    go.grad_hook(hooked, recipes.scale_grad(0.5), at="parameters")
+
+    def rule(grad, *, input, weight):
+        rows = 3 * grad.reshape(-1, 4)
+        return {"weight": torch.sparse_coo_tensor(input.reshape(1, -1), rows, weight.shape,
+                                                  check_invariants=True)}
+
+    overridden = nn.Embedding(10, 4, sparse=True)
+    go.override_backward(overridden, rule)
+    model = nn.ModuleList([hooked, overridden])
+    with go.monitor(model) as mon:
+        sum(m(torch.tensor([1, 2, 2])).sum() for m in model).backward()
+    [hook_record] = mon.history["0: grad_hook(scale_grad(scale=0.5)) at parameters"]
+    assert hook_record.grad_in == pytest.approx(expected_in)
+    assert hook_record.grad_out == pytest.approx(0.5 * expected_in)
+    assert hook_record.zeroed == 0.0
+    [rule_record] = mon.history["1: Embedding"]
+    assert rule_record.grad_in == pytest.approx(math.sqrt(12))  # ones at the 3 looked-up rows
+    assert rule_record.grad_out == pytest.approx(3 * expected_in)
+    assert hooked.weight.grad.is_sparse and overridden.weight.grad.is_sparse
+
+
+def test_complex_gradients_keep_their_imaginary_part() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(recipes.scale_grad(2.0).module())
+    z = torch.randn(3, 2, dtype=torch.complex64, requires_grad=True)
+    with go.monitor(model) as mon:
+        (model(z) * (1 + 2j)).real.sum().backward()
+    [record] = _only(mon)
+    # d(Re((1+2i) z))/dz, by PyTorch's convention, is conj(1+2i) = 1-2i at each element.
+    assert record.grad_in == pytest.approx(math.sqrt(6 * 5))
+    assert record.grad_out == pytest.approx(2 * math.sqrt(6 * 5))
+    torch.testing.assert_close(z.grad, torch.full((3, 2), 2 - 4j))
+
+
+def test_a_recipe_module_form_is_the_recipe_row() -> None:
+    model = nn.Sequential(nn.Linear(3, 3), recipes.reverse_grad(0.5).module(),
+                          recipes.scale_grad(2.0).module())
+    with go.monitor(model) as mon:
+        model(torch.randn(2, 3)).sum().backward()
+    assert [(row.label, row.kind) for row in mon.summary().rows] == [
+        ("1: reverse_grad(scale=0.5)", "recipe"),
+        ("2: scale_grad(scale=2.0)", "recipe"),
+    ]
+    # Each element: 1 arrives at the output, 2 at scale_grad's input, -0.5 * 2 below.
+    [reversal] = mon.history["1: reverse_grad(scale=0.5)"]
+    assert (reversal.grad_in, reversal.grad_out) == pytest.approx((2 * math.sqrt(6),
+                                                                   math.sqrt(6)))

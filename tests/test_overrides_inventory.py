@@ -199,3 +199,30 @@ def test_a_recipe_made_at_each_call_is_one_row() -> None:
     assert _rows(go.overrides(Inline(), torch.randn(3))) == [
         ("", "recipe", "ste_round()", "called 2x in forward", True),
     ]
+
+
+def test_recipes_ops_and_bridges_held_in_containers_are_listed() -> None:
+    import numpy as np
+
+    sine = go.bridge(np.sin, backward=lambda grad, *, x: grad * np.cos(x))
+
+    class Holder(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.quantizers = [recipes.ste_round(), recipes.binarize()]
+            self.by_name = {"act": recipes.spike()}
+            self.sine = sine
+            self.ops = (twice,)
+
+        def forward(self, x):
+            return self.sine(self.quantizers[0](x))
+
+    model = nn.Sequential(Holder())
+    rows = _rows(go.overrides(model, torch.randn(2, 3)))
+    assert rows == [
+        ("0", "recipe", "ste_round()", "attribute `quantizers[0]`", True),
+        ("0", "recipe", repr(recipes.binarize()), "attribute `quantizers[1]`", False),
+        ("0", "recipe", repr(recipes.spike()), "attribute `by_name['act']`", False),
+        ("0", "bridge", "bridge(sin)", "attribute `sine`", True),
+        ("0", "op", "twice", "attribute `ops[0]`", False),
+    ]

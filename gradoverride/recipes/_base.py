@@ -22,15 +22,19 @@ Two kinds:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+from collections.abc import Callable
 from typing import Any
 
 from torch import Tensor, nn
+from torch.compiler import is_dynamo_compiling
 
 from .._backends import backend
 from .._decorators import custom_backward
 from .._errors import GradOverrideError
 from .._frameworks import autograph_artifact, is_tensorflow
+from .._function import RECORDERS
 from .._jit import refuse_scripting
 from .._passthrough import passthrough
 
@@ -46,6 +50,11 @@ class Recipe:
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
+        # While a model is recorded (go.monitor, go.overrides, gradient_report), a recipe's
+        # call tells the recorder that the ops it calls are this recipe's: their row names
+        # it. Otherwise the call goes straight through.
+        if "__call__" in cls.__dict__:
+            cls.__call__ = _told_to_recorder(cls.__dict__["__call__"])  # type: ignore[method-assign]
         # Its methods too (`spike.preset(...)` in a tf.function): AutoGraph looks at the
         # function behind a bound method, not at the class.
         autograph_artifact(cls)
@@ -64,6 +73,26 @@ class Recipe:
             if f.repr
         )
         return f"{type(self).__name__}({fields})"
+
+
+def _told_to_recorder(call: Callable[..., Any]) -> Callable[..., Any]:
+    """A recipe class's `__call__`, telling a recorder that the call runs (see
+    `Recipe.__init_subclass__`)."""
+
+    @functools.wraps(call)
+    def __call__(self: Recipe, *args: Any, **kwargs: Any) -> Any:
+        if RECORDERS and not is_dynamo_compiling():
+            return recipe_call(self, call, args, kwargs)
+        return call(self, *args, **kwargs)
+
+    return __call__
+
+
+def recipe_call(recipe: Recipe, call: Callable[..., Any], args: tuple[Any, ...],
+                kwargs: dict[str, Any]) -> Any:
+    from .._recorder import recipe_call as recorded  # the recorder is running: imported
+
+    return recorded(recipe, call, args, kwargs)
 
 
 def _transformed(grad: Tensor, *, transform: GradientTransform) -> Tensor:
