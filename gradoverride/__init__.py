@@ -27,23 +27,25 @@ if TYPE_CHECKING:
     from . import testing as testing
     from ._bridge import Bridge, bridge, finite_differences, spsa
     from ._hooks import HookHandle, grad_hook
-    from ._inventory import OverrideRecord, Overrides, overrides
-    from ._monitor import Monitor, MonitorSummary, StepRecord, SummaryRow, monitor
+    from .diagnostics._inventory import OverrideRecord, Overrides, overrides
+    from .diagnostics._monitor import Monitor, MonitorSummary, StepRecord, SummaryRow, monitor
 
 __version__ = "0.2.0.dev0"
 
 # Loaded on first use (`import gradoverride` has a budget of 50 ms on top of `import torch`,
 # and must import neither TensorFlow nor torch._dynamo): `go.bridge` and its estimators,
-# `go.grad_hook`, and the subpackages `go.recipes`, `go.testing` and `go.keras` (which imports
-# TensorFlow and Keras).
+# `go.grad_hook`, the diagnostics, and the subpackages `go.recipes`, `go.testing`,
+# `go.diagnostics` and `go.keras` (which imports TensorFlow and Keras).
 _LAZY = {
     "Bridge": "_bridge", "bridge": "_bridge", "finite_differences": "_bridge", "spsa": "_bridge",
     "HookHandle": "_hooks", "grad_hook": "_hooks",
-    "Monitor": "_monitor", "MonitorSummary": "_monitor", "StepRecord": "_monitor",
-    "SummaryRow": "_monitor", "monitor": "_monitor",
-    "OverrideRecord": "_inventory", "Overrides": "_inventory", "overrides": "_inventory",
+    "Monitor": "diagnostics._monitor", "MonitorSummary": "diagnostics._monitor",
+    "StepRecord": "diagnostics._monitor", "SummaryRow": "diagnostics._monitor",
+    "monitor": "diagnostics._monitor",
+    "OverrideRecord": "diagnostics._inventory", "Overrides": "diagnostics._inventory",
+    "overrides": "diagnostics._inventory",
 }
-_SUBPACKAGES = ("recipes", "testing", "keras")
+_SUBPACKAGES = ("recipes", "testing", "keras", "diagnostics")
 
 
 def __getattr__(name: str) -> Any:

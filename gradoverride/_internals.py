@@ -35,11 +35,12 @@ Private torch pieces used elsewhere, each with a test that fails if it goes miss
   cannot read) from real ones, to refuse a bridge under `torch.func` by name.
 * `torch._C._get_tracing_state` (`is_tracing`): whether `torch.jit.trace` is recording (the
   C call under `torch.jit.is_tracing`, which mypy sees untyped).
-* `torch.autograd.Variable._execution_engine.queue_callback` (`_recorder.py`): run a function
-  when the backward pass ends (what DDP's reducer uses); and `torch._C._current_graph_task_id`
-  (`graph_task_id`), which backward pass is running, so that the monitor keeps each pass's
-  gradients apart (two threads' passes, a failed pass; without it they would share a step).
-* `torch._foreach_norm`, `_foreach_sign`, `_foreach_mul` (`_grad_statistics.py`): the
+* `torch.autograd.Variable._execution_engine.queue_callback` (`diagnostics/_recorder.py`): run
+  a function when the backward pass ends (what DDP's reducer uses); and
+  `torch._C._current_graph_task_id` (`graph_task_id`), which backward pass is running, so that
+  the monitor keeps each pass's gradients apart (two threads' passes, a failed pass; without
+  it they would share a step).
+* `torch._foreach_norm`, `_foreach_sign`, `_foreach_mul` (`diagnostics/_statistics.py`): the
   multi-tensor calls the monitor reduces gradients with.
 * `torch._C._set_grad_enabled` (`set_grad_enabled`, `_override.py`): what
   `torch.set_grad_enabled(mode)` does, without making the context-manager object (the

@@ -17,7 +17,7 @@ import keras  # after tf_support, which skips this module without TensorFlow
 
 import gradoverride as go
 from gradoverride import recipes
-from gradoverride._inventory import OverrideRecord
+from gradoverride.diagnostics._inventory import OverrideRecord
 from gradoverride.keras import GradientReversal, Layer, Quantize, Spike
 
 Record = OverrideRecord

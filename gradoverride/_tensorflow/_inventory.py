@@ -18,8 +18,8 @@ import keras
 from keras.src.models.functional import Functional  # not exported by `keras` itself
 
 from .._decorators import CustomBackward
-from .._inventory import OverrideRecord, _held, _held_record
-from .._recorder import describe_transform
+from ..diagnostics._inventory import OverrideRecord, _held, _held_record
+from ..diagnostics._recorder import describe_transform
 from ._keras_modules import _HookedCall, _OverriddenCall, _wrappers
 from ._layer import Layer
 

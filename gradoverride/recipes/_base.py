@@ -90,7 +90,7 @@ def _told_to_recorder(call: Callable[..., Any]) -> Callable[..., Any]:
 
 def recipe_call(recipe: Recipe, call: Callable[..., Any], args: tuple[Any, ...],
                 kwargs: dict[str, Any]) -> Any:
-    from .._recorder import recipe_call as recorded  # the recorder is running: imported
+    from ..diagnostics._recorder import recipe_call as recorded  # the recorder is running: imported
 
     return recorded(recipe, call, args, kwargs)
 

@@ -12,7 +12,7 @@ import torch
 from torch import Tensor, nn
 
 from .._errors import GradOverrideError, GradOverrideTypeError
-from .._recorder import Site, model_paths
+from ..diagnostics._recorder import Site, model_paths
 from ._mismatch_report import GradientReport, MismatchRow
 from ._mismatch_runs import (
     CallRecord,
@@ -479,7 +479,7 @@ def _comparable(found: _Found, labels: Mapping[Site, str],
 def _hook_rows(model: nn.Module) -> list[_Row]:
     """A row for each grad_hook: it changes gradients only (no forward of its own to
     replace, no input of its own to perturb), so it is listed, not compared."""
-    from .._inventory import _hook_records
+    from ..diagnostics._inventory import _hook_records
 
     rows: list[_Row] = []
     for path, module in model.named_modules():

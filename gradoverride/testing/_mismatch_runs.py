@@ -29,7 +29,7 @@ from torch import Tensor, nn
 
 from .._decorators import CustomBackward
 from .._errors import GradOverrideError
-from .._recorder import Recorder, Site
+from ..diagnostics._recorder import Recorder, Site
 
 __all__ = ["CallRecord", "Runner", "SiteRecord"]
 
@@ -190,7 +190,7 @@ def _restore_plain_state(saved: _PlainState) -> None:
 def _refuse_active_monitor(model: nn.Module) -> None:
     """A go.monitor recording the model has swapped the op classes: the report's recorder
     would then see no override call."""
-    monitors = sys.modules.get("gradoverride._monitor")
+    monitors = sys.modules.get("gradoverride.diagnostics._monitor")
     if monitors is not None and monitors._ACTIVE:
         msg = (
             f"gradient_report({type(model).__name__}, ...) cannot run while a go.monitor is "

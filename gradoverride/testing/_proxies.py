@@ -38,8 +38,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .._recorder import Site
 from .._straight_through import Inclusive
+from ..diagnostics._recorder import Site
 from ._inputs import function_name
 
 __all__ = ["Proxy", "builtin_proxy", "recipe_of"]

@@ -6,7 +6,7 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ._errors import GradOverrideError
+from .._errors import GradOverrideError
 
 if TYPE_CHECKING:
     from ._monitor import StepRecord

@@ -10,11 +10,11 @@ from typing import Any, overload
 import torch
 from torch import nn
 
-from ._decorators import CustomBackward, CustomBackwardModule
-from ._errors import GradOverrideError, GradOverrideTypeError
-from ._frameworks import is_keras_layer
-from ._signature import describe
-from ._table import format_table, one_line
+from .._decorators import CustomBackward, CustomBackwardModule
+from .._errors import GradOverrideError, GradOverrideTypeError
+from .._frameworks import is_keras_layer
+from .._signature import describe
+from .._table import format_table, one_line
 
 __all__ = ["OverrideRecord", "Overrides", "overrides"]
 
@@ -139,7 +139,7 @@ def overrides(model: Any, *example_args: Any, **example_kwargs: Any) -> Override
                     "the overrides of the model's layers."
                 )
                 raise GradOverrideError(msg)
-            from ._backends import backend
+            from .._backends import backend
 
             layers: list[OverrideRecord] = backend("tensorflow").keras_overrides(model)
             return Overrides(type(model).__name__, layers)
@@ -171,8 +171,8 @@ def overrides(model: Any, *example_args: Any, **example_kwargs: Any) -> Override
 
 
 def _module_records(path: str, module: nn.Module) -> list[OverrideRecord]:
-    from ._module import Module
-    from ._override import overrides_of
+    from .._module import Module
+    from .._override import overrides_of
 
     records = []
     rule = getattr(type(module), "_gradoverride_rule", None)

@@ -9,10 +9,10 @@ from pathlib import Path
 
 from torch import nn
 
-from ._errors import GradOverrideError, GradOverrideTypeError
-from ._grad_statistics import FIELDS, GradientStatistics
+from .._errors import GradOverrideError, GradOverrideTypeError
+from .._table import format_table
 from ._recorder import Gradients, Recorder, Site
-from ._table import format_table
+from ._statistics import FIELDS, GradientStatistics
 
 __all__ = ["Monitor", "MonitorSummary", "StepRecord", "SummaryRow", "monitor"]
 
@@ -127,7 +127,7 @@ class Monitor:
         """Write a PNG of the gradient flow through the overrides over the steps: the norm
         returned by each override (and, dashed, the norm arriving), and below, the zeroed
         fraction. Needs matplotlib (`pip install gradoverride[plot]`). Returns the path."""
-        from ._monitor_plot import plot_history
+        from ._plot import plot_history
 
         return plot_history(self.history, Path(path), type(self._model).__name__)
 
@@ -269,7 +269,7 @@ def monitor(model: nn.Module, *, every: int = 1) -> Monitor:
     overrides). One recording at a time: a second monitor, of any model, raises.
     """
     if not isinstance(model, nn.Module):
-        from ._frameworks import is_keras_layer
+        from .._frameworks import is_keras_layer
 
         if is_keras_layer(model):
             msg = (

@@ -48,13 +48,13 @@ from torch.nn.modules.module import (
     register_module_forward_pre_hook,
 )
 
-from ._decorators import CustomBackward
-from ._errors import GradOverrideError, GradOverrideWarning
-from ._function import RECORDERS
-from ._internals import graph_task_id, transforms_active
-from ._module import Module
-from ._signature import describe
-from ._table import one_line
+from .._decorators import CustomBackward
+from .._errors import GradOverrideError, GradOverrideWarning
+from .._function import RECORDERS
+from .._internals import graph_task_id, transforms_active
+from .._module import Module
+from .._signature import describe
+from .._table import one_line
 
 __all__ = ["Gradients", "Recorder", "Site", "model_paths"]
 
