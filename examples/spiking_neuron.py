@@ -110,7 +110,8 @@ def main(epochs: int = 80, plot: str | None = None) -> tuple[float, float]:
         if importlib.util.find_spec("matplotlib") is None:
             print("matplotlib is not installed: no plot (pip install 'gradoverride[plot]')")
         else:
-            print(f"wrote {monitor.plot(plot)}")
+            monitor.plot(plot)
+            print(f"wrote {plot}")
     return losses[0], losses[-1]
 
 

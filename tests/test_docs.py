@@ -33,6 +33,14 @@ _NO_TENSORFLOW = (
     and os.environ.get("GRADOVERRIDE_REQUIRE_TENSORFLOW") != "1"
 )
 _TENSORFLOW_MARKERS = ("import tensorflow", "gradoverride.keras", "import keras")
+# The trainers and loggers the diagnostics page hooks the monitor into (the `integrations`
+# extra): their blocks skip where the package is missing, unless CI requires them.
+_INTEGRATIONS = {
+    "from torch.utils.tensorboard": "tensorboard",
+    "import lightning": "lightning",
+    "import transformers": "transformers",
+}
+_REQUIRE_INTEGRATIONS = os.environ.get("GRADOVERRIDE_REQUIRE_INTEGRATIONS") == "1"
 
 
 def _relative(path: Path) -> str:
@@ -53,12 +61,19 @@ def test_the_pages_have_examples() -> None:
 # torch.compile itself instantiates autograd Functions (a DeprecationWarning inside torch),
 # as the compile tests also allow.
 @pytest.mark.filterwarnings("ignore:.*should not be instantiated:DeprecationWarning")
+# Lightning's, about torch's pytree, and the HuggingFace Trainer's DataLoader on a CPU.
+@pytest.mark.filterwarnings("ignore:.*LeafSpec.*:FutureWarning")
+@pytest.mark.filterwarnings("ignore:'pin_memory' argument is set as true:UserWarning")
 @pytest.mark.parametrize("example", EXAMPLES, ids=_id)
 def test_example_runs_and_prints_what_the_page_shows(
     example: CodeExample, eval_example: EvalExample
 ) -> None:
     if _NO_TENSORFLOW and any(marker in example.source for marker in _TENSORFLOW_MARKERS):
         pytest.skip("TensorFlow is not installed (pip install 'gradoverride[tensorflow]')")
+    for marker, package in _INTEGRATIONS.items():
+        if (marker in example.source and not _REQUIRE_INTEGRATIONS
+                and importlib.util.find_spec(package) is None):
+            pytest.skip(f"{package} is not installed (pip install 'gradoverride[integrations]')")
     eval_example.set_config(line_length=100)
     try:
         if eval_example.update_examples:

@@ -652,8 +652,17 @@ def test_plot_writes_a_png(tmp_path) -> None:
     with go.monitor(model) as mon:
         for _ in range(3):
             model(torch.randn(8, 4)).sum().backward()
-    path = mon.plot(tmp_path / "flow.png")
-    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    figure = mon.plot(tmp_path / "flow.png")
+    assert (tmp_path / "flow.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    from matplotlib.figure import Figure
+
+    assert isinstance(figure, Figure)  # for TensorBoard's add_figure or wandb.Image
+    # Drawn without a path: nothing written, the figure's lines are the records.
+    norms = mon.plot().axes[0]
+    [(label, records)] = mon.history.items()
+    assert list(norms.lines[0].get_ydata()) == [r.grad_out for r in records]
+    assert norms.lines[0].get_label() == label
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["flow.png"]
     with pytest.raises(go.GradOverrideError, match="writes a PNG; got the path"):
         mon.plot(tmp_path / "flow.jpg")
 
@@ -1065,3 +1074,83 @@ def test_a_recipe_module_form_is_the_recipe_row() -> None:
     [reversal] = mon.history["1: reverse_grad(scale=0.5)"]
     assert (reversal.grad_in, reversal.grad_out) == pytest.approx((2 * math.sqrt(6),
                                                                    math.sqrt(6)))
+
+
+# -- reading while training ---------------------------------------------------------------
+
+
+def _step(model: nn.Module, scale: float) -> None:
+    (scale * model(torch.randn(8, 4))).sum().backward()
+
+
+def test_latest_and_since_read_only_the_new_steps() -> None:
+    torch.manual_seed(0)
+    model = Binarized()
+    with go.monitor(model) as mon:
+        assert mon.latest() == {} and mon.since(0) == {} and mon.scalars() == {}
+        for k in range(5):
+            _step(model, float(k + 1))
+            [(label, latest)] = mon.latest().items()
+            assert latest.step == k
+            # The loss's gradient at the output layer's input is scale * out.weight.
+            assert latest.grad_in == pytest.approx(
+                (k + 1) * math.sqrt(8) * float(model.out.weight.detach().norm()), rel=1e-5)
+        assert [r.step for r in mon.since(3)[label]] == [3, 4]
+        assert mon.since(5) == {}
+        assert mon.since(0)[label] == mon.history[label]
+
+
+def test_max_steps_bounds_the_history_not_the_summary() -> None:
+    torch.manual_seed(0)
+    model = Binarized()
+    kept = go.monitor(model, max_steps=3)
+    every = go.monitor(Binarized())
+    with kept:
+        for k in range(7):
+            _step(model, float(k + 1))
+    [records] = kept.history.values()
+    assert [r.step for r in records] == [4, 5, 6]
+    [row] = kept.summary().rows
+    assert (row.steps, row.calls) == (7, 7)
+    # The mean over all 7 steps: the loss scale grows 1..7 with the same weights.
+    assert row.grad_in == pytest.approx(sum(range(1, 8)) / 7 / 7 * records[-1].grad_in)
+    assert "max_steps" not in repr(every)
+    with pytest.raises(go.GradOverrideTypeError, match=r"go.monitor: `max_steps` must be a "
+                       r"positive integer .* got 0\."):
+        go.monitor(model, max_steps=0)
+
+
+def test_scalars_are_metric_keys_of_the_latest_step() -> None:
+    torch.manual_seed(0)
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.encoder = nn.Sequential(nn.Linear(4, 4), recipes.binarize().module())
+            self.head = nn.Linear(4, 1)
+            go.grad_hook(self.head, recipes.scale_grad(0.5), at="inputs")
+            go.grad_hook(self.head, recipes.reverse_grad(), at="parameters")
+
+        def forward(self, x):
+            return self.head(self.encoder(x))
+
+    model = Net()
+    with go.monitor(model) as mon:
+        _step(model, 1.0)
+        first = mon.scalars()
+        _step(model, 2.0)
+        second = mon.scalars(prefix="train/go")
+    latest = mon.latest()
+    assert sorted({k.rsplit("/", 1)[0] for k in first}) == [
+        "gradoverride/encoder.1",
+        "gradoverride/head",
+        "gradoverride/head.grad_hook_reverse_grad_scale_1.0_at_parameters",
+    ]
+    assert sorted({k.rsplit("/", 1)[1] for k in first}) == [
+        "calls", "grad_in", "grad_out", "nonfinite", "zeroed"]
+    # The same keys, another prefix, the latest step's numbers.
+    assert sorted(second) == sorted(k.replace("gradoverride/", "train/go/") for k in first)
+    label = f"encoder.1: {recipes.binarize()!r}"
+    assert second["train/go/encoder.1/grad_in"] == latest[label].grad_in
+    assert second["train/go/encoder.1/zeroed"] == latest[label].zeroed
+    assert all(isinstance(v, float) for v in second.values())

@@ -1,8 +1,10 @@
 """Seeing what every gradient override in a model does: `go.overrides` lists them,
 `go.monitor` records the gradients each one gets and gives while training.
 
-`gradoverride.diagnostics` holds them and the hookups to the trainers people use; the
-monitor and the inventory are also at the top level (`go.monitor`, `go.overrides`).
+`gradoverride.diagnostics` holds them and the hookups to the trainers people use
+(`LightningMonitor`, a PyTorch Lightning callback, and `HuggingFaceMonitor`, a `Trainer`
+callback; each imports its framework at first use). The monitor and the inventory are also
+at the top level (`go.monitor`, `go.overrides`).
 """
 
 from __future__ import annotations
@@ -11,7 +13,9 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from ._huggingface import HuggingFaceMonitor
     from ._inventory import OverrideRecord, Overrides, overrides
+    from ._lightning import LightningMonitor
     from ._monitor import Monitor, MonitorSummary, StepRecord, SummaryRow, monitor
 
 # Imported at first use, as the package's top level does: importing gradoverride stays cheap.
@@ -24,9 +28,13 @@ _LAZY = {
     "OverrideRecord": "_inventory",
     "Overrides": "_inventory",
     "overrides": "_inventory",
+    "LightningMonitor": "_lightning",
+    "HuggingFaceMonitor": "_huggingface",
 }
 
 __all__ = [
+    "HuggingFaceMonitor",
+    "LightningMonitor",
     "Monitor",
     "MonitorSummary",
     "OverrideRecord",

@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+import re
+from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from torch import nn
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 from .._errors import GradOverrideError, GradOverrideTypeError
 from .._table import format_table
@@ -50,12 +56,19 @@ class StepRecord:
 class Monitor:
     """Made by `go.monitor`; see there. Use as a context manager."""
 
-    def __init__(self, model: nn.Module, every: int) -> None:
+    def __init__(self, model: nn.Module, every: int, max_steps: int | None = None) -> None:
         self._model = model
         self._every = every
+        self._max_steps = max_steps
         self._recorder = Recorder(model, self._take, every=every,
                                   purpose=f"go.monitor of {type(model).__name__}")
-        self._raw: dict[Site, list[tuple[int, list[float]]]] = {}
+        # Per override: its records (the last `max_steps`), and running totals over every
+        # recorded step for the summary.
+        self._records: dict[Site, deque[StepRecord]] = {}
+        self._totals: dict[Site, _Totals] = {}
+        self._last_step = -1
+        self._labels: dict[Site, str] = {}  # see `_labelled`, kept while no override is new
+        self._keys: dict[Site, str] = {}  # see `scalars`
         self._statistics = GradientStatistics()
         self._entered = False
 
@@ -84,6 +97,11 @@ class Monitor:
         _ACTIVE.remove(self)
 
     @property
+    def recording(self) -> bool:
+        """Whether the monitor records now (inside its `with` block)."""
+        return self._recorder.started
+
+    @property
     def steps(self) -> int:
         """How many steps ran under the monitor: backward passes that reached an override
         of the model."""
@@ -93,61 +111,167 @@ class Monitor:
 
     def _take(self, groups: dict[tuple[Site, int], Gradients]) -> None:
         for (site, step), numbers in self._statistics(groups).items():
-            self._raw.setdefault(site, []).append((step, numbers))
+            record = _record(step, numbers)
+            records = self._records.get(site)
+            if records is None:
+                records = self._records[site] = deque(maxlen=self._max_steps)
+                self._totals[site] = _Totals()
+            records.append(record)
+            self._totals[site].add(record)
+            self._last_step = max(self._last_step, step)
 
     # -- reading ---------------------------------------------------------------------------
 
     @property
     def history(self) -> dict[str, list[StepRecord]]:
-        """Per override (by its label, `path: name`), the records of the recorded steps,
-        in step order."""
-        return {label: records for _, label, records in self._labelled()}
+        """Per override (by its label, `path: name`), the records of the recorded steps
+        kept (all, or the last `max_steps`), in step order. Each read copies them: to log
+        while training, read `latest()`, `since(step)` or `scalars()`, which cost what the
+        new steps hold."""
+        return {label: list(self._records[site]) for site, label in self._labelled()}
+
+    def latest(self) -> dict[str, StepRecord]:
+        """The records of the most recent recorded step, by label (the overrides that ran
+        backward in it); {} before the first."""
+        step = self._last_step
+        return {
+            label: records[-1]
+            for site, label in self._labelled()
+            if (records := self._records[site]) and records[-1].step == step
+        }
+
+    def since(self, step: int) -> dict[str, list[StepRecord]]:
+        """The records of the recorded steps from `step` on (among those kept), by label:
+        what a loop logging every N steps reads each time."""
+        out = {}
+        for site, label in self._labelled():
+            records = self._records[site]
+            new: list[StepRecord] = []
+            for record in reversed(records):
+                if record.step < step:
+                    break
+                new.append(record)
+            if new:
+                out[label] = new[::-1]
+        return out
+
+    def scalars(self, prefix: str = "gradoverride") -> dict[str, float]:
+        """The latest recorded step as flat metrics, ready for a logger:
+        `{"gradoverride/encoder.0.act/grad_in": 0.12, ...}`.
+
+        Per override, `grad_in`, `grad_out`, `calls`, `nonfinite` (NaN and infinite
+        elements, both sides) and `zeroed` (when it has one). A key's middle part is the
+        override's module path (`model` for the model itself), made of letters, digits,
+        `_`, `.` and `-` only; a second override at one path adds its name
+        (`encoder.0.grad_hook_reverse_grad_scale_1.0_at_parameters`). Keys are stable over
+        training. `writer.add_scalar(k, v, step)` for each item (TensorBoard), or
+        `wandb.log(monitor.scalars())`."""
+        out: dict[str, float] = {}
+        head = f"{prefix}/" if prefix else ""
+        step = self._last_step
+        for site, _ in self._labelled():
+            records = self._records[site]
+            if not records or records[-1].step != step:
+                continue
+            record = records[-1]
+            key = f"{head}{self._key_of(site)}"
+            out[f"{key}/grad_in"] = record.grad_in
+            out[f"{key}/grad_out"] = record.grad_out
+            out[f"{key}/calls"] = float(record.calls)
+            out[f"{key}/nonfinite"] = float(
+                record.nan_in + record.inf_in + record.nan_out + record.inf_out
+            )
+            if record.zeroed is not None:
+                out[f"{key}/zeroed"] = record.zeroed
+        return out
 
     def summary(self) -> MonitorSummary:
         """A table with one row per override: calls, the mean norms of the gradient arriving
         and returned per recorded step, the last step's zeroed fraction, and NaN/inf
-        elements over all steps. `print(monitor.summary())`; `.rows` has the numbers."""
+        elements over all steps (all recorded steps, also with `max_steps`).
+        `print(monitor.summary())`; `.rows` has the numbers."""
         rows = []
-        for site, label, records in self._labelled():
-            if not records:
-                continue
+        for site, label in self._labelled():
+            totals = self._totals[site]
             rows.append(SummaryRow(
                 label=label,
                 kind=site.kind,
-                steps=len(records),
-                calls=sum(r.calls for r in records),
-                grad_in=_mean(r.grad_in for r in records),
-                grad_out=_mean(r.grad_out for r in records),
-                zeroed=records[-1].zeroed,
-                nonfinite=sum(r.nan_in + r.inf_in + r.nan_out + r.inf_out for r in records),
+                steps=totals.steps,
+                calls=totals.calls,
+                grad_in=totals.grad_in / totals.steps,
+                grad_out=totals.grad_out / totals.steps,
+                zeroed=totals.zeroed,
+                nonfinite=totals.nonfinite,
             ))
         return MonitorSummary(type(self._model).__name__, rows, self.steps, self._every)
 
-    def plot(self, path: str | Path) -> Path:
-        """Write a PNG of the gradient flow through the overrides over the steps: the norm
+    def plot(self, path: str | Path | None = None) -> Figure:
+        """Draw the gradient flow through the overrides over the steps kept: the norm
         returned by each override (and, dashed, the norm arriving), and below, the zeroed
-        fraction. Needs matplotlib (`pip install gradoverride[plot]`). Returns the path."""
+        fraction. Returns the matplotlib `Figure` (`writer.add_figure(...)`,
+        `wandb.Image(figure)`); given a path, also writes it there as a PNG. Needs
+        matplotlib (`pip install gradoverride[plot]`)."""
         from ._plot import plot_history
 
-        return plot_history(self.history, Path(path), type(self._model).__name__)
+        return plot_history(self.history, None if path is None else Path(path),
+                            type(self._model).__name__)
 
-    def _labelled(self) -> list[tuple[Site, str, list[StepRecord]]]:
-        """Per override, in the order of their modules in the model: its site, its label
-        and its records. A label met again (two ops of one name in one module) gets `#2`,
-        `#3`, ..., so none hides another."""
-        out = []
-        used: dict[str, int] = {}
-        for site in sorted(self._raw, key=self._recorder.position):
-            label = site.label
-            used[label] = used.get(label, 0) + 1
-            records = [_record(step, v) for step, v in self._raw[site]]
-            out.append((site, label if used[label] == 1 else f"{label} #{used[label]}", records))
-        return out
+    def _labelled(self) -> list[tuple[Site, str]]:
+        """Per override, in the order of their modules in the model: its site and its
+        label. A label met again (two ops of one name in one module) gets `#2`, `#3`, ...,
+        so none hides another. Worked out again only when an override is new."""
+        if len(self._labels) != len(self._records):
+            labels = {}
+            used: dict[str, int] = {}
+            for site in sorted(self._records, key=self._recorder.position):
+                label = site.label
+                used[label] = used.get(label, 0) + 1
+                labels[site] = label if used[label] == 1 else f"{label} #{used[label]}"
+            self._labels = labels
+        return list(self._labels.items())
+
+    def _key_of(self, site: Site) -> str:
+        key = self._keys.get(site)
+        if key is None:
+            taken = set(self._keys.values())
+            key = _metric_safe(site.path) or "model"
+            if key in taken:
+                key = f"{key}.{_metric_safe(site.name)}"
+            base, n = key, 2
+            while key in taken:
+                key, n = f"{base}_{n}", n + 1
+            self._keys[site] = key
+        return key
 
     def __repr__(self) -> str:
         state = "recording" if self._recorder.started else "stopped"
         return (f"<go.monitor of {type(self._model).__name__} ({state}, every={self._every}, "
-                f"{self.steps} steps, {len(self._raw)} overrides seen)>")
+                f"{self.steps} steps, {len(self._records)} overrides seen)>")
+
+
+class _Totals:
+    """An override's numbers over every recorded step (what the summary shows)."""
+
+    __slots__ = ("calls", "grad_in", "grad_out", "nonfinite", "steps", "zeroed")
+
+    def __init__(self) -> None:
+        self.steps = self.calls = self.nonfinite = 0
+        self.grad_in = self.grad_out = 0.0
+        self.zeroed: float | None = None
+
+    def add(self, r: StepRecord) -> None:
+        self.steps += 1
+        self.calls += r.calls
+        self.grad_in += r.grad_in
+        self.grad_out += r.grad_out
+        self.zeroed = r.zeroed
+        self.nonfinite += r.nan_in + r.inf_in + r.nan_out + r.inf_out
+
+
+def _metric_safe(text: str) -> str:
+    """`text` with every run of characters other than letters, digits, `_`, `.` and `-`
+    as one `_` (none at either end): what metric loggers take in a key."""
+    return re.sub(r"[^A-Za-z0-9_.\-]+", "_", text).strip("_")
 
 
 _ACTIVE: list[Monitor] = []
@@ -212,16 +336,11 @@ def _record(step: int, numbers: list[float]) -> StepRecord:
     )
 
 
-def _mean(values: Iterable[float]) -> float:
-    numbers = list(values)
-    return sum(numbers) / len(numbers)
-
-
 def _number(value: float) -> str:
     return f"{value:.4g}"
 
 
-def monitor(model: nn.Module, *, every: int = 1) -> Monitor:
+def monitor(model: nn.Module, *, every: int = 1, max_steps: int | None = None) -> Monitor:
     """Record, while training, what each gradient override in `model` gets and gives back.
 
     ```python
@@ -255,10 +374,15 @@ def monitor(model: nn.Module, *, every: int = 1) -> Monitor:
             others an override call costs a few microseconds more than outside the monitor
             (it finds its row and marks its node, so that the step is counted).
 
+        max_steps: keep the records of the last `max_steps` recorded steps of each
+            override (None: all). The summary still covers every recorded step.
+
     Returns:
         A `Monitor`, to use as a context manager: `with go.monitor(model) as mon: ...`.
         Outside the `with` block nothing of it is left (no hook, no wrapper). Read it with
-        `mon.summary()`, `mon.history` and `mon.plot(path)`.
+        `mon.summary()`, `mon.history` and `mon.plot(path)`; while training, with
+        `mon.latest()`, `mon.since(step)` and `mon.scalars()` (metric keys for a logger),
+        which cost what the new steps hold.
 
     Where it records: eager training, on any device (each recorded step reads a few numbers
     back from the device at the end of the backward pass). Under `torch.compile`, the
@@ -300,4 +424,12 @@ def monitor(model: nn.Module, *, every: int = 1) -> Monitor:
             f"`every`); got {every!r}."
         )
         raise GradOverrideTypeError(msg)
-    return Monitor(model, every)
+    if max_steps is not None and (
+        isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 1
+    ):
+        msg = (
+            "go.monitor: `max_steps` must be a positive integer (the recorded steps kept per "
+            f"override) or None (all); got {max_steps!r}."
+        )
+        raise GradOverrideTypeError(msg)
+    return Monitor(model, every, max_steps)

@@ -9,14 +9,18 @@ from typing import TYPE_CHECKING
 from .._errors import GradOverrideError
 
 if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
     from ._monitor import StepRecord
 
 __all__ = ["plot_history"]
 
 
-def plot_history(history: dict[str, list[StepRecord]], path: Path, model: str) -> Path:
+def plot_history(history: dict[str, list[StepRecord]], path: Path | None,
+                 model: str) -> Figure:
     """Two panels over the steps: above, each override's returned gradient norm (solid)
-    and arriving norm (dashed, same colour), log scale; below, its zeroed fraction."""
+    and arriving norm (dashed, same colour), log scale; below, its zeroed fraction. Written
+    to `path` as a PNG when given."""
     try:
         from matplotlib.figure import Figure
     except ImportError:
@@ -26,7 +30,7 @@ def plot_history(history: dict[str, list[StepRecord]], path: Path, model: str) -
             "are in `monitor.history` and `monitor.summary()` without it."
         )
         raise GradOverrideError(msg) from None
-    if path.suffix.lower() != ".png":
+    if path is not None and path.suffix.lower() != ".png":
         msg = f"Monitor.plot writes a PNG; got the path {str(path)!r}. End it with `.png`."
         raise GradOverrideError(msg)
     # A Figure of its own, drawn on the Agg canvas without pyplot: no global backend
@@ -53,9 +57,10 @@ def plot_history(history: dict[str, list[StepRecord]], path: Path, model: str) -
     zeroed.set_ylabel("zeroed fraction")
     zeroed.set_ylim(-0.02, 1.02)
     zeroed.set_xlabel("step")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=100)
-    return path
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        figure.savefig(path, dpi=100)
+    return figure
 
 
 def _positive(value: float) -> float:
