@@ -46,6 +46,9 @@ Private torch pieces used elsewhere, each with a test that fails if it goes miss
   `torch.set_grad_enabled(mode)` does, without making the context-manager object (the
   forward hooks of an override turn grad mode off and on around every call); dynamo traces
   it as a grad-mode change.
+* `GradScaler._scale` (`loss_scale`): the scale a `torch.amp.GradScaler` multiplies the loss
+  by, as the tensor on its device, so that a clipping recipe reads it in backward without a
+  synchronization (`get_scale()` reads it back to the host); `get_scale()` where it is absent.
 """
 
 from __future__ import annotations
@@ -67,6 +70,7 @@ __all__ = [
     "is_batched",
     "is_tracing",
     "is_transformed",
+    "loss_scale",
     "raw_apply",
     "set_grad_enabled",
     "tracing_state",
@@ -193,3 +197,14 @@ def in_compiled_autograd() -> bool:
 
     module = sys.modules.get("torch._dynamo.compiled_autograd")
     return module is not None and bool(getattr(module, "in_compiled_autograd_region", False))
+
+
+def loss_scale(scaler: Any, like: Tensor) -> Tensor | float:
+    """The scale `scaler` (a `torch.amp.GradScaler`) multiplies the loss by now: a tensor
+    on `like`'s device, or 1.0 when it is disabled or has not scaled a loss yet."""
+    if not scaler.is_enabled():
+        return 1.0
+    scale = getattr(scaler, "_scale", None)
+    if isinstance(scale, Tensor):
+        return scale.to(like.device, torch.promote_types(like.dtype, torch.float32))
+    return float(scaler.get_scale()) if scale is not None else 1.0

@@ -1154,3 +1154,50 @@ def test_scalars_are_metric_keys_of_the_latest_step() -> None:
     assert second["train/go/encoder.1/grad_in"] == latest[label].grad_in
     assert second["train/go/encoder.1/zeroed"] == latest[label].zeroed
     assert all(isinstance(v, float) for v in second.values())
+
+
+# -- loss scaling (torch AMP's GradScaler) -----------------------------------------------
+
+
+def test_with_the_scaler_the_norms_are_the_true_ones() -> None:
+    torch.manual_seed(0)
+    taps = Taps()
+    model = Binarized(taps)
+    x = torch.randn(6, 4)
+    model(x).sum().backward()  # the reference: plain backward, tensor hooks
+    grad_in, grad_out, zeroed = taps.expected()
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    for given, factor in ((scaler, 1.0), (None, 1024.0)):
+        with go.monitor(model, scaler=given) as mon:
+            scaler.scale(model(x).sum()).backward()
+        [record] = _only(mon)
+        assert record.grad_in == pytest.approx(factor * grad_in, rel=1e-6)
+        assert record.grad_out == pytest.approx(factor * grad_out, rel=1e-6)
+        assert record.zeroed == pytest.approx(zeroed)
+    with pytest.raises(go.GradOverrideTypeError, match=r"go.monitor: `scaler` must be the "
+                       r"torch.amp.GradScaler scaling the loss \(or None\); got float 1024.0"):
+        go.monitor(model, scaler=1024.0)
+
+
+@pytest.mark.parametrize("recipe", ["value", "norm"])
+def test_clipping_with_the_scaler_clips_the_true_gradient(recipe: str) -> None:
+    upstream = torch.tensor([0.05, 0.5, -2.0, 3.0])
+    if recipe == "value":
+        expected = upstream.clamp(-0.1, 0.1)  # torch.nn.utils.clip_grad_value_'s formula
+        make = lambda scaler: recipes.clip_grad_value(0.1, scaler=scaler)  # noqa: E731
+    else:
+        expected = upstream * min(1.0, 1.0 / (float(upstream.norm()) + 1e-6))
+        make = lambda scaler: recipes.clip_grad_norm(1.0, scaler=scaler)  # noqa: E731
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
+    for given in (scaler, None):
+        x = torch.zeros(4, requires_grad=True)
+        scaler.scale((make(given)(x) * upstream).sum()).backward()
+        got = x.grad / scaler.get_scale()  # what scaler.unscale_ gives the optimizer
+        if given is None:  # the scaled gradient was clipped: 1/65536 of the bound
+            assert float(got.abs().max()) < 1e-3
+        else:
+            torch.testing.assert_close(got, expected)
+    assert repr(make(scaler)) == repr(make(None))  # the scaler is not a setting
+    with pytest.raises(go.GradOverrideTypeError, match=r"clip_grad_(value|norm) needs "
+                       r"`scaler` to be the torch.amp.GradScaler scaling the loss"):
+        make(65536.0)

@@ -42,7 +42,8 @@ class LightningMonitor(_CALLBACK):  # type: ignore[misc]
     backward pass was a recorded step, `monitor.scalars(prefix)` goes to each of the
     trainer's loggers (`logger.log_metrics`, at the trainer's `global_step`), under keys like
     `gradoverride/encoder.0.act/grad_in`: one row per recorded step, so `every` is how often
-    they are logged.
+    they are logged. Under mixed precision with loss scaling (`precision="16-mixed"`) the
+    norms are the true, unscaled ones (the trainer's GradScaler is passed on).
 
     Args:
         every: record one backward pass in `every` (see `go.monitor`).
@@ -62,7 +63,11 @@ class LightningMonitor(_CALLBACK):  # type: ignore[misc]
         self._logged = -1  # the last recorded step logged
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
-        self.monitor = monitor(pl_module, every=self.every, max_steps=self.max_steps)
+        # Mixed precision ("16-mixed") scales the loss with the precision plugin's
+        # GradScaler: the monitor then records the true (unscaled) norms.
+        scaler = getattr(getattr(trainer, "precision_plugin", None), "scaler", None)
+        self.monitor = monitor(pl_module, every=self.every, max_steps=self.max_steps,
+                               scaler=scaler)
         self.monitor.__enter__()
         self._logged = -1
 

@@ -8,7 +8,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
@@ -56,8 +56,10 @@ class StepRecord:
 class Monitor:
     """Made by `go.monitor`; see there. Use as a context manager."""
 
-    def __init__(self, model: nn.Module, every: int, max_steps: int | None = None) -> None:
+    def __init__(self, model: nn.Module, every: int, max_steps: int | None = None,
+                 scaler: Any = None) -> None:
         self._model = model
+        self._scaler = scaler
         self._every = every
         self._max_steps = max_steps
         self._recorder = Recorder(model, self._take, every=every,
@@ -110,8 +112,13 @@ class Monitor:
     # -- recording ------------------------------------------------------------------------
 
     def _take(self, groups: dict[tuple[Site, int], Gradients]) -> None:
+        # Under a GradScaler every gradient of the pass is the true one times its scale
+        # (read now, at the pass's end: `scaler.update()` comes after the optimizer step).
+        scale = 1.0
+        if self._scaler is not None and self._scaler.is_enabled():
+            scale = float(self._scaler.get_scale())
         for (site, step), numbers in self._statistics(groups).items():
-            record = _record(step, numbers)
+            record = _record(step, numbers, scale)
             records = self._records.get(site)
             if records is None:
                 records = self._records[site] = deque(maxlen=self._max_steps)
@@ -321,13 +328,13 @@ class MonitorSummary:
     __repr__ = __str__
 
 
-def _record(step: int, numbers: list[float]) -> StepRecord:
+def _record(step: int, numbers: list[float], scale: float = 1.0) -> StepRecord:
     v = dict(zip(FIELDS, numbers, strict=True))
     return StepRecord(
         step=step,
         calls=int(v["calls"]),
-        grad_in=math.sqrt(v["in_sq"]),
-        grad_out=math.sqrt(v["out_sq"]),
+        grad_in=math.sqrt(v["in_sq"]) / scale,
+        grad_out=math.sqrt(v["out_sq"]) / scale,
         zeroed=v["zeroed"] / v["paired"] if v["paired"] else None,
         nan_in=int(v["nan_in"]),
         inf_in=int(v["inf_in"]),
@@ -340,7 +347,8 @@ def _number(value: float) -> str:
     return f"{value:.4g}"
 
 
-def monitor(model: nn.Module, *, every: int = 1, max_steps: int | None = None) -> Monitor:
+def monitor(model: nn.Module, *, every: int = 1, max_steps: int | None = None,
+            scaler: Any = None) -> Monitor:
     """Record, while training, what each gradient override in `model` gets and gives back.
 
     ```python
@@ -376,6 +384,10 @@ def monitor(model: nn.Module, *, every: int = 1, max_steps: int | None = None) -
 
         max_steps: keep the records of the last `max_steps` recorded steps of each
             override (None: all). The summary still covers every recorded step.
+        scaler: the `torch.amp.GradScaler` scaling the loss, if any. Every gradient of a
+            backward pass of `scaler.scale(loss)` is the true one times the scale (65536 at
+            first on CUDA); with the scaler, the norms recorded are the true ones (divided
+            by the scale of their pass). Without it they are the scaled ones.
 
     Returns:
         A `Monitor`, to use as a context manager: `with go.monitor(model) as mon: ...`.
@@ -432,4 +444,13 @@ def monitor(model: nn.Module, *, every: int = 1, max_steps: int | None = None) -
             f"override) or None (all); got {max_steps!r}."
         )
         raise GradOverrideTypeError(msg)
-    return Monitor(model, every, max_steps)
+    if scaler is not None and not (
+        callable(getattr(scaler, "get_scale", None))
+        and callable(getattr(scaler, "is_enabled", None))
+    ):
+        msg = (
+            "go.monitor: `scaler` must be the torch.amp.GradScaler scaling the loss (or None); "
+            f"got {type(scaler).__name__} {scaler!r:.60}."
+        )
+        raise GradOverrideTypeError(msg)
+    return Monitor(model, every, max_steps, scaler)

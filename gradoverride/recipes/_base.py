@@ -197,11 +197,25 @@ def keep_dtype(value: Tensor, like: Tensor) -> Tensor:
 def tensorflow_call(recipe: object, x: Any, /, *args: Any, **kwargs: Any) -> Tensor:
     """`recipe(x, ...)` for a TensorFlow `x` (gradoverride._tensorflow.recipes); a recipe
     with no TensorFlow form raises GradOverrideTypeError naming those that have one."""
+    _refuse_torch_scaler(recipe)
     result: Tensor = backend("tensorflow").call_recipe(recipe, x, *args, **kwargs)
     return result
 
 
 def tensorflow_transform(recipe: object, grad: Any, /, **kwargs: Any) -> Tensor:
     """`recipe.transform(grad, ...)` for a TensorFlow gradient (dense or IndexedSlices)."""
+    _refuse_torch_scaler(recipe)
     result: Tensor = backend("tensorflow").transform_gradient(recipe, grad, **kwargs)
     return result
+
+
+def _refuse_torch_scaler(recipe: object) -> None:
+    """A recipe given torch's GradScaler (`scaler=`) has nothing to read on TensorFlow."""
+    if getattr(recipe, "scaler", None) is not None:
+        name = type(recipe).__name__
+        msg = (
+            f"{name}(scaler=...) takes torch's GradScaler, and this gradient is "
+            "TensorFlow's. Under Keras' loss scaling the gradients a transform sees are "
+            "scaled too: see the recipes page, \"Loss scaling\", for what to do there."
+        )
+        raise GradOverrideError(msg)

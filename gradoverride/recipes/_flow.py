@@ -14,9 +14,10 @@ with "Data-dependent branching". The gradient keeps the input's dtype.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
@@ -24,6 +25,7 @@ from torch import Tensor
 from .._decorators import custom_backward
 from .._errors import GradOverrideError, GradOverrideTypeError
 from .._frameworks import is_tensorflow
+from .._internals import loss_scale
 from .._passthrough import passthrough
 from ._base import (
     GradientTransform,
@@ -361,12 +363,16 @@ class clip_grad_value(GradientTransform):
 
     Args:
         clip_value: the bound, at least 0.
+        scaler: the `torch.amp.GradScaler` scaling the loss, if any (keyword only). Its
+            gradients arrive multiplied by the loss scale; with it, the bound applies to the
+            true (unscaled) gradient: ``clip_value`` times the scale on the scaled one.
 
     Returns (when called): the input unchanged, whose gradient is the upstream gradient
     clamped elementwise to ``[-clip_value, clip_value]``, in the input's dtype.
     """
 
     clip_value: float
+    scaler: Any = dataclasses.field(default=None, repr=False, compare=False, kw_only=True)
 
     def __post_init__(self) -> None:
         if not (isinstance(self.clip_value, int | float) and self.clip_value >= 0):
@@ -375,6 +381,7 @@ class clip_grad_value(GradientTransform):
                 f"clamped to [-clip_value, clip_value]), got {self.clip_value!r}."
             )
             raise GradOverrideError(msg)
+        _check_scaler("clip_grad_value", self.scaler)
 
     def transform(self, grad: Tensor) -> Tensor:
         """The upstream gradient clamped to ``[-clip_value, clip_value]``."""
@@ -382,7 +389,15 @@ class clip_grad_value(GradientTransform):
             return tensorflow_transform(self, grad)
         # A bound beyond the dtype's range clamps nothing there, and torch.clamp refuses a
         # scalar the dtype cannot hold (1e6 for float16).
-        bound = min(float(self.clip_value), torch.finfo(grad.dtype).max)
+        top = torch.finfo(grad.dtype).max
+        if self.scaler is not None:
+            scale = loss_scale(self.scaler, grad)
+            if isinstance(scale, Tensor):
+                bound_t = (self.clip_value * scale).clamp(max=top).to(grad.dtype)
+                return torch.clamp(grad, -bound_t, bound_t)
+            bound = min(float(self.clip_value) * scale, top)
+            return torch.clamp(grad, -bound, bound)
+        bound = min(float(self.clip_value), top)
         return torch.clamp(grad, -bound, bound)
 
 
@@ -425,6 +440,9 @@ class clip_grad_norm(GradientTransform):
             None (default) means the whole tensor.
         norm_type: the order of the norm (default 2; `math.inf` for the max-abs norm).
         eps: added to the norm before dividing, as in torch (default 1e-6).
+        scaler: the `torch.amp.GradScaler` scaling the loss, if any (keyword only). Its
+            gradients arrive multiplied by the loss scale; with it, `max_norm` (and `eps`)
+            apply to the true (unscaled) gradient.
 
     Returns (when called): the input unchanged, with the clipped gradient, in its dtype.
     """
@@ -433,6 +451,7 @@ class clip_grad_norm(GradientTransform):
     dim: Dims = None
     norm_type: float = 2.0
     eps: float = 1e-6
+    scaler: Any = dataclasses.field(default=None, repr=False, compare=False, kw_only=True)
 
     def __post_init__(self) -> None:
         if not (isinstance(self.max_norm, int | float) and self.max_norm >= 0):
@@ -451,6 +470,7 @@ class clip_grad_norm(GradientTransform):
                 f"of ints (the dimensions the norm is taken over), got {dim!r}."
             )
             raise GradOverrideTypeError(msg)
+        _check_scaler("clip_grad_norm", self.scaler)
 
     def transform(self, grad: Tensor) -> Tensor:
         """The upstream gradient rescaled to norm at most `max_norm` (over `dim`)."""
@@ -460,9 +480,29 @@ class clip_grad_norm(GradientTransform):
         norm = torch.linalg.vector_norm(
             grad, ord=self.norm_type, dim=self.dim, keepdim=True, dtype=compute
         )
-        # Branch-free: the coefficient is 1 where the norm is within bounds.
-        coef = torch.clamp(self.max_norm / (norm + self.eps), max=1.0)
+        # Branch-free: the coefficient is 1 where the norm is within bounds. With a loss
+        # scale s, the scaled gradient s*g is clipped as g would be: max_norm*s / (|s*g| +
+        # eps*s) = max_norm / (|g| + eps).
+        if self.scaler is not None:
+            scale = loss_scale(self.scaler, grad)
+            coef = torch.clamp(self.max_norm * scale / (norm + self.eps * scale), max=1.0)
+        else:
+            coef = torch.clamp(self.max_norm / (norm + self.eps), max=1.0)
         return grad * coef.to(grad.dtype)
+
+
+def _check_scaler(recipe: str, scaler: Any) -> None:
+    if scaler is not None and not (
+        callable(getattr(scaler, "get_scale", None)) and callable(getattr(scaler, "is_enabled",
+                                                                          None))
+    ):
+        msg = (
+            f"{recipe} needs `scaler` to be the torch.amp.GradScaler scaling the loss (or "
+            f"None), got {type(scaler).__name__} {scaler!r:.60}. Pass the scaler whose "
+            "`scaler.scale(loss).backward()` runs the backward."
+        )
+        raise GradOverrideTypeError(msg)
+
 
 
 # ---- NaN / inf ------------------------------------------------------------------------------
