@@ -223,6 +223,23 @@ def test_binarize_against_its_clamp_proxy_matches_the_hand_computation() -> None
         assert row.cosine != pytest.approx(1.0, abs=1e-3)  # a real mismatch
 
 
+def test_a_proxy_may_be_keyed_by_the_recipe_itself() -> None:
+    torch.manual_seed(4)
+    model = nn.Sequential(nn.Linear(3, 6), recipes.ste_sign().module(), nn.Linear(6, 2)).to(F64)
+    x, y = _classification_batch()
+    by_label = gradient_report(model, F.cross_entropy, (x, y), proxies={"1": F.hardtanh})
+    # A recipe of the same settings (not the model's object) names the same override.
+    by_recipe = gradient_report(model, F.cross_entropy, (x, y),
+                                proxies={recipes.ste_sign(): F.hardtanh})
+    row = by_recipe["1: ste_sign()"]
+    assert row.reference == "hardtanh"
+    assert (row.cosine, row.norm_ratio) == (by_label["1: ste_sign()"].cosine,
+                                             by_label["1: ste_sign()"].norm_ratio)
+    with pytest.raises(go.GradOverrideError, match=r"proxies names ste_round\(\), which is "
+                       r"no override the forward called"):
+        gradient_report(model, F.cross_entropy, (x, y), proxies={recipes.ste_round(): None})
+
+
 def test_ste_sign_against_a_hardtanh_proxy_matches_the_hand_computation() -> None:
     torch.manual_seed(4)
     model = nn.Sequential(nn.Linear(3, 6), recipes.ste_sign().module(), nn.Linear(6, 2)).to(F64)
@@ -509,6 +526,36 @@ def test_state_kept_in_plain_attributes_starts_every_run_as_it_was() -> None:
     assert row.norm_ratio == pytest.approx(float(override.norm() / proxy.norm()), rel=1e-12)
 
 
+def test_state_changed_in_place_is_put_back_and_reports_repeat() -> None:
+    class Stateful(nn.Module):
+        """A membrane updated in place, an EMA codebook (a frozen parameter) updated in its
+        forward, and noise from a generator the module holds."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.v = torch.zeros(5, dtype=F64)
+            self.codebook = nn.Parameter(torch.ones(5, dtype=F64), requires_grad=False)
+            self.generator = torch.Generator().manual_seed(7)
+
+        def forward(self, x: Tensor) -> Tensor:
+            noise = torch.randn(5, generator=self.generator, dtype=F64)
+            with torch.no_grad():
+                self.v.mul_(0.5).add_(x.mean(0))
+                self.codebook.data.mul_(0.9).add_(0.1 * x.mean(0))
+            return recipes.spike()(x + self.v + self.codebook + 0.1 * noise - 1.0)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 5), Stateful(), nn.Linear(5, 2)).to(F64)
+    stateful = model[1]
+    before = (stateful.v.clone(), stateful.codebook.clone(), stateful.generator.get_state())
+    batch = regression_batch()
+    first = only_row(gradient_report(model, F.mse_loss, batch))
+    assert torch.equal(stateful.v, before[0]) and torch.equal(stateful.codebook, before[1])
+    assert torch.equal(stateful.generator.get_state(), before[2])
+    second = only_row(gradient_report(model, F.mse_loss, batch))
+    assert (second.cosine, second.norm_ratio) == (first.cosine, first.norm_ratio)
+
+
 def test_the_report_runs_the_models_own_forward_bit_for_bit() -> None:
     # The probe the report adds to an input leaves it unchanged, the sign of zero included.
     @go.straight_through
@@ -614,7 +661,8 @@ def test_proxy_mistakes_are_refused() -> None:
     with pytest.raises(go.GradOverrideError, match=(
             r"`proxies=` applies to reference='proxy'; the reference here is 'spsa'")):
         gradient_report(model, F.mse_loss, batch, reference="spsa", proxies={"1": torch.tanh})
-    with pytest.raises(go.GradOverrideTypeError, match=r"`proxies` maps override labels"):
+    with pytest.raises(go.GradOverrideTypeError, match=r"`proxies` maps overrides \(a label, "
+                       r"name or module path, or the recipe or op itself\)"):
         gradient_report(model, F.mse_loss, batch, proxies={"1": 3})  # type: ignore[dict-item]
 
 

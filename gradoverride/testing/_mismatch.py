@@ -25,7 +25,7 @@ from ._mismatch_runs import (
     read,
     replaced,
 )
-from ._proxies import Proxy, builtin_proxy, lookup, user_proxy
+from ._proxies import Proxy, builtin_proxy, is_override_object, lookup, user_proxy
 
 __all__ = ["REFERENCES", "Reference", "gradient_report"]
 
@@ -150,8 +150,9 @@ def gradient_report(
         loss_fn: `loss_fn(output, *targets)`, a scalar tensor.
         batch: `(inputs, *targets)`, or the model's single input.
         reference: `"proxy"`, `"finite_differences"`, `"spsa"`, or `{label: gradient}`.
-        proxies: with `reference="proxy"`, proxies by label, name or module path (None:
-            leave that override out).
+        proxies: with `reference="proxy"`, proxies by label, name or module path, or by
+            the recipe or op itself (a recipe matches the recipes of its settings); None
+            leaves that override out.
         samples: with finite differences or SPSA, the directions per override (default 32);
             refused with the other references, which it does not apply to.
         step: the finite-difference step h, in the input's units (default: the cube root
@@ -253,11 +254,13 @@ def _check_arguments(model: object, loss_fn: object, mode: str, proxies: object,
             )
             raise GradOverrideError(msg)
         if not isinstance(proxies, Mapping) or not all(
-            isinstance(k, str) and (v is None or callable(v)) for k, v in proxies.items()
+            (isinstance(k, str) or is_override_object(k)) and (v is None or callable(v))
+            for k, v in proxies.items()
         ):
             msg = (
-                "gradient_report: `proxies` maps override labels, names or module paths (str) "
-                f"to functions of the override's input(s), or None; got {proxies!r:.80}."
+                "gradient_report: `proxies` maps overrides (a label, name or module path, or "
+                "the recipe or op itself) to functions of the override's input(s), or None; "
+                f"got {proxies!r:.80}."
             )
             raise GradOverrideTypeError(msg)
     directional = mode in ("finite_differences", "spsa")

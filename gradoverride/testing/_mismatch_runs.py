@@ -154,37 +154,70 @@ class Runner:
 # What every nn.Module holds in its __dict__ (hooks, flags): not the model's state.
 _MODULE_OWN = frozenset(nn.Module().__dict__)
 
-#: (module, attribute, its value, a copy of a dict value's entries)
-_PlainState = list[tuple[nn.Module, str, Any, dict[Any, Any] | None]]
+#: (module, attribute, its value, a copy of a dict value's entries, a copy of its contents:
+#: a tensor's values, a generator's state, or a dict's tensors' values)
+_PlainState = list[tuple[nn.Module, str, Any, dict[Any, Any] | None, Any]]
 
 
 def _is_state(value: object) -> bool:
     return value is None or isinstance(value, Tensor | float | int)
 
 
+def _contents(value: Any) -> Any:
+    """What an attribute's value holds that a forward may change in place."""
+    if isinstance(value, torch.Generator):
+        return value.get_state()
+    if isinstance(value, Tensor):
+        return value.detach().clone()
+    return None
+
+
 def _plain_state(model: nn.Module) -> _PlainState:
-    """The state a module keeps in plain attributes rather than buffers (a spiking neuron's
-    membrane `self.v`, None until the first call; a dict of them, as SpikingJelly's
-    `_memories`): each forward of the report starts from it, as from the buffers."""
+    """The state a module keeps outside its buffers, which each forward of the report starts
+    from, as from the buffers: plain attributes (a spiking neuron's membrane `self.v`, None
+    until the first call, or updated in place; a dict of them, as SpikingJelly's
+    `_memories`), a random generator the module holds, and frozen parameters (an EMA
+    codebook updated in its forward)."""
     saved: _PlainState = []
     for module in model.modules():
         for name, value in module.__dict__.items():
             if name in _MODULE_OWN or isinstance(value, nn.Parameter):
                 continue
-            if _is_state(value) and not isinstance(value, bool):
-                saved.append((module, name, value, None))
+            if isinstance(value, torch.Generator) or (
+                _is_state(value) and not isinstance(value, bool)
+            ):
+                saved.append((module, name, value, None, _contents(value)))
             elif type(value) is dict and value and all(_is_state(v) for v in value.values()):
-                saved.append((module, name, value, dict(value)))
+                entries = dict(value)
+                saved.append((module, name, value, entries,
+                              {k: _contents(v) for k, v in entries.items()}))
+        for name, parameter in module._parameters.items():
+            if parameter is not None and not parameter.requires_grad:
+                saved.append((module, name, parameter, None, _contents(parameter)))
     return saved
 
 
 def _restore_plain_state(saved: _PlainState) -> None:
-    """Each attribute bound to what it held (the same objects), a dict's entries too."""
-    for module, name, value, entries in saved:
-        module.__dict__[name] = value
-        if entries is not None:
-            value.clear()
-            value.update(entries)
+    """Each attribute bound to what it held (the same objects) with the contents it had, a
+    dict's entries too."""
+    with torch.no_grad():
+        for module, name, value, entries, contents in saved:
+            if isinstance(value, nn.Parameter):
+                if module._parameters.get(name) is not value:
+                    module._parameters[name] = value
+                value.copy_(contents)
+                continue
+            module.__dict__[name] = value
+            if entries is not None:
+                value.clear()
+                value.update(entries)
+                for key, entry in entries.items():
+                    if isinstance(entry, Tensor):
+                        entry.copy_(contents[key])
+            elif isinstance(value, torch.Generator):
+                value.set_state(contents)
+            elif isinstance(value, Tensor):
+                value.copy_(contents)
 
 
 def _refuse_active_monitor(model: nn.Module) -> None:

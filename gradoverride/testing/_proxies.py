@@ -38,6 +38,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .._decorators import CustomBackward
 from .._straight_through import Inclusive
 from ..diagnostics._recorder import Site
 from ._inputs import function_name
@@ -194,10 +195,28 @@ def _quantize_window(recipe: Any, x: Tensor) -> Tensor:
     return torch.where(recipe._outside(x.detach()), clamped, x)
 
 
-def lookup(table: Mapping[str, Any], site: Site, label: str) -> tuple[bool, Any]:
+def lookup(table: Mapping[Any, Any], site: Site, label: str) -> tuple[bool, Any]:
     """(found, value): the entry of `table` for a site, by its label, then its name, then its
-    module path."""
+    module path, then the recipe (one of the same settings) or op it runs."""
     for key in (label, site.name, site.path):
         if key in table:
             return True, table[key]
+    keep = site.keep
+    if keep is not None:
+        from ..recipes import Recipe
+
+        for key, value in table.items():
+            if isinstance(key, str):
+                continue
+            if key is keep or (
+                isinstance(key, Recipe) and isinstance(keep, Recipe) and repr(key) == repr(keep)
+            ):
+                return True, value
     return False, None
+
+
+def is_override_object(key: object) -> bool:
+    """Whether `key` is a recipe or an op (a `proxies=` key naming the override itself)."""
+    from ..recipes import Recipe
+
+    return isinstance(key, Recipe | CustomBackward)
