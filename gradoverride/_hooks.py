@@ -30,7 +30,7 @@ from torch.utils.hooks import RemovableHandle
 from ._backends import backend
 from ._errors import GradOverrideError, GradOverrideTypeError
 from ._frameworks import autograph_artifact, is_keras_layer
-from ._function import break_compiled_transform
+from ._function import RECORDERS, break_compiled_transform
 from ._internals import add_tensor_hook, is_tracing, tracing_state, transforms_active
 from ._jit import RefuseScripting, jit_message
 from ._passthrough import related, shows_input
@@ -246,6 +246,7 @@ def grad_hook(
         hooks = _ParameterHooks(transform, type(module).__name__)
         pre = hooks.install(module)
         _refuse_scripting(module)
+        _tell_recorder()
         return HookHandle(description, [pre, hooks], module)
 
     if at == "inputs":
@@ -255,11 +256,19 @@ def grad_hook(
         pre = module.register_forward_pre_hook(hook, with_kwargs=True, prepend=True)
         post = module.register_forward_hook(hook.after, always_call=True)
         _refuse_scripting(module)
+        _tell_recorder()
         return HookHandle(description, [pre, post], module)
 
     handle = module.register_forward_hook(_AtOutputs(transform), with_kwargs=True)
     _refuse_scripting(module)
+    _tell_recorder()
     return HookHandle(description, [handle], module)
+
+
+def _tell_recorder() -> None:
+    """A model being recorded (go.monitor) records a grad_hook registered meanwhile."""
+    if RECORDERS:
+        RECORDERS[0].hooks_changed()
 
 
 def grad_hooks_on(module: nn.Module) -> list[tuple[Place, _Transforming | _ParameterHooks]]:

@@ -104,6 +104,23 @@ def test_a_lightning_callback_records_and_logs_each_step(tmp_path: Path) -> None
     assert logged == pytest.approx([r.grad_in for r in records], rel=1e-6)
     assert [int(r["step"]) for r in rows] == [1, 3, 5, 7]  # the optimizer steps after them
 
+    # Accumulating two batches per optimizer step: logged once per optimizer step, with
+    # the latest recorded pass (the window's second).
+    accumulating = LightningMonitor()
+    trainer = pl.Trainer(
+        max_epochs=1, callbacks=[accumulating], logger=pl.loggers.CSVLogger(tmp_path / "acc"),
+        log_every_n_steps=1, enable_progress_bar=False, enable_model_summary=False,
+        enable_checkpointing=False, accelerator="cpu", devices=1, accumulate_grad_batches=2,
+    )
+    trainer.fit(Module(), loader)
+    [metrics] = list((tmp_path / "acc").rglob("metrics.csv"))
+    with metrics.open() as lines:
+        rows = [r for r in csv.DictReader(lines) if r.get(key)]
+    passes = accumulating.monitor.history[f"net.{LABEL}"]
+    assert [int(r["step"]) for r in rows] == [1, 2]
+    assert [float(r[key]) for r in rows] == pytest.approx(
+        [passes[1].grad_in, passes[3].grad_in], rel=1e-6)
+
 
 def test_a_huggingface_callback_adds_the_numbers_to_the_logs(tmp_path: Path) -> None:
     transformers = _need("transformers", "transformers")

@@ -1201,3 +1201,251 @@ def test_clipping_with_the_scaler_clips_the_true_gradient(recipe: str) -> None:
     with pytest.raises(go.GradOverrideTypeError, match=r"clip_grad_(value|norm) needs "
                        r"`scaler` to be the torch.amp.GradScaler scaling the loss"):
         make(65536.0)
+
+
+@pytest.mark.compile
+@pytest.mark.filterwarnings("ignore:.*should not be instantiated:DeprecationWarning")  # dynamo's
+@pytest.mark.filterwarnings("ignore:Using `torch.compile.module.` when there are global hooks")
+def test_a_compiled_child_is_warned_and_the_eager_rest_recorded() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(Binarized(), nn.Linear(1, 1), recipes.scale_grad(2.0).module())
+    model[0] = torch.compile(model[0], backend="aot_eager")
+    with go.monitor(model) as mon, pytest.warns(
+        go.GradOverrideWarning, match=r"`0\._orig_mod` of Sequential runs compiled "
+        r"\(torch\.compile\)"
+    ):
+        model(torch.randn(3, 4)).sum().backward()
+    # The compiled child's binarize is not recorded; the eager scale_grad is.
+    assert list(mon.history) == ["2: scale_grad(scale=2.0)"]
+
+
+# -- the recorder at the edges: interrupts, recursion, several passes, threads ------------
+
+
+@go.custom_backward
+def _doubled(x: torch.Tensor) -> torch.Tensor:
+    return x.clone()
+
+
+@_doubled.backward
+def _(grad, *, x):
+    return 2 * grad
+
+
+def test_an_interrupted_forward_leaves_nothing_behind() -> None:
+    # A KeyboardInterrupt skips torch's always-called module hooks: the recorder's call
+    # stack and its per-call hook must still go, and the model with them.
+    class Boom(nn.Module):
+        def forward(self, x):
+            raise KeyboardInterrupt
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.boom = Boom()
+            self.boom.register_forward_hook(lambda mod, inp, out: None)
+
+        def forward(self, x, fail=False):
+            return self.boom(x) if fail else _doubled(x)
+
+    model = Net()
+    with go.monitor(model) as mon:
+        with pytest.raises(KeyboardInterrupt):
+            model(torch.ones(2), fail=True)
+        model(torch.ones(2, requires_grad=True)).sum().backward()
+    assert list(mon.history) == ["(model): _doubled"]
+    assert len(model.boom._forward_hooks) == 1  # its own hook only
+    ref = weakref.ref(model)
+    del model, mon
+    gc.collect()
+    assert ref() is None
+
+
+def test_a_recursive_module_call_keeps_its_row() -> None:
+    class Recursive(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_forward_hook(lambda mod, inp, out: None)
+
+        def forward(self, x, depth=1):
+            if depth:
+                x = self(x, depth - 1)
+            return _doubled(x)  # after the inner call ended
+
+    model = nn.Sequential(Recursive())
+    with go.monitor(model) as mon:
+        model(torch.ones(2, requires_grad=True)).sum().backward()
+    assert [(label, r[0].calls) for label, r in mon.history.items()] == [("0: _doubled", 2)]
+
+
+def test_every_counts_passes_when_a_forward_has_several() -> None:
+    # A gradient penalty: autograd.grad, then backward, on each forward (two passes).
+    model = nn.Sequential(nn.Linear(4, 4))
+    go.grad_hook(model[0], recipes.scale_grad(0.5), at="outputs")
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = model
+
+        def forward(self, x):
+            return _doubled(self.inner(x))
+
+    net = Net()
+    with go.monitor(net, every=3) as mon:
+        for _ in range(6):
+            x = torch.randn(2, 4, requires_grad=True)
+            y = net(x).sum()
+            torch.autograd.grad(y, x, retain_graph=True)
+            y.backward()
+    assert mon.steps == 12
+    for records in mon.history.values():  # the op and the hook: both, on the same steps
+        assert [r.step for r in records] == [0, 3, 6, 9]
+
+
+def test_ops_from_one_factory_kept_on_a_module_are_two_rows() -> None:
+    def scaled(factor: float) -> go.CustomBackward:
+        @go.custom_backward
+        def scaled_grad(x):
+            return x.clone()
+
+        @scaled_grad.backward
+        def _(grad, *, x):
+            return grad * factor
+
+        return scaled_grad
+
+    class Phases(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = scaled(2.0), scaled(10.0)
+            self.phase = 0
+
+        def forward(self, x):
+            return (self.a if self.phase == 0 else self.b)(x)
+
+    model = Phases()
+    with go.monitor(model) as mon:
+        for phase in (0, 1):
+            model.phase = phase
+            model(torch.ones(4, requires_grad=True)).sum().backward()
+    assert [[(r.step, r.grad_out) for r in records] for records in mon.history.values()] == [
+        [(0, 4.0)], [(1, 20.0)]]  # 1 arrives at 4 elements: 2 and 10 times back
+
+
+def test_an_op_made_at_each_call_of_a_cell_is_one_row() -> None:
+    class Cell(nn.Module):
+        def forward(self, x):
+            @go.custom_backward
+            def clipped(x):
+                return x.clamp(-1, 1)
+
+            @clipped.backward
+            def _(grad, *, x):
+                return grad * (x.abs() <= 1)
+
+            return clipped(x)
+
+    class Loop(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.cell = Cell()
+
+        def forward(self, x):
+            for _ in range(5):
+                x = self.cell(x)
+            return x
+
+    model = Loop()
+    with go.monitor(model) as mon:
+        for _ in range(2):
+            model(torch.randn(3, requires_grad=True)).sum().backward()
+    assert [(label, [r.calls for r in records]) for label, records in mon.history.items()] == [
+        ("cell: clipped", [5, 5])]
+
+
+def test_large_gradients_of_two_threads_are_measured_apart() -> None:
+    n = 1 << 15  # past the size where the statistics use scratch buffers
+
+    class Net(nn.Module):
+        def __init__(self, scale: float) -> None:
+            super().__init__()
+            self.scale = scale
+
+        def forward(self, x):
+            return self.scale * (_doubled(x).sum() + _doubled(x * 1.0).sum())
+
+    models = nn.ModuleList([Net(1.0), Net(3.0)])
+
+    def train(k: int) -> None:
+        for _ in range(40):
+            models[k](torch.ones(n, requires_grad=True)).backward()
+
+    with go.monitor(models) as mon:
+        threads = [threading.Thread(target=train, args=(k,)) for k in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    for label, scale in (("0: _doubled", 1.0), ("1: _doubled", 3.0)):
+        records = mon.history[label]
+        assert len(records) == 40
+        # Each step: two calls, `scale` arriving at each of n elements, twice that back.
+        expected = scale * math.sqrt(2 * n)
+        assert [(r.grad_in, r.grad_out) for r in records] == [
+            (pytest.approx(expected), pytest.approx(2 * expected))] * 40
+        assert [r.step for r in records] == sorted(r.step for r in records)
+
+
+def test_grad_hooks_registered_while_recording_are_recorded() -> None:
+    model = nn.Sequential(nn.Linear(3, 3))
+    with go.monitor(model) as mon:
+        go.grad_hook(model[0], recipes.scale_grad(0.5), at="outputs")
+        model(torch.randn(2, 3)).sum().backward()
+        late = nn.Linear(3, 1)
+        go.grad_hook(late, recipes.reverse_grad(), at="parameters")
+        model.append(late)
+        model(torch.randn(2, 3)).sum().backward()
+    assert [(label, [r.step for r in records]) for label, records in mon.history.items()] == [
+        ("0: grad_hook(scale_grad(scale=0.5)) at outputs", [0, 1]),
+        ("1: grad_hook(reverse_grad(scale=1.0)) at parameters", [1]),
+    ]
+
+
+def test_a_graph_run_backward_after_the_block_is_not_recorded() -> None:
+    model = nn.Sequential(recipes.binarize().module())
+    with go.monitor(model) as mon:
+        out = model(torch.randn(3, requires_grad=True)).sum()
+    out.backward()
+    assert mon.steps == 0 and mon.history == {}
+
+
+@pytest.mark.compile
+@pytest.mark.filterwarnings("ignore:.*should not be instantiated:DeprecationWarning")  # dynamo's
+def test_a_child_compiled_in_place_is_warned() -> None:
+    model = nn.Sequential(Binarized(), nn.Linear(1, 1))
+    model[0].compile(backend="aot_eager")
+    with pytest.warns(go.GradOverrideWarning, match=r"`0` of Sequential is compiled in place "
+                      r"\(module\.compile\(\)\), and the overrides inside a compiled call are "
+                      r"not recorded"), go.monitor(model) as mon:
+        model(torch.randn(3, 4)).sum().backward()
+    assert mon.history == {}
+
+
+def test_the_models_own_key_is_not_a_submodule_named_model() -> None:
+    class Wrapper(nn.Module):  # HuggingFace-style: the network is `self.model`
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = nn.Sequential(nn.Linear(2, 2), recipes.scale_grad(2.0).module())
+
+        def forward(self, x):
+            return _doubled(self.model(x))
+
+    wrapper = Wrapper()
+    with go.monitor(wrapper) as mon:
+        wrapper(torch.randn(3, 2)).sum().backward()
+    assert sorted({key.rsplit("/", 1)[0] for key in mon.scalars()}) == [
+        "gradoverride/_model", "gradoverride/model.1"]
+    with pytest.raises(go.GradOverrideTypeError, match=r"Monitor.since needs a step number "
+                       r"\(an int\); got '3'"):
+        mon.since("3")  # type: ignore[arg-type]

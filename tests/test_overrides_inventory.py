@@ -226,3 +226,28 @@ def test_recipes_ops_and_bridges_held_in_containers_are_listed() -> None:
         ("0", "bridge", "bridge(sin)", "attribute `sine`", True),
         ("0", "op", "twice", "attribute `ops[0]`", False),
     ]
+
+
+def test_a_recipe_calling_recipes_is_active_with_them() -> None:
+    import dataclasses
+
+    from gradoverride.recipes import Recipe
+
+    @dataclasses.dataclass(frozen=True, repr=False)
+    class quant_then_reverse(Recipe):
+        scale: float = 0.5
+
+        def __call__(self, x):
+            return recipes.reverse_grad(self.scale)(recipes.binarize()(x))
+
+    class Holder(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.q = quant_then_reverse()
+
+        def forward(self, x):
+            return self.q(x)
+
+    rows = _rows(go.overrides(Holder(), torch.randn(4)))
+    assert rows[0] == ("", "recipe", "quant_then_reverse(scale=0.5)", "attribute `q`", True)
+    assert [r[2] for r in rows[1:]] == [repr(recipes.binarize()), "reverse_grad(scale=0.5)"]

@@ -42,8 +42,10 @@ class LightningMonitor(_CALLBACK):  # type: ignore[misc]
     backward pass was a recorded step, `monitor.scalars(prefix)` goes to each of the
     trainer's loggers (`logger.log_metrics`, at the trainer's `global_step`), under keys like
     `gradoverride/encoder.0.act/grad_in`: one row per recorded step, so `every` is how often
-    they are logged. Under mixed precision with loss scaling (`precision="16-mixed"`) the
-    norms are the true, unscaled ones (the trainer's GradScaler is passed on).
+    they are logged. With gradient accumulation, only at the batches where the optimizer
+    steps (the latest recorded step then). Under mixed precision with loss scaling
+    (`precision="16-mixed"`) the norms are the true, unscaled ones (the trainer's
+    GradScaler is passed on).
 
     Args:
         every: record one backward pass in `every` (see `go.monitor`).
@@ -61,6 +63,7 @@ class LightningMonitor(_CALLBACK):  # type: ignore[misc]
         self.log = log
         self.monitor: Monitor | None = None
         self._logged = -1  # the last recorded step logged
+        self._optimizer_steps = 0  # the trainer's global_step when last logged
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         # Mixed precision ("16-mixed") scales the loss with the precision plugin's
@@ -70,6 +73,7 @@ class LightningMonitor(_CALLBACK):  # type: ignore[misc]
                                scaler=scaler)
         self.monitor.__enter__()
         self._logged = -1
+        self._optimizer_steps = trainer.global_step
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any,
                            batch: Any, batch_idx: int) -> None:
@@ -80,6 +84,9 @@ class LightningMonitor(_CALLBACK):  # type: ignore[misc]
         if not latest:
             return
         step = next(iter(latest.values())).step
+        if trainer.global_step == self._optimizer_steps:
+            return  # accumulating gradients: logged when the optimizer steps
+        self._optimizer_steps = trainer.global_step
         if step != self._logged:
             self._logged = step
             # Straight to the loggers, as Lightning's LearningRateMonitor does: a value given

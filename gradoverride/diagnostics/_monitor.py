@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import re
+import threading
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -72,6 +73,9 @@ class Monitor:
         self._labels: dict[Site, str] = {}  # see `_labelled`, kept while no override is new
         self._keys: dict[Site, str] = {}  # see `scalars`
         self._statistics = GradientStatistics()
+        # Two threads' passes end at once: one reduction at a time (the statistics keep
+        # scratch buffers), and records in step order.
+        self._taking = threading.Lock()
         self._entered = False
 
     def __enter__(self) -> Monitor:
@@ -117,15 +121,16 @@ class Monitor:
         scale = 1.0
         if self._scaler is not None and self._scaler.is_enabled():
             scale = float(self._scaler.get_scale())
-        for (site, step), numbers in self._statistics(groups).items():
-            record = _record(step, numbers, scale)
-            records = self._records.get(site)
-            if records is None:
-                records = self._records[site] = deque(maxlen=self._max_steps)
-                self._totals[site] = _Totals()
-            records.append(record)
-            self._totals[site].add(record)
-            self._last_step = max(self._last_step, step)
+        with self._taking:
+            for (site, step), numbers in self._statistics(groups).items():
+                record = _record(step, numbers, scale)
+                records = self._records.get(site)
+                if records is None:
+                    records = self._records[site] = deque(maxlen=self._max_steps)
+                    self._totals[site] = _Totals()
+                _insert(records, record)
+                self._totals[site].add(record)
+                self._last_step = max(self._last_step, step)
 
     # -- reading ---------------------------------------------------------------------------
 
@@ -150,6 +155,9 @@ class Monitor:
     def since(self, step: int) -> dict[str, list[StepRecord]]:
         """The records of the recorded steps from `step` on (among those kept), by label:
         what a loop logging every N steps reads each time."""
+        if isinstance(step, bool) or not isinstance(step, int):
+            msg = f"Monitor.since needs a step number (an int); got {step!r}."
+            raise GradOverrideTypeError(msg)
         out = {}
         for site, label in self._labelled():
             records = self._records[site]
@@ -168,7 +176,7 @@ class Monitor:
 
         Per override, `grad_in`, `grad_out`, `calls`, `nonfinite` (NaN and infinite
         elements, both sides) and `zeroed` (when it has one). A key's middle part is the
-        override's module path (`model` for the model itself), made of letters, digits,
+        override's module path (`_model` for the model itself), made of letters, digits,
         `_`, `.` and `-` only; a second override at one path adds its name
         (`encoder.0.grad_hook_reverse_grad_scale_1.0_at_parameters`). Keys are stable over
         training. `writer.add_scalar(k, v, step)` for each item (TensorBoard), or
@@ -241,7 +249,8 @@ class Monitor:
         key = self._keys.get(site)
         if key is None:
             taken = set(self._keys.values())
-            key = _metric_safe(site.path) or "model"
+            # The model itself: a key no module path gives (none starts with `_`).
+            key = _metric_safe(site.path) or "_model"
             if key in taken:
                 key = f"{key}.{_metric_safe(site.name)}"
             base, n = key, 2
@@ -273,6 +282,23 @@ class _Totals:
         self.grad_out += r.grad_out
         self.zeroed = r.zeroed
         self.nonfinite += r.nan_in + r.inf_in + r.nan_out + r.inf_out
+
+
+def _insert(records: deque[StepRecord], record: StepRecord) -> None:
+    """`record` appended to `records`, in step order (a thread's pass may end after a later
+    one's)."""
+    if not records or records[-1].step <= record.step:
+        records.append(record)
+        return
+    k = len(records)
+    while k and records[k - 1].step > record.step:
+        k -= 1
+    if records.maxlen is not None and len(records) == records.maxlen:
+        if k == 0:
+            return  # older than everything kept
+        records.popleft()
+        k -= 1
+    records.insert(k, record)
 
 
 def _metric_safe(text: str) -> str:

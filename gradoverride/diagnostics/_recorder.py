@@ -38,7 +38,7 @@ import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
@@ -88,7 +88,6 @@ class Gradients:
     aligned: bool = True
 
 
-_MARK: Any = object()  # a node of an unrecorded step: its backward only counts the pass
 
 
 def queue_callback(callback: Callable[[], None]) -> None:
@@ -142,8 +141,8 @@ class Recorder:
         # The row of each op's (and recipe setting's) last call in a forward: the row of a
         # call recomputing a checkpointed function inside a backward pass.
         self._last: dict[tuple[Any, Any], Site] = {}
-        self._op_rows: dict[int, int] = {}  # see `_op_row`: by the ops' ids, while alive
-        self._reprs: dict[int, str] = {}  # see `_recipe_key`: by the recipes' ids, while alive
+        # See `_settings`: by the ids of the recipes and ops met, while they live.
+        self._settings: dict[int, Any] = {}
         # The module hooks keeping each thread's call stack (see `_place`).
         self._handles: list[Any] = []
         self._warned_compiled = False
@@ -152,11 +151,11 @@ class Recorder:
         self._outside: set[int] = set()  # ids of modules met that are not in the model
         self._count = 0
         self._sites: dict[tuple[Any, ...], Site] = {}
-        # Per backward pass (autograd's graph task id): (site, span), returned,
-        # needs_input_grad, arriving, one per backward call (appended from autograd's
-        # threads; list.append is atomic). Two threads' passes, running at once, stay apart.
-        self._pending: dict[int, list[tuple[Any, tuple[Any, ...], tuple[Any, ...]]]] = {}
-        self._counting = threading.Lock()  # `passes += 1` from two threads' flushes
+        # Per backward pass (autograd's graph task id) running: its step, and (site,
+        # returned, arriving), one per backward call (appended from autograd's threads;
+        # list.append is atomic). Two threads' passes, running at once, stay apart.
+        self._pending: dict[int, _Pass] = {}
+        self._counting = threading.Lock()  # a pass's step from two threads at once
         self.started = False
 
     # -- starting and stopping ------------------------------------------------------------
@@ -175,9 +174,11 @@ class Recorder:
             )
             raise GradOverrideError(msg)
         _STARTED.append(self)
+        _forget_stacks()  # every thread's call stack starts empty (see `_stack`)
         self.paths = model_paths(self.model)
         self._positions = {path: k for k, path in enumerate(self.paths.values())}
         self._wrap_hook_transforms()
+        self._warn_compiled_in_place()
         # Every module call, in the model or not (one added to it later, or a helper it
         # calls), keeps this thread's call stack while recording: the path of an op's row
         # is the innermost module of the model on it, however deep the op is called.
@@ -194,6 +195,8 @@ class Recorder:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        _LeftLate.remove_all()  # those of calls that never ended (a KeyboardInterrupt)
+        _forget_stacks()
         for task in sorted(self._pending):
             self._flush(task)  # a backward pass still running in another thread
         for hook, transform in self._retransformed:
@@ -259,17 +262,37 @@ class Recorder:
             path = self._path_of_new(inner)
         if path is None:
             return
+        self._warn_compiled(
+            path, "runs compiled (torch.compile)", "`model`, not `torch.compile(model)`; a "
+            "warning from torch about global module hooks comes from this recorder's hooks, "
+            "removed when it stops")
+
+    def _warn_compiled_in_place(self) -> None:
+        """A module of the model compiled in place (`module.compile()`) runs its calls
+        compiled, unseen by the module hooks: warned once, as a compiled call is."""
+        for module in self.model.modules():
+            if getattr(module, "_compiled_call_impl", None) is not None:
+                path = self.paths.get(id(module), "")
+                self._warn_compiled(path, "is compiled in place (module.compile())",
+                                    "the module itself (a copy that is not compiled)")
+                return
+
+    def _warn_compiled(self, path: str, how: str, fix: str) -> None:
+        if self._warned_compiled:
+            return
         self._warned_compiled = True
         where = f"`{path}` of {self.model_name}" if path else self.model_name
         msg = (
-            f"{self.purpose}: {where} runs compiled (torch.compile), and the overrides inside "
-            "a compiled call are not recorded: its backward is one compiled graph. To see "
-            "them, call the eager module in the steps you want recorded (`model`, not "
-            "`torch.compile(model)`; for example every N steps, inside the monitor). (A "
-            "warning from torch about global module hooks comes from this recorder's hooks, "
-            "removed when it stops.)"
+            f"{self.purpose}: {where} {how}, and the overrides inside a compiled call are "
+            "not recorded: its backward is one compiled graph. To see them, call the eager "
+            f"module in the steps you want recorded ({fix}; for example every N steps, "
+            "inside the monitor)."
         )
-        warnings.warn(msg, GradOverrideWarning, stacklevel=2)
+        warnings.warn(msg, GradOverrideWarning, stacklevel=3)
+
+    def hooks_changed(self) -> None:
+        """A grad_hook was registered while recording: recorded from now on."""
+        self._wrap_hook_transforms()
 
     def _wrap_hook_transforms(self) -> None:
         """Each grad_hook in the model records what its transform gets and gives."""
@@ -277,7 +300,11 @@ class Recorder:
         if hooks_module is None:
             return  # no grad_hook was ever made
         for module in self.model.modules():
-            path = self.paths[id(module)]
+            path = self.paths.get(id(module))
+            if path is None:  # added since the paths were read
+                self.paths = model_paths(self.model)
+                self._positions = {path: k for k, path in enumerate(self.paths.values())}
+                path = self.paths[id(module)]
             for place, hook in hooks_module.grad_hooks_on(module):
                 if isinstance(hook.transform, _MeasuredTransform):
                     continue
@@ -288,11 +315,6 @@ class Recorder:
 
     # -- during forward ---------------------------------------------------------------------
 
-    @property
-    def recording(self) -> bool:
-        """Whether the backward pass about to run (or running) is a recorded step."""
-        return self.passes % self.every == 0
-
     def _observe(self, op: Any, args: tuple[Any, ...], out: Any, site: Site | None) -> None:
         node: Any = out.grad_fn if isinstance(out, Tensor) else _node_of(out)
         if node is None or getattr(node, "gradoverride", None) is None:
@@ -302,12 +324,8 @@ class Recorder:
         outer = current_pass()
         if outer >= 0 and outer not in self._pending:
             self._open(outer)  # (the outer pass is the one running: queued at its end)
-        if self.passes % self.every != 0:
-            # Not a recorded step: the hook only counts the backward pass when it runs (a
-            # call inside the model: where, and which row, does not matter).
-            if site is not None or self._place()[0] is not None:
-                node.register_hook(_NodeHook(self, _MARK, (), outer))
-            return
+        # Whether the pass running the node is a recorded step is decided when the pass
+        # reaches it (see `_open`): a forward can be followed by several passes.
         if site is None:
             site = self._site_of(op, args)
             if site is None:
@@ -320,37 +338,41 @@ class Recorder:
             needs = needs[: node.gradoverride[0].n_tensor_in]
         node.register_hook(_NodeHook(self, site, needs, outer))
 
-    def _place(self) -> tuple[str | None, Any]:
+    def _place(self) -> tuple[str | None, list[Any]]:
         """Where an op called now runs: the path of the innermost module of the model whose
-        forward runs in this thread (None outside the model), and the innermost recipe
-        whose call is running inside it (a recipe's module form counts as its recipe), or
-        None. Read off this thread's call stack, which the recorder's module hooks and the
-        recipes keep."""
-        recipe: Any = None
+        call runs in this thread (None outside the model), and the recipes whose calls run
+        inside it, innermost first (a recipe's module form counts as its recipe). Read off
+        this thread's call stack, which the recorder's module hooks and the recipes keep."""
+        recipes: list[Any] = []
         for entry in reversed(_stack()):
+            if isinstance(entry, _Late):
+                entry = entry.module
             if isinstance(entry, nn.Module):
-                if recipe is None and isinstance(entry, _recipe_module_type()):
-                    recipe = entry.recipe
+                if isinstance(entry, _recipe_module_type()):
+                    recipes.append(entry.recipe)
                 path = self.paths.get(id(entry))
                 if path is None:
                     path = self._path_of_new(entry)
                 if path is not None:
-                    return path, recipe
-            elif recipe is None:
-                recipe = entry
-        return None, recipe
+                    return path, recipes
+            else:
+                recipes.append(entry)
+        return None, recipes
 
     def _called(self, op: CustomBackward[..., Any], args: tuple[Any, ...]) -> None:
         if self.on_call is None:
             return
-        path, recipe = self._place()
+        path, recipes = self._place()
         if path is None:
             return
         subject, kind = _subject(op, args)
-        if kind == "op" and recipe is not None:  # a recipe whose call called the op
-            subject, kind = recipe, "recipe"
-        if kind != "grad_hook":  # hooks: listed from the modules
-            self.on_call(path, subject)
+        if kind == "grad_hook":
+            return  # hooks: listed from the modules
+        if kind == "op" and recipes:  # recipes whose calls called the op: each ran
+            for recipe in recipes:
+                self.on_call(path, recipe)
+            return
+        self.on_call(path, subject)
 
     def _path_of_new(self, module: nn.Module) -> str | None:
         """The path of a module added to the model after the recorder started (the paths
@@ -363,6 +385,8 @@ class Recorder:
         path = self.paths.get(id(module))
         if path is None:
             self._outside.add(id(module))
+        else:
+            self._wrap_hook_transforms()  # the grad_hooks of what was added
         return path
 
     def _module_site(self, module: nn.Module) -> Site | None:
@@ -383,28 +407,23 @@ class Recorder:
     def _site_of(self, op: CustomBackward[..., Any], args: tuple[Any, ...]) -> Site | None:
         """The row of a call of `op` with `args`, or None for a call outside the model.
 
-        The recipes of one setting share a row (keyed by their repr), and an op made anew
-        at each forward call takes the row of the one made there before (see `_op_row`),
-        so that the rows and what they keep stay bounded however many are made. A call
-        inside a backward pass with no module of the model running (a checkpointed
-        function recomputing its forward) belongs to the row of the same op's last call in
-        a forward."""
-        path, recipe = self._place()
+        Rows are told apart by settings, so that they and what they keep stay bounded
+        however many recipes and ops a forward makes: a recipe by its repr, an op by its
+        function and the values its function closes over and defaults to (see
+        `_settings`). A call inside a backward pass with no module of the model running (a
+        checkpointed function recomputing its forward) belongs to the row of the same
+        override's last call in a forward."""
+        path, recipes = self._place()
         subject, kind = _subject(op, args)
-        if kind == "op" and recipe is not None:  # a recipe whose call called the op
-            subject, kind = recipe, "recipe"
+        if kind == "op" and recipes:  # a recipe whose call called the op
+            subject, kind = recipes[0], "recipe"
         if isinstance(subject, _MeasuredTransform):
             return None  # a grad_hook's transform, which records itself
         code = _code_of(op)
-        if kind == "recipe":
-            what: Any = self._recipe_key(subject)
-        else:
-            what = None if kind == "op" else id(subject)
+        what: Any = self._settings_of(subject) if kind in ("recipe", "op") else id(subject)
         late = (code, what)
         if path is None:
             return self._last.get(late) if current_pass() >= 0 else None
-        if kind == "op":
-            what = self._op_row(op, code, path)
         key = (code, path, what)
         site = self._sites.get(key)
         if site is None:
@@ -412,31 +431,20 @@ class Recorder:
         self._last[late] = site
         return site
 
-    def _recipe_key(self, recipe: Any) -> str:
-        """A recipe's repr (its settings: a recipe is frozen), read once per recipe object."""
-        key = self._reprs.get(id(recipe))
-        if key is None:
-            key = repr(recipe)
+    def _settings_of(self, subject: Any) -> Any:
+        """What tells one recipe or op from another of the same code: a recipe's repr (a
+        recipe is frozen), an op's closure values and defaults (see `_op_settings`); read
+        once per object while it lives."""
+        settings = self._settings.get(id(subject))
+        if settings is None:
+            settings = repr(subject) if isinstance(subject, _recipe_type()) else _op_settings(
+                subject)
             try:
-                weakref.finalize(recipe, self._reprs.pop, id(recipe), None)
+                weakref.finalize(subject, self._settings.pop, id(subject), None)
             except TypeError:
-                return key  # not weakly referenceable: read at each call
-            self._reprs[id(recipe)] = key
-        return key
-
-    def _op_row(self, op: Any, code: Any, path: str) -> int:
-        """Which of the ops made from one function (`code`) at `path` `op` is: ops alive at
-        once are told apart by the order of their first calls in a forward, and an op
-        made anew at each forward call is the same one as the op made in the forward
-        before at the same place (a row is not a new row each step)."""
-        row = self._op_rows.get(id(op))
-        if row is None:
-            fresh = _fresh()
-            row = fresh.get((code, path), 0)
-            fresh[(code, path)] = row + 1
-            self._op_rows[id(op)] = row
-            weakref.finalize(op, self._op_rows.pop, id(op), None)
-        return row
+                return settings  # not weakly referenceable: read at each call
+            self._settings[id(subject)] = settings
+        return settings
 
     def _next_index(self) -> int:
         self._count += 1
@@ -460,31 +468,35 @@ class Recorder:
     def record_transform(self, site: Site, arriving: Tensor, returned: Tensor) -> None:
         """A grad_hook's transform ran (see `_MeasuredTransform`)."""
         task = current_pass()
-        entries = self._pending.get(task)
-        if entries is None:
-            entries = self._open(task)
-        entries.append((site, (returned,), (arriving,)))
+        run = self._pending.get(task)
+        if run is None:
+            run = self._open(task)
+        if run.recorded:
+            run.entries.append((site, (returned,), (arriving,)))
 
-    def _open(self, task: int) -> list[Any]:
-        """The entries of backward pass `task`, handed to the sink at its end. A pass that
-        fails (an error in a backward) never runs its callbacks; autograd then drops them,
-        and the entries are handed on as that pass's step when `_PassEnd` is freed, so
-        that the next passes are steps of their own and nothing is kept."""
-        fresh: list[Any] = []
-        entries = self._pending.setdefault(task, fresh)  # (atomic: two threads of one pass)
-        if entries is fresh:
-            queue_callback(_PassEnd(self, task))
-        return entries
-
-    def _flush(self, task: int) -> None:
-        pending = self._pending.pop(task, None)
-        if pending is None:
-            return  # flushed already (by `stop`)
-        groups: dict[tuple[Site, int], Gradients] = {}
+    def _open(self, task: int) -> _Pass:
+        """Backward pass `task`, met for the first time: its step is the next one, recorded
+        one in `every`; its entries are handed to the sink at its end. A pass that fails
+        (an error in a backward) never runs its callbacks; autograd then drops them, and
+        the entries are handed on as that pass's step when `_PassEnd` is freed, so that
+        the next passes are steps of their own and nothing is kept."""
         with self._counting:
+            run = self._pending.get(task)
+            if run is not None:
+                return run  # (two threads of one pass)
             step = self.passes
             self.passes += 1
-        for site, returned, arriving in pending:
+            run = self._pending[task] = _Pass(step, step % self.every == 0)
+        queue_callback(_PassEnd(self, task))
+        return run
+
+    def _flush(self, task: int) -> None:
+        run = self._pending.pop(task, None)
+        if run is None or not run.recorded:
+            return  # flushed already (by `stop`), or not a recorded step
+        groups: dict[tuple[Site, int], Gradients] = {}
+        step = run.step
+        for site, returned, arriving in run.entries:
             gave = [g for g in returned if g is not None]
             got = [g for g in arriving if g is not None]
             group = groups.get((site, step))
@@ -525,19 +537,32 @@ class _NodeHook:
 
     def __call__(self, grad_inputs: tuple[Any, ...], grad_outputs: tuple[Any, ...]) -> None:
         recorder = self.recorder
+        if not recorder.started:
+            return  # a graph built while recording, run backward after
         task = self.task
         if task < 0:
             task = current_pass()
         # (else: a node made by a forward inside a backward pass, a reentrant checkpoint's
         # recomputation, which belongs to that outer pass)
-        entries = recorder._pending.get(task)
-        if entries is None:
-            entries = recorder._open(task)
-        if self.site is _MARK:
+        run = recorder._pending.get(task)
+        if run is None:
+            run = recorder._open(task)
+        if not run.recorded:
             return
         needed = zip(grad_inputs, self.needs, strict=False)
         returned = tuple(g for g, needs in needed if needs)
-        entries.append((self.site, returned, tuple(grad_outputs)))
+        run.entries.append((self.site, returned, tuple(grad_outputs)))
+
+
+class _Pass:
+    """A backward pass while it runs: its step, whether it is recorded, what it recorded."""
+
+    __slots__ = ("entries", "recorded", "step")
+
+    def __init__(self, step: int, recorded: bool) -> None:
+        self.step = step
+        self.recorded = recorded
+        self.entries: list[tuple[Any, tuple[Any, ...], tuple[Any, ...]]] = []
 
 
 class _PassEnd:
@@ -575,7 +600,7 @@ class _MeasuredTransform:
     def __call__(self, grad: Tensor) -> Tensor | None:
         out = self.monitored_transform(grad)
         recorder = self.recorder
-        if recorder.started and recorder.recording and not is_dynamo_compiling():
+        if recorder.started and not is_dynamo_compiling():
             recorder.record_transform(self.site, grad, grad if out is None else out)
         return out
 
@@ -619,81 +644,155 @@ def _code_of(op: Any) -> Any:
     return getattr(getattr(op, "__wrapped__", None), "__code__", op)
 
 
+def _recipe_type() -> type:
+    """The recipes' base class, or a class nothing is an instance of before any recipe was
+    imported."""
+    base = sys.modules.get("gradoverride.recipes._base")
+    return base.Recipe if base is not None else _Never
+
+
+def _op_settings(op: Any) -> tuple[Any, ...]:
+    """What tells an op from others made from the same function: the values its forward
+    and its rule close over and default to (`make(2.0)` and `make(10.0)` differ; the ops a
+    forward makes anew at each call from the same values do not). Numbers and strings by
+    value, recipes by repr, modules and ops by identity; other values (tensors) do not
+    count."""
+    forward = getattr(op, "__wrapped__", None)
+    if forward is None:
+        return (id(op),)
+    spec = getattr(op, "_rule", None)
+    rule = getattr(spec, "rule", None)
+    values: list[Any] = [getattr(getattr(rule, "__code__", None), "co_firstlineno", None)]
+    for fn in (forward, rule):
+        for cell in getattr(fn, "__closure__", None) or ():
+            try:
+                values.append(cell.cell_contents)
+            except ValueError:  # an empty cell
+                values.append(None)
+        values += list(getattr(fn, "__defaults__", None) or ())
+        values += list((getattr(fn, "__kwdefaults__", None) or {}).values())
+    return tuple(_setting(v) for v in values)
+
+
+def _setting(value: Any) -> Any:
+    if value is None or isinstance(value, bool | int | float | complex | str):
+        return value
+    if isinstance(value, _recipe_type()):
+        return repr(value)
+    if isinstance(value, nn.Module | CustomBackward):
+        return id(value)
+    if isinstance(value, tuple):
+        return tuple(_setting(v) for v in value)
+    return type(value).__name__
+
+
 # -- each thread's call stack while recording ---------------------------------------------
 
 _THREAD = threading.local()
+# Bumped at each recorder's start: a thread's stack from before (a call that never ended,
+# as under a KeyboardInterrupt, which skips torch's always-called hooks) is dropped.
+_GENERATION = 0
 
 
 def _stack() -> list[Any]:
     """This thread's running module and recipe calls, outermost first."""
-    try:
-        return _THREAD.stack  # type: ignore[no-any-return]
-    except AttributeError:
-        stack: list[Any] = []
-        _THREAD.stack = stack
-        return stack
+    thread = _THREAD
+    if getattr(thread, "generation", -1) == _GENERATION:
+        return thread.stack  # type: ignore[no-any-return]
+    stack: list[Any] = []
+    thread.stack, thread.generation = stack, _GENERATION
+    return stack
 
 
-def _fresh() -> dict[tuple[Any, str], int]:
-    """How many ops made from each function were first met at each path in this thread's
-    current outermost module call (see `Recorder._op_row`)."""
-    try:
-        return _THREAD.fresh  # type: ignore[no-any-return]
-    except AttributeError:
-        fresh: dict[tuple[Any, str], int] = {}
-        _THREAD.fresh = fresh
-        return fresh
+def _forget_stacks() -> None:
+    """Drop the call stacks (a call that never ended leaves its entries, holding modules):
+    this thread's now, the others' at their next module call."""
+    global _GENERATION
+    _GENERATION += 1
+    _THREAD.__dict__.pop("stack", None)
 
 
 def _entered(module: nn.Module, args: Any) -> None:
     if is_dynamo_compiling():
         return  # compiled calls are not recorded (and a compiled graph keeps no stack)
     stack = _stack()
-    if not stack:  # an outermost call: a new forward
-        _fresh().clear()
-        if _STARTED:
-            _STARTED[0].new_forward()
-    stack.append(module)
-    if "_orig_mod" in module._modules and _STARTED:
-        _STARTED[0].compiled_call(module)
+    recorder = _STARTED[0] if _STARTED else None
+    if recorder is not None:
+        if not stack:  # an outermost call: a new forward
+            recorder.new_forward()
+        if "_orig_mod" in module._modules:
+            recorder.compiled_call(module)
+        if (
+            (module._forward_pre_hooks or module._forward_hooks)
+            and id(module) not in recorder.paths
+        ):
+            recorder._path_of_new(module)  # added to the model since? its grad_hooks
     if module._forward_hooks:
         # torch runs the global forward hooks before the module's own: the module leaves
         # the stack after its own forward hooks instead (ops they call are its rows).
-        _LeftLate(module)
+        stack.append(_LeftLate(module))
+    else:
+        stack.append(module)
 
 
 def _left(module: nn.Module, args: Any, out: Any) -> None:
-    if is_dynamo_compiling() or _LeftLate.pending(module):
+    if is_dynamo_compiling():
         return
-    _pop(module)
+    stack = _stack()
+    if stack and isinstance(stack[-1], _Late) and stack[-1].module is module:
+        return  # its own forward hooks run next, then its `_LeftLate`
+    _pop(stack, module)
 
 
-class _LeftLate:
-    """A forward hook registered on a module with forward hooks of its own as its call
-    starts, so that it runs after them: takes the module off the stack, and itself off
-    the module."""
+class _Late:
+    """A stack entry whose module leaves after its own forward hooks."""
 
-    __slots__ = ("handle", "module")
+    __slots__ = ("module",)
 
     def __init__(self, module: nn.Module) -> None:
         self.module = module
-        self.handle = module.register_forward_hook(self, always_call=True)
 
-    @staticmethod
-    def pending(module: nn.Module) -> bool:
-        return any(isinstance(hook, _LeftLate) for hook in module._forward_hooks.values())
+
+class _LeftLate(_Late):
+    """The stack entry of a call of a module with forward hooks of its own, and a forward
+    hook registered on the module as the call starts, so that it runs after them: takes
+    this call's entry off the stack (not another call's: a recursive call, or another
+    thread's), and itself off the module."""
+
+    __slots__ = ("handle", "thread")
+
+    _ALL: ClassVar[set[_LeftLate]] = set()  # registered and not run yet (`remove_all`)
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__(module)
+        self.thread = threading.get_ident()
+        self.handle = module.register_forward_hook(self, always_call=True)
+        _LeftLate._ALL.add(self)
 
     def __call__(self, module: nn.Module, args: Any, out: Any) -> None:
+        if threading.get_ident() != self.thread:
+            return  # another thread's call of the module
+        stack = _stack()
+        if not (stack and stack[-1] is self):
+            return  # an outer call's (a recursive call ends first)
+        stack.pop()
         self.handle.remove()
-        _pop(module)
+        _LeftLate._ALL.discard(self)
+
+    @staticmethod
+    def remove_all() -> None:
+        """Take off the modules every one left (calls that never ended)."""
+        for late in list(_LeftLate._ALL):
+            late.handle.remove()
+        _LeftLate._ALL.clear()
 
 
-def _pop(module: nn.Module) -> None:
-    stack = _stack()
+def _pop(stack: list[Any], module: nn.Module) -> None:
     # Down to this module's entry: a hook that raised after ours ran leaves nothing behind.
     # (Not there: the recorder started while this module's forward ran.)
     for k in range(len(stack) - 1, -1, -1):
-        if stack[k] is module:
+        entry = stack[k]
+        if entry is module or (isinstance(entry, _Late) and entry.module is module):
             del stack[k:]
             break
 
