@@ -214,5 +214,6 @@ def test_monitor_on_a_keras_model_points_to_overrides() -> None:
     with pytest.raises(go.GradOverrideError,
                        match=r"go.monitor records PyTorch models; got the Keras model "
                              r"Sequential. `go.overrides\(model\)` lists a Keras model's "
-                             r"overrides; recording them while training is not available"):
+                             r"overrides.*register a `go.grad_hook` whose transform writes "
+                             r"`tf.summary.scalar"):
         go.monitor(model)

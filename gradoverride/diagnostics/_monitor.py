@@ -436,8 +436,11 @@ def monitor(model: nn.Module, *, every: int = 1, max_steps: int | None = None,
         if is_keras_layer(model):
             msg = (
                 f"go.monitor records PyTorch models; got the Keras model {type(model).__name__}. "
-                "`go.overrides(model)` lists a Keras model's overrides; recording them while "
-                "training is not available for Keras yet."
+                "`go.overrides(model)` lists a Keras model's overrides. `fit` runs each step "
+                "as a traced graph, whose gradients the monitor cannot read step by step: to "
+                "watch an override's gradient in `fit`, register a `go.grad_hook` whose "
+                "transform writes `tf.summary.scalar(name, tf.norm(grad))` and returns `grad` "
+                "(the diagnostics page shows it)."
             )
             raise GradOverrideError(msg)
         msg = (
