@@ -217,6 +217,14 @@ def test_spiking_benchmark_quick() -> None:
         )
 
 
+def test_monitor_benchmark_quick() -> None:
+    out = _run("benchmarks/monitor.py", "--quick").stdout
+    for case in ("small MLP", "spiking", "binarized"):
+        for every in (1, 10):
+            assert re.search(rf"^{re.escape(case)}\s+{every}\s+[\d.]+ ms\s+[\d.]+x$", out,
+                             re.M), (case, every, out)
+
+
 BENCHMARKS = sorted(p for p in (ROOT / "benchmarks").glob("*.py") if not p.name.startswith("_"))
 
 
