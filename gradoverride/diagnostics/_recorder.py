@@ -330,13 +330,13 @@ class Recorder:
             site = self._site_of(op, args)
             if site is None:
                 return  # called outside the model
-        # One gradient per tensor input, None where the input needs none; an attaching
+        # One gradient per tensor input (None where the input needs none); an attaching
         # Function (a rule owning some inputs) then passes its outputs' gradients on into
-        # the ordinary graph, which are not the rule's.
-        needs = tuple(fn is not None for fn, _ in node.next_functions)
+        # the ordinary graph, which are not the rule's: only its first `span` are.
+        span = None
         if getattr(getattr(node, "_forward_cls", None), "_gradoverride_attaches", False):
-            needs = needs[: node.gradoverride[0].n_tensor_in]
-        node.register_hook(_NodeHook(self, site, needs, outer))
+            span = node.gradoverride[0].n_tensor_in
+        node.register_hook(_NodeHook(self, site, span, outer))
 
     def _place(self) -> tuple[str | None, list[Any]]:
         """Where an op called now runs: the path of the innermost module of the model whose
@@ -526,13 +526,12 @@ class _NodeHook:
     its tensor inputs; the first `span` of them for an attaching Function, whose others are
     its outputs' gradients passed on) to the entries of the backward pass running."""
 
-    __slots__ = ("needs", "recorder", "site", "task")
+    __slots__ = ("recorder", "site", "span", "task")
 
-    def __init__(self, recorder: Recorder, site: Any, needs: tuple[bool, ...],
-                 task: int) -> None:
+    def __init__(self, recorder: Recorder, site: Any, span: int | None, task: int) -> None:
         self.recorder = recorder
         self.site = site
-        self.needs = needs  # per tensor input: whether its gradient is the rule's, and needed
+        self.span = span  # how many of the gradients are the rule's (None: all)
         self.task = task
 
     def __call__(self, grad_inputs: tuple[Any, ...], grad_outputs: tuple[Any, ...]) -> None:
@@ -549,9 +548,8 @@ class _NodeHook:
             run = recorder._open(task)
         if not run.recorded:
             return
-        needed = zip(grad_inputs, self.needs, strict=False)
-        returned = tuple(g for g, needs in needed if needs)
-        run.entries.append((self.site, returned, tuple(grad_outputs)))
+        returned = grad_inputs if self.span is None else grad_inputs[: self.span]
+        run.entries.append((self.site, tuple(returned), tuple(grad_outputs)))
 
 
 class _Pass:
@@ -635,8 +633,20 @@ def _leaves(out: Any) -> Iterator[Any]:
 def _recipe_module_type() -> type:
     """The recipes' module form, or a class nothing is an instance of before any recipe was
     imported."""
-    base = sys.modules.get("gradoverride.recipes._base")
+    base = _recipes_base()
     return base.RecipeModule if base is not None else _Never
+
+
+_RECIPES_BASE: list[Any] = []  # the recipes' base module, once imported
+
+
+def _recipes_base() -> Any:
+    if _RECIPES_BASE:
+        return _RECIPES_BASE[0]
+    base = sys.modules.get("gradoverride.recipes._base")
+    if base is not None:
+        _RECIPES_BASE.append(base)
+    return base
 
 
 def _code_of(op: Any) -> Any:
@@ -647,7 +657,7 @@ def _code_of(op: Any) -> Any:
 def _recipe_type() -> type:
     """The recipes' base class, or a class nothing is an instance of before any recipe was
     imported."""
-    base = sys.modules.get("gradoverride.recipes._base")
+    base = _recipes_base()
     return base.Recipe if base is not None else _Never
 
 
@@ -821,10 +831,11 @@ def _subject(op: CustomBackward[..., Any], args: tuple[Any, ...]) -> tuple[Any, 
         return args[1], "grad_hook"
     if transform is not None and op is transform.transformed_all:
         return args[0], "grad_hook"
-    base = sys.modules.get("gradoverride.recipes._base")
+    base = _recipes_base()
     if base is not None:
+        recipe = base.Recipe
         for arg in args:
-            if isinstance(arg, base.Recipe):
+            if isinstance(arg, recipe):
                 return arg, "recipe"
     return op, "op"
 

@@ -90,9 +90,14 @@ def _told_to_recorder(call: Callable[..., Any]) -> Callable[..., Any]:
 
 def recipe_call(recipe: Recipe, call: Callable[..., Any], args: tuple[Any, ...],
                 kwargs: dict[str, Any]) -> Any:
-    from ..diagnostics._recorder import recipe_call as recorded  # the recorder is running: imported
+    if not _RECORDED:  # a recorder is running: its module is imported
+        from ..diagnostics._recorder import recipe_call as recorded
 
-    return recorded(recipe, call, args, kwargs)
+        _RECORDED.append(recorded)
+    return _RECORDED[0](recipe, call, args, kwargs)
+
+
+_RECORDED: list[Callable[..., Any]] = []  # the recorder's `recipe_call`, once imported
 
 
 def _transformed(grad: Tensor, *, transform: GradientTransform) -> Tensor:
