@@ -36,7 +36,7 @@ import sys
 import threading
 import warnings
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -315,7 +315,7 @@ class Recorder:
 
     # -- during forward ---------------------------------------------------------------------
 
-    def _observe(self, op: Any, args: tuple[Any, ...], out: Any, site: Site | None) -> None:
+    def _observe(self, op: Any, args: tuple[Any, ...], out: Any, site: Any) -> None:
         node: Any = out.grad_fn if isinstance(out, Tensor) else _node_of(out)
         if node is None or getattr(node, "gradoverride", None) is None:
             return  # no gradient flows here, or not one of our Functions' nodes
@@ -325,9 +325,17 @@ class Recorder:
         if outer >= 0 and outer not in self._pending:
             self._open(outer)  # (the outer pass is the one running: queued at its end)
         # Whether the pass running the node is a recorded step is decided when the pass
-        # reaches it (see `_open`): a forward can be followed by several passes.
+        # reaches it (see `_open`): a forward can be followed by several passes. The row is
+        # found then too, from what the call leaves (`_Call`), for a recorded step only.
         if site is None:
-            site = self._site_of(op, args)
+            if outer >= 0:
+                site = self._site_of(op, args)  # (inside a pass: found now, as `_last` says)
+            else:
+                stack = _stack()
+                if not stack:
+                    return  # called outside any module call: not the model's
+                site = _Call(op, tuple(a for a in args if not isinstance(a, Tensor)),
+                             tuple(stack), self._next_index())
             if site is None:
                 return  # called outside the model
         # One gradient per tensor input (None where the input needs none); an attaching
@@ -338,13 +346,14 @@ class Recorder:
             span = node.gradoverride[0].n_tensor_in
         node.register_hook(_NodeHook(self, site, span, outer))
 
-    def _place(self) -> tuple[str | None, list[Any]]:
+    def _place(self, stack: Sequence[Any] | None = None) -> tuple[str | None, list[Any]]:
         """Where an op called now runs: the path of the innermost module of the model whose
         call runs in this thread (None outside the model), and the recipes whose calls run
         inside it, innermost first (a recipe's module form counts as its recipe). Read off
-        this thread's call stack, which the recorder's module hooks and the recipes keep."""
+        this thread's call stack, which the recorder's module hooks and the recipes keep
+        (or off `stack`, what it was at a call)."""
         recipes: list[Any] = []
-        for entry in reversed(_stack()):
+        for entry in reversed(_stack() if stack is None else stack):
             if isinstance(entry, _Late):
                 entry = entry.module
             if isinstance(entry, nn.Module):
@@ -405,7 +414,14 @@ class Recorder:
         return site
 
     def _site_of(self, op: CustomBackward[..., Any], args: tuple[Any, ...]) -> Site | None:
-        """The row of a call of `op` with `args`, or None for a call outside the model.
+        """The row of a call of `op` with `args` made now (see `_site_from`)."""
+        path, recipes = self._place()
+        return self._site_from(op, args, path, recipes)
+
+    def _site_from(self, op: CustomBackward[..., Any], args: tuple[Any, ...],
+                   path: str | None, recipes: list[Any], index: int = 0) -> Site | None:
+        """The row of a call of `op` with `args` (its tensors may be left out) made at
+        `path` by `recipes`, or None for a call outside the model.
 
         Rows are told apart by settings, so that they and what they keep stay bounded
         however many recipes and ops a forward makes: a recipe by its repr, an op by its
@@ -413,7 +429,6 @@ class Recorder:
         `_settings`). A call inside a backward pass with no module of the model running (a
         checkpointed function recomputing its forward) belongs to the row of the same
         override's last call in a forward."""
-        path, recipes = self._place()
         subject, kind = _subject(op, args)
         if kind == "op" and recipes:  # a recipe whose call called the op
             subject, kind = recipes[0], "recipe"
@@ -427,7 +442,8 @@ class Recorder:
         key = (code, path, what)
         site = self._sites.get(key)
         if site is None:
-            site = self._sites[key] = self._make_site(path, subject, kind)
+            # (sorted among the rows by `index`: the order of the call that made it)
+            site = self._sites[key] = self._make_site(path, subject, kind, index=index)
         self._last[late] = site
         return site
 
@@ -454,14 +470,15 @@ class Recorder:
         """Where `site` sorts: its module's place in the model, then the order met."""
         return self._positions.get(site.path, len(self._positions)), site.index
 
-    def _make_site(self, path: str, subject: Any, kind: str, suffix: str = "") -> Site:
+    def _make_site(self, path: str, subject: Any, kind: str, suffix: str = "",
+                   index: int = 0) -> Site:
         if isinstance(subject, CustomBackward):
             name = getattr(subject, "__name__", subject._name)
         elif kind == "grad_hook":
             name = f"grad_hook({describe_transform(subject)}){suffix}"
         else:
             name = one_line(repr(subject))
-        return Site(path, name, kind, subject, index=self._next_index())
+        return Site(path, name, kind, subject, index=index or self._next_index())
 
     # -- during backward --------------------------------------------------------------------
 
@@ -538,6 +555,9 @@ class _NodeHook:
         recorder = self.recorder
         if not recorder.started:
             return  # a graph built while recording, run backward after
+        site = self.site
+        if type(site) is _Call and not site.in_model(recorder):
+            return  # called outside the model: not one of its passes
         task = self.task
         if task < 0:
             task = current_pass()
@@ -548,8 +568,37 @@ class _NodeHook:
             run = recorder._open(task)
         if not run.recorded:
             return
+        if type(site) is _Call:
+            site = self.site = site.row(recorder)
+            if site is None:
+                return  # (a grad_hook's transform, which records itself)
         returned = grad_inputs if self.span is None else grad_inputs[: self.span]
-        run.entries.append((self.site, tuple(returned), tuple(grad_outputs)))
+        run.entries.append((site, tuple(returned), tuple(grad_outputs)))
+
+
+class _Call:
+    """What an op call leaves for its row to be found when a recorded pass reaches its
+    node: the op, its arguments other than tensors, and the call stack then."""
+
+    __slots__ = ("extras", "index", "op", "path", "recipes", "stack")
+
+    def __init__(self, op: Any, extras: tuple[Any, ...], stack: tuple[Any, ...],
+                 index: int) -> None:
+        self.op = op
+        self.index = index
+        self.extras = extras
+        self.stack: tuple[Any, ...] | None = stack
+        self.path: str | None = None
+        self.recipes: list[Any] = []
+
+    def in_model(self, recorder: Recorder) -> bool:
+        if self.stack is not None:
+            self.path, self.recipes = recorder._place(self.stack)
+            self.stack = None  # (read once; the modules it holds let go)
+        return self.path is not None
+
+    def row(self, recorder: Recorder) -> Site | None:
+        return recorder._site_from(self.op, self.extras, self.path, self.recipes, self.index)
 
 
 class _Pass:
@@ -824,13 +873,14 @@ class _Never:
 
 
 def _subject(op: CustomBackward[..., Any], args: tuple[Any, ...]) -> tuple[Any, str]:
-    """What a row names for a call of `op`: the recipe among its arguments, the transform
-    of a grad_hook's op, else the op itself."""
+    """What a row names for a call of `op` (`args`: all its arguments, or those that are not
+    tensors): the recipe among its arguments, the transform of a grad_hook's op (its first
+    argument that is not a tensor), else the op itself."""
     transform = sys.modules.get("gradoverride._transform")
-    if transform is not None and op in (transform.transformed, transform.transformed_private):
-        return args[1], "grad_hook"
-    if transform is not None and op is transform.transformed_all:
-        return args[0], "grad_hook"
+    if transform is not None and op in (
+        transform.transformed, transform.transformed_private, transform.transformed_all
+    ):
+        return next(a for a in args if not isinstance(a, Tensor)), "grad_hook"
     base = _recipes_base()
     if base is not None:
         recipe = base.Recipe
