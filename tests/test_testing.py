@@ -538,3 +538,36 @@ def test_saved_bytes_counts_what_a_call_keeps_for_backward() -> None:
     assert saved_bytes(torch.sin, x) == x.numel() * x.element_size()  # sin saves its input
     assert saved_bytes(torch.neg, x) == 0
     assert saved_bytes(torch.mul, x, x) == 2 * x.numel() * x.element_size()
+
+
+class _Scaled(go.Module):
+    """y = w * x, whose rule gives the weight `weight_factor` times its true gradient."""
+
+    def __init__(self, weight_factor: float) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.tensor([0.5, -2.0, 3.0], dtype=torch.float64))
+        self.weight_factor = weight_factor
+
+    def forward(self, x):
+        return self.w * x
+
+    def backward(self, grad, *, x, w):
+        return {"x": grad * w, "w": self.weight_factor * (grad * x)}
+
+
+def test_a_module_rule_is_checked_for_its_parameters_too() -> None:
+    x = torch.tensor([1.0, -1.5, 2.0], dtype=torch.float64)
+    good = check_backward(_Scaled(1.0), x, reference="finite_differences")
+    assert [row.name for row in good.rows] == ["x", "w"] and good.ok
+    bad = _Scaled(100.0)  # the weight's gradient 100 times too large; the input's right
+    with pytest.raises(go.GradOverrideError, match=r"check_backward\(`_Scaled\(\)`\): the "
+                       r"gradient for `w` fails"):
+        check_backward(bad, x, reference="finite_differences")
+    # A proxy reading the module's parameter checks it too; the given gradients by name.
+    with pytest.raises(go.GradOverrideError, match=r"the gradient for `w` fails"):
+        check_backward(bad, x, reference=lambda x: bad.w * x)
+    report = check_backward(bad, x, reference={"w": x.clone()}, raise_on_mismatch=False)
+    assert list(report.mismatches) == ["w"]
+    # Only the input given (one tensor): the parameter is not compared.
+    assert check_backward(bad, x, reference=bad.w.detach().clone()).ok
+    assert bad.w.grad is None  # the module's own parameters are not touched

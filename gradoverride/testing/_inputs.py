@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from .._decorators import CustomBackward
 from .._errors import GradOverrideError
@@ -38,6 +38,12 @@ def function_name(fn: object) -> str:
 
 
 def _parameters(fn: Callable[..., Any]) -> list[inspect.Parameter]:
+    if isinstance(fn, nn.Module):
+        # A module's call takes `*args`: its forward names them (a go.Module's, as written).
+        fn = getattr(type(fn), "_gradoverride_forward", None) or fn.forward
+        if not inspect.ismethod(fn):
+            params = _parameters(fn)
+            return params[1:]  # (without `self`)
     try:
         return list(inspect.signature(fn).parameters.values())
     except (TypeError, ValueError):
@@ -111,10 +117,14 @@ def floating_leaves(value: Any, name: str) -> list[tuple[str, Tensor]]:
 
 
 class Call:
-    """A call's positional inputs, with each floating-point tensor in them named.
+    """A call's positional inputs, with each floating-point tensor in them named, and, when
+    the function is a module, its parameters that require grad after them (named as
+    `named_parameters()` names them).
 
     `leaves()` gives fresh tensors that require grad and `rebuild(tensors)` the inputs with
-    those tensors in place, so the caller's tensors are never modified or given a `.grad`.
+    those tensors in place, so the caller's tensors are never modified or given a `.grad`;
+    a module runs with the parameters' leaves in place of its parameters
+    (`torch.func.functional_call`).
     """
 
     def __init__(self, fn: Callable[..., Any], inputs: Sequence[Any]) -> None:
@@ -131,6 +141,14 @@ class Call:
                 "pass the tensors whose gradients the rule computes as positional inputs."
             )
             raise GradOverrideError(msg)
+        self.n_inputs = len(found)
+        self.input_names: tuple[str, ...] = tuple(name for name, _ in found)
+        self.parameter_names: tuple[str, ...] = ()
+        if isinstance(fn, nn.Module):
+            params = [(n, p) for n, p in fn.named_parameters()
+                      if p.requires_grad and p.is_floating_point()]
+            self.parameter_names = tuple(n for n, _ in params)
+            found += params
         self.names: tuple[str, ...] = tuple(name for name, _ in found)
         self.tensors: tuple[Tensor, ...] = tuple(t for _, t in found)
 
@@ -145,7 +163,7 @@ class Call:
 
     def rebuild(self, tensors: Sequence[Tensor]) -> tuple[Any, ...]:
         """The inputs with the named tensors replaced by `tensors`, in order."""
-        replacements: Iterator[Tensor] = iter(tensors)
+        replacements: Iterator[Tensor] = iter(tensors[: self.n_inputs])
         return tuple(
             _map_floating(value, "", lambda _path, _old: next(replacements))
             for value in self.inputs
@@ -153,4 +171,30 @@ class Call:
 
     def __call__(self, tensors: Sequence[Tensor]) -> Any:
         """Call the function with the named tensors replaced by `tensors`."""
-        return self.fn(*self.rebuild(tensors))
+        args = self.rebuild(tensors)
+        return self.with_parameters(tensors, lambda: self.fn(*args))
+
+    def with_parameters(self, tensors: Sequence[Tensor], run: Callable[[], Any]) -> Any:
+        """`run()`, with a module's parameters replaced by the last of `tensors` (so that a
+        proxy reading the module's parameters reads them too)."""
+        if not self.parameter_names:
+            return run()
+        holder = _Running(self.fn, run)
+        values = {
+            f"module.{name}": t
+            for name, t in zip(self.parameter_names, tensors[self.n_inputs :], strict=True)
+        }
+        return torch.func.functional_call(holder, values, ())
+
+
+class _Running(nn.Module):
+    """Holds the checked module, so that `functional_call` swaps its parameters while a
+    function (the module's call, or a proxy reading its parameters) runs."""
+
+    def __init__(self, module: Any, run: Callable[[], Any]) -> None:
+        super().__init__()
+        self.module = module
+        self.run = run
+
+    def forward(self) -> Any:
+        return self.run()

@@ -80,7 +80,10 @@ def _proxy(
 ) -> dict[str, Tensor | None]:
     name = function_name(proxy)
     leaves = call.leaves()
-    proxy_outputs = Outputs(name, proxy(*call.rebuild(leaves)))
+    # A module's parameters are swapped in while the proxy runs: a proxy reading them (as
+    # `layer.weight`) gives their gradients too.
+    proxy_outputs = Outputs(name, call.with_parameters(
+        leaves, lambda: proxy(*call.rebuild(leaves))))
     got = [tuple(t.shape) for t in proxy_outputs.tensors]
     want = [tuple(t.shape) for t in outputs.tensors]
     if got != want:
@@ -91,7 +94,11 @@ def _proxy(
         )
         raise GradOverrideError(msg)
     grads = backward(name, proxy_outputs, leaves, grads_out)
-    return dict(zip(call.names, grads, strict=True))
+    by_name = dict(zip(call.names, grads, strict=True))
+    for parameter in call.parameter_names:  # a proxy that does not read it says nothing
+        if by_name[parameter] is None:
+            del by_name[parameter]
+    return by_name
 
 
 def _finite_differences(
@@ -138,10 +145,10 @@ def _given(
 ) -> dict[str, Tensor | None]:
     fn = call.fn_name
     if isinstance(reference, Tensor):
-        if len(call.names) != 1:
+        if call.n_inputs != 1:
             msg = (
                 f"check_backward(`{fn}`): the reference is one tensor, but `{fn}` has "
-                f"{len(call.names)} inputs to differentiate ({', '.join(call.names)}); "
+                f"{call.n_inputs} inputs to differentiate ({', '.join(call.input_names)}); "
                 "pass a dict by input name."
             )
             raise GradOverrideError(msg)
@@ -156,14 +163,14 @@ def _given(
             raise GradOverrideError(msg)
         given = dict(reference)
     else:
-        if len(reference) != len(call.names):
+        if len(reference) not in (call.n_inputs, len(call.names)):
             msg = (
                 f"check_backward(`{fn}`): the reference has {len(reference)} gradient(s), but "
                 f"`{fn}` has {len(call.names)} inputs to differentiate "
                 f"({', '.join(call.names)}); pass one per input (None for none) or a dict."
             )
             raise GradOverrideError(msg)
-        given = dict(zip(call.names, reference, strict=True))
+        given = dict(zip(call.names, reference, strict=False))
     tensors = dict(zip(call.names, call.tensors, strict=True))
     for name, grad in given.items():
         if grad is None:
