@@ -63,7 +63,20 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted({*__all__, *_SUBPACKAGES})
+    # `keras` only where it can be imported: `help(gradoverride)` imports what is listed.
+    listed = {*__all__, *_SUBPACKAGES}
+    if not _keras_importable():
+        listed.discard("keras")
+    return sorted(listed)
+
+
+def _keras_importable() -> bool:
+    from importlib.util import find_spec
+
+    try:
+        return find_spec("tensorflow") is not None and find_spec("keras") is not None
+    except (ImportError, ValueError):  # (a module set to None in sys.modules)
+        return False
 
 __all__ = [
     "RESERVED_NAMES",

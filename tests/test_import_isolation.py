@@ -180,3 +180,22 @@ def test_gradoverride_keras_without_tensorflow_says_what_to_install(tmp_path: Pa
     assert result.returncode == 1
     assert ("ImportError: gradoverride.keras needs TensorFlow and Keras 3: pip install "
             "'gradoverride[tensorflow]'") in result.stderr, result.stderr[-2000:]
+
+
+def test_help_works_without_the_optional_frameworks() -> None:
+    # help() imports every name a module lists: without TensorFlow (or a trainer), the
+    # pages of gradoverride and gradoverride.diagnostics still render.
+    code = (
+        "import sys\n"
+        "for name in ('tensorflow', 'keras', 'lightning', 'pytorch_lightning', "
+        "'transformers'):\n"
+        "    sys.modules[name] = None\n"
+        "import pydoc, gradoverride\n"
+        "top = pydoc.render_doc(gradoverride)\n"
+        "diagnostics = pydoc.render_doc(gradoverride.diagnostics)\n"
+        "print('custom_backward' in top, 'monitor' in diagnostics, "
+        "'class LightningMonitor' in diagnostics)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            check=True)
+    assert result.stdout.split() == ["True", "True", "False"], result.stderr

@@ -56,4 +56,21 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted(__all__)
+    # A trainer's callback only where its framework can be imported: `help()` imports what
+    # is listed.
+    listed = set(__all__)
+    for name, package in (("LightningMonitor", "lightning"),
+                          ("HuggingFaceMonitor", "transformers")):
+        if not _importable(package) and not (name == "LightningMonitor"
+                                             and _importable("pytorch_lightning")):
+            listed.discard(name)
+    return sorted(listed)
+
+
+def _importable(package: str) -> bool:
+    from importlib.util import find_spec
+
+    try:
+        return find_spec(package) is not None
+    except (ImportError, ValueError):  # (a module set to None in sys.modules)
+        return False
