@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import math
+import warnings
 from collections.abc import Callable
 
 import pytest
@@ -413,3 +414,26 @@ def test_ganin_ramp_refuses_a_boolean_step_count() -> None:
     expected = "ganin_ramp needs `total_steps` to be a positive int"
     with pytest.raises(go.GradOverrideError, match=expected):
         ganin_ramp(total_steps=True)  # type: ignore[arg-type]
+
+
+def test_a_schedule_that_never_steps_is_warned_about() -> None:
+    grl = reverse_grad(scale=ganin_ramp(total_steps=100)).module()
+    grl.UNSTEPPED_CALLS = 5
+    x = torch.ones(3, requires_grad=True)
+    for _ in range(4):
+        grl(x)
+    with pytest.warns(go.GradOverrideWarning, match=r"reverse_grad\(scale=ganin_ramp\(.*\)\) "
+                      r"\(module form\) ran 5 training calls and its schedule never stepped: "
+                      r"its scale is still 0.*Call its `step\(\)`"):
+        grl(x)
+    grl(x).sum().backward()
+    assert torch.equal(x.grad, torch.zeros(3))  # what the warning is about: no gradient
+    grl.step()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # stepped: several calls per step are fine
+        for _ in range(12):
+            grl(x)
+        grl.eval()
+        grl.steps.zero_()
+        for _ in range(12):
+            grl(x)  # evaluation calls do not count

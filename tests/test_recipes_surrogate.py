@@ -636,3 +636,16 @@ def test_a_spike_built_in_a_dynamic_compiled_forward(how: str) -> None:
         module(x1).sum().backward()
         compiled(x2).sum().backward()
         torch.testing.assert_close(x2.grad, x1.grad)
+
+
+@pytest.mark.parametrize(("name", "suggested"), [
+    ("atan", "arctan"),  # snnTorch
+    ("ATan", "arctan"),  # SpikingJelly
+    ("PiecewiseQuadratic", "piecewise_quadratic"),
+    ("SquarewaveFourierSeries", "squarewave_fourier"),
+    ("fast_sigmoi", "fast_sigmoid"),
+])
+def test_a_peer_name_of_a_surrogate_suggests_ours(name: str, suggested: str) -> None:
+    with pytest.raises(go.GradOverrideError, match=rf"spike: unknown surrogate {name!r}; did "
+                       rf"you mean {suggested!r}\? choose one of 'arctan'"):
+        R.spike(name)

@@ -15,15 +15,17 @@ with "Data-dependent branching". The gradient keeps the input's dtype.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 from torch import Tensor
+from torch.compiler import is_dynamo_compiling
 
 from .._decorators import custom_backward
-from .._errors import GradOverrideError, GradOverrideTypeError
+from .._errors import GradOverrideError, GradOverrideTypeError, GradOverrideWarning
 from .._frameworks import is_tensorflow
 from .._internals import loss_scale
 from .._passthrough import passthrough
@@ -306,9 +308,14 @@ class ScaledGradientModule(RecipeModule):
     recipe: _ScaledGradient
     steps: Tensor
 
+    #: Training calls without a `step()` after which a schedule never stepped is warned about
+    #: (its scale is still the schedule's at step 0: 0 for `ganin_ramp`).
+    UNSTEPPED_CALLS = 1000
+
     def __init__(self, recipe: _ScaledGradient) -> None:
         super().__init__(recipe)
         self.scheduled = recipe.scheduled
+        self._unstepped = 0  # training calls since the last step() (see UNSTEPPED_CALLS)
         if self.scheduled:
             self.register_buffer("steps", torch.zeros((), dtype=torch.int64))
 
@@ -318,7 +325,23 @@ class ScaledGradientModule(RecipeModule):
         constant = self.recipe._constant
         if constant is not None:  # the common call, one frame shorter
             return _multiply_gradient_copy(x, constant)
+        if self.scheduled and self.training and not is_dynamo_compiling():
+            # (getattr: a module pickled before this count existed)
+            self._unstepped = getattr(self, "_unstepped", 0) + 1
+            if self._unstepped == self.UNSTEPPED_CALLS:
+                self._warn_unstepped()
         return self.recipe._fresh(x, self.steps if self.scheduled else None)
+
+    def _warn_unstepped(self) -> None:
+        if int(self.steps) != 0:
+            return  # stepped before: several calls per step, or steps between epochs
+        msg = (
+            f"{self.recipe!r} (module form) ran {self.UNSTEPPED_CALLS} training calls and its "
+            f"schedule never stepped: its scale is still {float(self.scale()):g}, the "
+            "schedule's at step 0 (for ganin_ramp, 0: no gradient passes). Call its `step()` "
+            "once per training step, after `backward()`."
+        )
+        warnings.warn(msg, GradOverrideWarning, stacklevel=3)
 
     def transform(self, grad: Tensor) -> Tensor:
         """The recipe's gradient map at the current step (for `go.grad_hook`)."""
@@ -338,6 +361,7 @@ class ScaledGradientModule(RecipeModule):
         """Advance the schedule by `n` steps (does nothing for a constant scale)."""
         if self.scheduled:
             self.steps.add_(n)
+            self._unstepped = 0
 
 
 # ---- clipping -------------------------------------------------------------------------------

@@ -28,6 +28,7 @@ gradients equal snnTorch's (see `SPIKE_PRESETS`).
 
 from __future__ import annotations
 
+import difflib
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import KW_ONLY, dataclass
@@ -561,6 +562,39 @@ _PARAMETERS: dict[str, tuple[float, str]] = {
 }
 
 
+# What the peer libraries call the surrogates (snnTorch's functions, SpikingJelly's classes,
+# norse's methods), lowercased with `_` and `-` dropped, where that is not one of ours with
+# `_` dropped: the name to suggest here.
+_PEER_NAMES = {
+    "atan": "arctan",
+    "arctangent": "arctan",
+    "triangular": "triangle",
+    "tri": "triangle",
+    "rect": "rectangular",
+    "rectangle": "rectangular",
+    "boxcar": "rectangular",
+    "ste": "straight_through",
+    "straightthroughestimator": "straight_through",
+    "squarewavefourierseries": "squarewave_fourier",
+    "leakykrelu": "leaky_relu",
+}
+
+
+def _suggestion(surrogate: object) -> str:
+    """'did you mean ...? ' for a peer library's name of a surrogate, or a near spelling."""
+    if not isinstance(surrogate, str):
+        return ""
+    key = surrogate.lower().replace("_", "").replace("-", "").replace(" ", "")
+    found = _PEER_NAMES.get(key)
+    if found is None:
+        by_key = {s.replace("_", ""): s for s in SURROGATES}
+        found = by_key.get(key)
+    if found is None:
+        close = difflib.get_close_matches(surrogate.lower(), SURROGATES, n=1, cutoff=0.75)
+        found = close[0] if close else None
+    return f"did you mean {found!r}? " if found is not None else ""
+
+
 def _canonical(surrogate: str) -> str:
     return _ALIASES.get(surrogate, surrogate)
 
@@ -754,9 +788,10 @@ class spike(Recipe):
     def __post_init__(self) -> None:
         name = _canonical(self.surrogate) if isinstance(self.surrogate, str) else None
         if name not in _SHAPES:
+            hint = _suggestion(self.surrogate)
             msg = (
-                f"spike: unknown surrogate {self.surrogate!r}; choose one of "
-                f"{', '.join(repr(s) for s in SURROGATES)}."
+                f"spike: unknown surrogate {self.surrogate!r}; "
+                f"{hint}choose one of {', '.join(repr(s) for s in SURROGATES)}."
             )
             raise GradOverrideError(msg)
         shape = _SHAPES[name]
