@@ -65,7 +65,8 @@ def test_argmax_ties_go_to_the_first_index_and_0d_is_one() -> None:
 def _soft_sample(x: torch.Tensor, temperature: float, seed: int, dim: int = -1) -> torch.Tensor:
     """y_soft as the docstring states it, from the same noise (float32 for half inputs)."""
     work = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
-    noise = gumbel_noise(x.shape, dtype=work, generator=torch.Generator().manual_seed(seed))
+    noise = gumbel_noise(x.shape, dtype=work, generator=torch.Generator().manual_seed(seed),
+                         draw_dtype=x.dtype)
     return torch.softmax((x.to(work) + noise) / temperature, dim)
 
 
@@ -85,7 +86,7 @@ def test_gumbel_forward_and_backward_follow_the_soft_sample(
         torch.testing.assert_close(y, soft.to(x.dtype), **tolerance(x.dtype))
     leaf = x.detach().requires_grad_()
     noise = gumbel_noise(x.shape, dtype=soft.dtype,
-                         generator=torch.Generator().manual_seed(seed))
+                         generator=torch.Generator().manual_seed(seed), draw_dtype=x.dtype)
     proxy = torch.softmax((leaf.to(soft.dtype) + noise) / temperature, -1)
     (expected,) = torch.autograd.grad(proxy, leaf, g.to(soft.dtype))
     torch.testing.assert_close(gx, expected.to(x.dtype), **tolerance(x.dtype))
@@ -119,6 +120,29 @@ def test_gumbel_never_nan(dtype: torch.dtype, temperature: float) -> None:
 def test_gumbel_noise_is_finite_at_the_uniforms_ends() -> None:
     noise = gumbel_noise((200_000,), generator=torch.Generator().manual_seed(0))
     assert torch.isfinite(noise).all()
+    # An exponential draw that rounds to 0 (float16 has few values near 0) stays finite.
+    half = gumbel_noise((200_000,), dtype=torch.float16,
+                        generator=torch.Generator().manual_seed(0))
+    assert torch.isfinite(half).all()
+
+
+@pytest.mark.parametrize("hard", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_gumbel_draws_as_torch_does_with_the_same_seed(hard: bool, dtype: torch.dtype) -> None:
+    # torch.nn.functional.gumbel_softmax draws from the global generator: seeded alike, a
+    # swap gives the same samples.
+    logits = torch.randn(64, 7, generator=torch.Generator().manual_seed(3), dtype=dtype)
+    torch.manual_seed(11)
+    theirs = torch.nn.functional.gumbel_softmax(logits, tau=0.5, hard=hard)
+    torch.manual_seed(11)
+    ours = R.gumbel_softmax(temperature=0.5, hard=hard)(logits)
+    if hard:
+        assert torch.equal(ours, theirs)
+    else:  # (ours subtracts the largest score before dividing: rounding apart)
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+    # And the same generator state afterwards: the next draws agree too.
+    assert torch.equal(torch.rand(3), (torch.manual_seed(11), torch.empty(64, 7, dtype=dtype)
+                                        .exponential_(), torch.rand(3))[2])
 
 
 def test_reprs_and_module_form() -> None:

@@ -166,13 +166,15 @@ def gumbel_noise(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str | None = None,
     generator: torch.Generator | None = None,
+    draw_dtype: torch.dtype | None = None,
 ) -> Tensor:
-    """Standard Gumbel samples, always finite: -log(-log(u)) for u uniform on
-    [tiny, 1 - eps/2] (`torch.rand` clamped; tiny and eps of `dtype`)."""
-    info = torch.finfo(dtype)
-    u = torch.rand(shape, dtype=dtype, device=device, generator=generator)
-    u = u.clamp_(info.tiny, 1 - info.eps / 2)
-    return -torch.log(-torch.log(u))
+    """Standard Gumbel samples in `dtype`, drawn as `torch.nn.functional.gumbel_softmax`
+    draws them (`-log(E)`, E exponential, in `draw_dtype`, default `dtype`), so that the
+    same seed gives the same draws; always finite (E clamped at the smallest normal number
+    of its dtype, where the exponential can round to 0)."""
+    draw = dtype if draw_dtype is None else draw_dtype
+    e = torch.empty(shape, dtype=draw, device=device).exponential_(generator=generator)
+    return e.clamp_(min=torch.finfo(draw).tiny).log_().neg_().to(dtype)
 
 
 @custom_backward(residuals=("soft",))
@@ -181,8 +183,9 @@ def _gumbel_softmax(
 ) -> Any:
     dim = recipe.dim
     work = _compute_dtype(x.dtype)
-    if noise is None:
-        noise = gumbel_noise(x.shape, dtype=work, device=x.device, generator=generator)
+    if noise is None:  # drawn in x's dtype, as torch's gumbel_softmax draws
+        noise = gumbel_noise(x.shape, dtype=work, device=x.device, generator=generator,
+                             draw_dtype=x.dtype)
     scores = x.to(work) + noise.to(work)
     # Shifted so the largest score is 0 before dividing by T: a tiny T then gives -inf and 0,
     # never inf - inf. In place: `scores` is this function's own.
@@ -216,10 +219,11 @@ class gumbel_softmax(Recipe):
     appears in float16 or at tiny temperatures. Keeps y_soft (float32 for half inputs) for
     backward.
 
-    The noise G: drawn by the recipe (`-log(-log(u))`, u uniform and clamped so that G is
-    finite), from `generator=` when given; or given as `noise=`, a floating-point tensor of
-    x's shape holding the draws, so that a run can be reproduced and compared exactly (with
-    `torch.nn.functional.gumbel_softmax`, whose draws are `-log(Exponential(1))`, say).
+    The noise G: drawn by the recipe as `torch.nn.functional.gumbel_softmax` draws it
+    (`-log(Exponential(1))` in x's dtype, clamped so that G is finite), from `generator=`
+    when given, so that with the same seed a swap for torch's function gives the same
+    samples; or given as `noise=`, a floating-point tensor of x's shape holding the draws,
+    so that a run can be reproduced and compared exactly.
     Given noise gets the same gradient as x (the scores are x + G); it is used as given,
     in float32 for half inputs. Under `torch.compile`, leave `generator` unset and seed with
     `torch.manual_seed`, or pass `noise=`: dynamo cannot trace an explicit
