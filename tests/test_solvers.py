@@ -332,3 +332,32 @@ def test_booleans_are_not_counts_or_strengths() -> None:
     expected = "needs `samples` to be a positive int, got True"
     with pytest.raises(go.GradOverrideError, match=expected):
         perturbed_optimizer(lambda s: s, samples=True)  # type: ignore[arg-type]
+
+
+def test_min_cost_clamps_the_perturbed_costs_as_the_papers_code_does() -> None:
+    seen: list[np.ndarray] = []
+
+    def cheapest(w):  # argmin over one-hot choices, recording the costs it is given
+        seen.append(np.array(w))
+        y = np.zeros_like(w)
+        y[np.argmin(w)] = 1.0
+        return y
+
+    w = torch.tensor([0.2, 0.5, 1.0], dtype=torch.float64, requires_grad=True)
+    g = torch.tensor([-1.0, 0.0, 2.0], dtype=torch.float64)
+    for min_cost in (None, 0.0):
+        seen.clear()
+        recipe = blackbox_solver(cheapest, lambda_=1.0, numpy=True, min_cost=min_cost)
+        (grad,) = torch.autograd.grad((recipe(w) * g).sum(), w)
+        # By hand (Vlastelica et al.'s Algorithm 1; the code's maximum(w + lambda g, 0)):
+        perturbed = w.detach() + 1.0 * g
+        if min_cost is not None:
+            perturbed = perturbed.clamp(min=min_cost)
+        np.testing.assert_array_equal(seen[1], perturbed.numpy())
+        y, y_shifted = torch.tensor([1.0, 0.0, 0.0]), torch.zeros(3)
+        y_shifted[int(perturbed.argmin())] = 1.0
+        torch.testing.assert_close(grad, (y_shifted - y).double() / 1.0)
+    assert seen[1].min() == 0.0  # clamped: -0.8 would have been given
+    with pytest.raises(go.GradOverrideError, match=r"blackbox_solver needs `min_cost` to be a "
+                       r"finite number .* got inf"):
+        blackbox_solver(cheapest, lambda_=1.0, min_cost=float("inf"))

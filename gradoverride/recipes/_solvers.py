@@ -38,7 +38,7 @@ from .._errors import GradOverrideError, GradOverrideTypeError
 from .._frameworks import is_tensorflow
 from .._internals import is_transformed
 from .._signature import describe
-from ._base import Recipe, tensorflow_call
+from ._base import Recipe, finite, tensorflow_call
 
 __all__ = ["blackbox_solver", "perturbed_optimizer"]
 
@@ -164,7 +164,10 @@ def _interpolated(w: Tensor, recipe: blackbox_solver) -> Tensor:
 @_interpolated.backward(once_differentiable=True)
 def _(grad: Tensor, *, w: Tensor, recipe: blackbox_solver, output: Tensor) -> Tensor:
     sign = -1.0 if recipe.maximize else 1.0
-    shifted = recipe._solve_same_shape(w + sign * recipe.lambda_ * grad)
+    perturbed = w + sign * recipe.lambda_ * grad
+    if recipe.min_cost is not None:  # (a shortest path needs non-negative costs)
+        perturbed = perturbed.clamp(min=recipe.min_cost)
+    shifted = recipe._solve_same_shape(perturbed)
     return sign * (shifted - output) / recipe.lambda_
 
 
@@ -213,6 +216,10 @@ class blackbox_solver(_SolverRecipe):
         batched: the solver takes a stack of instances (first axis) and returns a stack.
         numpy: call the solver with numpy arrays instead of tensors.
         maximize: the solver maximises ``<w, y>`` instead of minimising it.
+        min_cost: clamp the perturbed costs ``w'`` from below at this value before the
+            solver sees them (default None: no clamp). A shortest-path solver needs
+            non-negative weights: `min_cost=0.0` is what the paper's code does there
+            (``maximum(w + lambda * g, 0)``).
 
     Returns (when called): the solutions, shape of the input, in its dtype and device.
     """
@@ -223,6 +230,7 @@ class blackbox_solver(_SolverRecipe):
     batched: bool = False
     numpy: bool = False
     maximize: bool = False
+    min_cost: float | None = None
 
     def __post_init__(self) -> None:
         self._check_common()
@@ -235,6 +243,16 @@ class blackbox_solver(_SolverRecipe):
             msg = (
                 f"blackbox_solver needs `lambda_` to be a number > 0 (the interpolation "
                 f"strength of Vlastelica et al.), got {self.lambda_!r}."
+            )
+            raise GradOverrideError(msg)
+        if self.min_cost is not None and not (
+            isinstance(self.min_cost, int | float) and not isinstance(self.min_cost, bool)
+            and finite(float(self.min_cost))
+        ):
+            msg = (
+                f"blackbox_solver needs `min_cost` to be a finite number (the least perturbed "
+                f"cost the solver sees, 0.0 for a shortest path) or None; got "
+                f"{self.min_cost!r}."
             )
             raise GradOverrideError(msg)
 
