@@ -40,6 +40,8 @@ _INTEGRATIONS = {
     "import lightning": "lightning",
     "import transformers": "transformers",
 }
+# The spiking peers (the `peers` extra, not required anywhere): their blocks skip without them.
+_PEERS = {"import snntorch": "snntorch", "import spikingjelly": "spikingjelly"}
 _REQUIRE_INTEGRATIONS = os.environ.get("GRADOVERRIDE_REQUIRE_INTEGRATIONS") == "1"
 
 
@@ -74,6 +76,9 @@ def test_example_runs_and_prints_what_the_page_shows(
         if (marker in example.source and not _REQUIRE_INTEGRATIONS
                 and importlib.util.find_spec(package) is None):
             pytest.skip(f"{package} is not installed (pip install 'gradoverride[integrations]')")
+    for marker, package in _PEERS.items():
+        if marker in example.source and importlib.util.find_spec(package) is None:
+            pytest.skip(f"{package} is not installed (pip install 'gradoverride[peers]')")
     eval_example.set_config(line_length=100)
     try:
         if eval_example.update_examples:
