@@ -278,7 +278,8 @@ class blackbox_solver(_SolverRecipe):
         return (
             f"blackbox_solver({self._solver_repr()}, lambda_={self.lambda_!r}, "
             f"instance_dims={self.instance_dims!r}, batched={self.batched!r}, "
-            f"numpy={self.numpy!r}, maximize={self.maximize!r})"
+            f"numpy={self.numpy!r}, maximize={self.maximize!r}"
+            + ("" if self.min_cost is None else f", min_cost={self.min_cost!r}") + ")"
         )
 
 
