@@ -71,6 +71,7 @@ __all__ = [
     "is_tracing",
     "is_transformed",
     "loss_scale",
+    "loss_scale_value",
     "raw_apply",
     "set_grad_enabled",
     "tracing_state",
@@ -197,6 +198,13 @@ def in_compiled_autograd() -> bool:
 
     module = sys.modules.get("torch._dynamo.compiled_autograd")
     return module is not None and bool(getattr(module, "in_compiled_autograd_region", False))
+
+
+def loss_scale_value(scaler: Any) -> float:
+    """`loss_scale` read back as a number (one synchronization with the device)."""
+    if not scaler.is_enabled() or getattr(scaler, "_scale", True) is None:
+        return 1.0  # disabled, or no loss scaled yet: the gradients are the true ones
+    return float(scaler.get_scale())
 
 
 def loss_scale(scaler: Any, like: Tensor) -> Tensor | float:

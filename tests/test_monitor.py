@@ -1449,3 +1449,17 @@ def test_the_models_own_key_is_not_a_submodule_named_model() -> None:
     with pytest.raises(go.GradOverrideTypeError, match=r"Monitor.since needs a step number "
                        r"\(an int\); got '3'"):
         mon.since("3")  # type: ignore[arg-type]
+
+
+def test_a_scaler_that_scaled_no_loss_yet_leaves_the_norms_alone() -> None:
+    torch.manual_seed(0)
+    taps = Taps()
+    model = Binarized(taps)
+    x = torch.randn(6, 4)
+    model(x).sum().backward()
+    grad_in, _, _ = taps.expected()
+    fresh = torch.amp.GradScaler("cpu", init_scale=1024.0)  # no scale() yet: factor 1
+    with go.monitor(model, scaler=fresh) as mon:
+        model(x).sum().backward()
+    [record] = _only(mon)
+    assert record.grad_in == pytest.approx(grad_in, rel=1e-6)

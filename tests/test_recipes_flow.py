@@ -437,3 +437,21 @@ def test_a_schedule_that_never_steps_is_warned_about() -> None:
         grl.steps.zero_()
         for _ in range(12):
             grl(x)  # evaluation calls do not count
+
+
+def test_a_clipping_recipe_copied_shares_its_scaler_and_saved_is_refused() -> None:
+    import pickle
+
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    clip = clip_grad_value(1.0, scaler=scaler)
+    model = nn.Sequential(nn.Identity(), clip.module())
+    ema = copy.deepcopy(model)  # what an EMA copy does
+    assert ema[1].recipe.scaler is scaler
+    x = torch.zeros(4, requires_grad=True)
+    scaler.scale((ema(x) * torch.tensor([-5.0, 0.5, 5.0, 0.01])).sum()).backward()
+    torch.testing.assert_close(x.grad / 1024.0, torch.tensor([-1.0, 0.5, 1.0, 0.01]))
+    assert copy.copy(clip) is clip
+    with pytest.raises(go.GradOverrideError, match=r"clip_grad_value\(clip_value=1.0\) holds a "
+                       r"GradScaler and cannot be saved with it.*give the scaler again"):
+        pickle.dumps(clip)
+    assert pickle.loads(pickle.dumps(clip_grad_value(1.0))) == clip_grad_value(1.0)

@@ -571,3 +571,36 @@ def test_a_module_rule_is_checked_for_its_parameters_too() -> None:
     # Only the input given (one tensor): the parameter is not compared.
     assert check_backward(bad, x, reference=bad.w.detach().clone()).ok
     assert bad.w.grad is None  # the module's own parameters are not touched
+
+
+class _Keyword(go.Module):
+    """y = scale * w * x, whose rule gives the weight 100 times its true gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.tensor([0.5, -2.0], dtype=torch.float64))
+
+    def forward(self, x, scale=1.0):
+        return scale * self.w * x
+
+    def backward(self, grad, *, x, w, scale):
+        return {"x": scale * grad * w, "w": 100 * scale * grad * x}
+
+
+def test_a_module_bound_with_partial_is_checked_for_its_parameters() -> None:
+    x = torch.tensor([1.0, 3.0], dtype=torch.float64)
+    report = check_backward(functools.partial(_Keyword(), scale=2.0), x,
+                            reference="finite_differences", raise_on_mismatch=False)
+    assert [(row.name, row.ok) for row in report.rows] == [("x", True), ("w", False)]
+
+
+def test_a_module_with_buffers_and_frozen_parameters_is_left_as_it_was() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+    model[0].bias.requires_grad_(False)  # frozen: float32 in a float64 finite difference
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    x = torch.randn(5, 3)
+    report = check_backward(model, x, reference="finite_differences", rtol=1e-2, atol=1e-3)
+    assert [row.name for row in report.rows] == ["input", "0.weight", "1.weight", "1.bias"]
+    for key, value in model.state_dict().items():  # running statistics untouched
+        assert torch.equal(value, before[key]), key

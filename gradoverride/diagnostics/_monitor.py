@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
 from .._errors import GradOverrideError, GradOverrideTypeError
+from .._internals import loss_scale_value
 from .._table import format_table
 from ._recorder import Gradients, Recorder, Site
 from ._statistics import FIELDS, GradientStatistics
@@ -118,9 +119,7 @@ class Monitor:
     def _take(self, groups: dict[tuple[Site, int], Gradients]) -> None:
         # Under a GradScaler every gradient of the pass is the true one times its scale
         # (read now, at the pass's end: `scaler.update()` comes after the optimizer step).
-        scale = 1.0
-        if self._scaler is not None and self._scaler.is_enabled():
-            scale = float(self._scaler.get_scale())
+        scale = 1.0 if self._scaler is None else loss_scale_value(self._scaler)
         with self._taking:
             for (site, step), numbers in self._statistics(groups).items():
                 record = _record(step, numbers, scale)

@@ -14,6 +14,7 @@ with "Data-dependent branching". The gradient keeps the input's dtype.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import warnings
 from collections.abc import Callable
@@ -325,7 +326,10 @@ class ScaledGradientModule(RecipeModule):
         constant = self.recipe._constant
         if constant is not None:  # the common call, one frame shorter
             return _multiply_gradient_copy(x, constant)
-        if self.scheduled and self.training and not is_dynamo_compiling():
+        if (
+            self.scheduled and self.training and torch.is_grad_enabled()
+            and not is_dynamo_compiling()
+        ):
             # (getattr: a module pickled before this count existed)
             self._unstepped = getattr(self, "_unstepped", 0) + 1
             if self._unstepped == self.UNSTEPPED_CALLS:
@@ -367,8 +371,37 @@ class ScaledGradientModule(RecipeModule):
 # ---- clipping -------------------------------------------------------------------------------
 
 
+class _WithScaler:
+    """What the clipping recipes holding a GradScaler do when copied or saved: a deep copy
+    (a model's EMA copy) shares the scaler, which scales the loss of the whole training; a
+    saved recipe would hold a copy of it, which scales nothing, so saving one is refused."""
+
+    scaler: Any
+
+    def __copy__(self) -> Any:
+        return self  # (frozen)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        values = {f.name: copy.deepcopy(getattr(self, f.name), memo)
+                  for f in dataclasses.fields(self) if f.name != "scaler"}  # type: ignore[arg-type]
+        cls: Any = type(self)
+        return cls(**values, scaler=self.scaler)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        if self.scaler is not None:
+            msg = (
+                f"{self!r} holds a GradScaler and cannot be saved with it: loaded, it would "
+                "hold a copy that scales no loss, and clip the scaled gradients at the "
+                "unscaled bound. Save the model without it (set `scaler=None`, as "
+                f"`dataclasses.replace(recipe, scaler=None)`), and give the scaler again "
+                "after loading."
+            )
+            raise GradOverrideError(msg)
+        return super().__reduce_ex__(protocol)
+
+
 @dataclass(frozen=True, repr=False)
-class clip_grad_value(GradientTransform):
+class clip_grad_value(_WithScaler, GradientTransform):
     """Clipping by value: identity forward, ``clamp(grad, -clip_value, clip_value)`` backward.
 
     The per-tensor, inside-the-graph form of `torch.nn.utils.clip_grad_value_` (same
@@ -429,7 +462,7 @@ Dims = int | tuple[int, ...] | None
 
 
 @dataclass(frozen=True, repr=False)
-class clip_grad_norm(GradientTransform):
+class clip_grad_norm(_WithScaler, GradientTransform):
     """Clipping by norm: identity forward; the gradient rescaled to norm at most `max_norm`.
 
     Formula (that of `torch.nn.utils.clip_grad_norm_`, per tensor or per slice):

@@ -592,6 +592,11 @@ def _suggestion(surrogate: object) -> str:
     if found is None:
         close = difflib.get_close_matches(surrogate.lower(), SURROGATES, n=1, cutoff=0.75)
         found = close[0] if close else None
+    if found is None:  # a peer's surrogate with no name here: its preset
+        preset = next((name for name in _PRESETS
+                       if name.partition(".")[2].lower().replace("_", "") == key), None)
+        if preset is not None:
+            return f"did you mean spike.preset({preset!r})? "
     return f"did you mean {found!r}? " if found is not None else ""
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import types
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -37,13 +38,27 @@ def function_name(fn: object) -> str:
     return describe(fn)
 
 
+def _module_forward(module: nn.Module) -> Callable[..., Any]:
+    """The forward a module's call runs, bound (a go.Module's as written: its call takes
+    `*args`)."""
+    written = getattr(type(module), "_gradoverride_forward", None)
+    return types.MethodType(written, module) if written is not None else module.forward
+
+
+def module_of(fn: Callable[..., Any]) -> nn.Module | None:
+    """The module `fn` calls: `fn` itself, or the module a `functools.partial` binds."""
+    if isinstance(fn, nn.Module):
+        return fn
+    if isinstance(fn, functools.partial) and isinstance(fn.func, nn.Module):
+        return fn.func
+    return None
+
+
 def _parameters(fn: Callable[..., Any]) -> list[inspect.Parameter]:
     if isinstance(fn, nn.Module):
-        # A module's call takes `*args`: its forward names them (a go.Module's, as written).
-        fn = getattr(type(fn), "_gradoverride_forward", None) or fn.forward
-        if not inspect.ismethod(fn):
-            params = _parameters(fn)
-            return params[1:]  # (without `self`)
+        fn = _module_forward(fn)
+    elif isinstance(fn, functools.partial) and isinstance(fn.func, nn.Module):
+        fn = functools.partial(_module_forward(fn.func), *fn.args, **fn.keywords)
     try:
         return list(inspect.signature(fn).parameters.values())
     except (TypeError, ValueError):
@@ -144,11 +159,22 @@ class Call:
         self.n_inputs = len(found)
         self.input_names: tuple[str, ...] = tuple(name for name, _ in found)
         self.parameter_names: tuple[str, ...] = ()
-        if isinstance(fn, nn.Module):
-            params = [(n, p) for n, p in fn.named_parameters()
+        # The module's other state (frozen parameters, buffers): copies are swapped in at
+        # each call, so that a forward updating a buffer (batch norm's running statistics)
+        # leaves the module as it was, and finite differences see it in float64 too.
+        self.state: tuple[tuple[str, Tensor], ...] = ()
+        module = module_of(fn)
+        self.module = module
+        if module is not None:
+            params = [(n, p) for n, p in module.named_parameters()
                       if p.requires_grad and p.is_floating_point()]
             self.parameter_names = tuple(n for n, _ in params)
             found += params
+            checked = {id(p) for _, p in params}
+            self.state = tuple(
+                (n, t) for n, t in (*module.named_parameters(), *module.named_buffers())
+                if id(t) not in checked
+            )
         self.names: tuple[str, ...] = tuple(name for name, _ in found)
         self.tensors: tuple[Tensor, ...] = tuple(t for _, t in found)
 
@@ -177,13 +203,21 @@ class Call:
     def with_parameters(self, tensors: Sequence[Tensor], run: Callable[[], Any]) -> Any:
         """`run()`, with a module's parameters replaced by the last of `tensors` (so that a
         proxy reading the module's parameters reads them too)."""
-        if not self.parameter_names:
+        if self.module is None:
             return run()
-        holder = _Running(self.fn, run)
+        holder = _Running(self.module, run)
         values = {
             f"module.{name}": t
             for name, t in zip(self.parameter_names, tensors[self.n_inputs :], strict=True)
         }
+        # In float64 where the checked tensors are (finite differences).
+        wide = any(t.dtype == torch.float64 != o.dtype
+                   for t, o in zip(tensors, self.tensors, strict=True))
+        for name, t in self.state:
+            copy = t.detach().clone()
+            if wide and copy.is_floating_point():
+                copy = copy.to(torch.float64)
+            values[f"module.{name}"] = copy
         return torch.func.functional_call(holder, values, ())
 
 
