@@ -55,7 +55,9 @@ def monitor_png() -> bytes:
         msg = f"docs_monitor: the monitor recorded nothing:\n{monitor.summary()}"
         raise PluginError(msg)
     with tempfile.TemporaryDirectory() as tmp:
-        return monitor.plot(Path(tmp) / "monitor.png").read_bytes()
+        path = Path(tmp) / "monitor.png"
+        monitor.plot(path)
+        return path.read_bytes()
 
 
 def on_files(files: Files, *, config: MkDocsConfig) -> Files:
