@@ -13,7 +13,8 @@ While a recorder is started:
   forward hooks, registered only while recording, keep each thread's stack of running
   module calls, and the recipes push themselves on it (`recipe_call`), so the row is the
   innermost module of the model on it and the recipe that made the call, however deep
-  below the module's forward the op is called;
+  below the module's forward the op is called; a call leaves a snapshot of the stack
+  (`_Call`), read only when a recorded pass reaches its node;
 * each `grad_hook` transform in the model is wrapped, in place (the module hook's attribute,
   or the parameter's hook dict, which keeps its order among other hooks).
 
@@ -23,8 +24,9 @@ is one backward pass that reaches an override of the model: the gradients of a p
 (autograd's graph task, so that two threads' passes running at once stay apart) are handed
 to the recorder's `sink` at its end (`queue_callback`), grouped by override; a pass that
 fails is handed on when autograd drops its callback, and a reentrant checkpoint's nested
-pass is part of the pass that recomputed it. With `every=N`, the ops of an unrecorded step
-only mark one node, whose backward counts the pass.
+pass is part of the pass that recomputed it. With `every=N`, a pass is counted when it first
+reaches a node of the model's overrides, and recorded if its count is a multiple of N (a
+forward may be followed by several passes, each a step).
 
 Stopping restores every transform and leaves the list the ops consult: afterwards nothing
 of the recorder is left and an op call costs what it did before.
