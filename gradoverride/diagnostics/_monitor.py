@@ -405,7 +405,7 @@ def monitor(model: nn.Module, *, every: int = 1, max_steps: int | None = None,
             `model` or its submodules.
         every: record one step in `every` (the first, then every `every`-th); on the
             others an override call costs a few microseconds more than outside the monitor
-            (it finds its row and marks its node, so that the step is counted).
+            (it keeps its call stack and hooks its node, so that the step is counted).
 
         max_steps: keep the records of the last `max_steps` recorded steps of each
             override (None: all). The summary still covers every recorded step.
