@@ -436,7 +436,8 @@ def test_presets_are_spikes_with_the_stated_conventions() -> None:
          r"spike\.preset\('norse\.triangle'\): `alpha` must be a positive finite number; got "
          r"float -1\.0\."),
         (lambda: R.spike("tanh"), go.GradOverrideError,
-         r"spike: unknown surrogate 'tanh'; choose one of 'arctan', 'sigmoid', "),
+         r"spike: unknown surrogate 'tanh'; did you mean spike\.preset\('norse\.tanh'\)\? "
+         r"choose one of 'arctan', 'sigmoid', "),
         (lambda: R.spike(alpha=0.0), go.GradOverrideError,
          r"spike\(surrogate='arctan'\): `alpha` must be a positive finite number; "
          r"got float 0\.0\."),
