@@ -146,3 +146,19 @@ def test_the_architecture_page_names_every_module_and_nothing_else() -> None:
             f"docs/architecture.md's {name} lists {sorted(named - files)} that are not there "
             f"and misses {sorted(files - named)}"
         )
+
+
+def test_every_subpackage_is_in_the_distributions() -> None:
+    # setuptools lists the packages by hand: a subpackage missing there is missing from the
+    # wheel and the sdist's install (its imports fail only after installing).
+    import tomllib
+
+    root = Path(__file__).resolve().parents[1]
+    listed = set(tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]
+                 ["packages"])
+    package = Path(gradoverride.__file__).resolve().parent  # (the installed one, in CI's sdist run)
+    found = {
+        ".".join(init.parent.relative_to(package.parent).parts)
+        for init in package.rglob("__init__.py")
+    }
+    assert found == listed
