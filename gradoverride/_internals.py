@@ -68,6 +68,7 @@ __all__ = [
     "graph_task_id",
     "in_compiled_autograd",
     "is_batched",
+    "is_grad_scaler",
     "is_tracing",
     "is_transformed",
     "loss_scale",
@@ -198,6 +199,13 @@ def in_compiled_autograd() -> bool:
 
     module = sys.modules.get("torch._dynamo.compiled_autograd")
     return module is not None and bool(getattr(module, "in_compiled_autograd_region", False))
+
+
+def is_grad_scaler(value: Any) -> bool:
+    """Whether `value` works as a `torch.amp.GradScaler` (what `scaler=` arguments take)."""
+    return callable(getattr(value, "get_scale", None)) and callable(
+        getattr(value, "is_enabled", None)
+    )
 
 
 def loss_scale_value(scaler: Any) -> float:

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
 from .._errors import GradOverrideError, GradOverrideTypeError
-from .._internals import loss_scale_value
+from .._internals import is_grad_scaler, loss_scale_value
 from .._table import format_table
 from ._recorder import Gradients, Recorder, Site
 from ._statistics import FIELDS, GradientStatistics
@@ -472,10 +472,7 @@ def monitor(model: nn.Module, *, every: int = 1, max_steps: int | None = None,
             f"override) or None (all); got {max_steps!r}."
         )
         raise GradOverrideTypeError(msg)
-    if scaler is not None and not (
-        callable(getattr(scaler, "get_scale", None))
-        and callable(getattr(scaler, "is_enabled", None))
-    ):
+    if scaler is not None and not is_grad_scaler(scaler):
         msg = (
             "go.monitor: `scaler` must be the torch.amp.GradScaler scaling the loss (or None); "
             f"got {type(scaler).__name__} {scaler!r:.60}."

@@ -28,7 +28,7 @@ from torch.compiler import is_dynamo_compiling
 from .._decorators import custom_backward
 from .._errors import GradOverrideError, GradOverrideTypeError, GradOverrideWarning
 from .._frameworks import is_tensorflow
-from .._internals import loss_scale
+from .._internals import is_grad_scaler, loss_scale
 from .._passthrough import passthrough
 from ._base import (
     GradientTransform,
@@ -549,10 +549,7 @@ class clip_grad_norm(_WithScaler, GradientTransform):
 
 
 def _check_scaler(recipe: str, scaler: Any) -> None:
-    if scaler is not None and not (
-        callable(getattr(scaler, "get_scale", None)) and callable(getattr(scaler, "is_enabled",
-                                                                          None))
-    ):
+    if scaler is not None and not is_grad_scaler(scaler):
         msg = (
             f"{recipe} needs `scaler` to be the torch.amp.GradScaler scaling the loss (or "
             f"None), got {type(scaler).__name__} {scaler!r:.60}. Pass the scaler whose "
