@@ -41,6 +41,24 @@ def is_keras_layer(value: object) -> bool:
     return keras is not None and isinstance(value, keras.layers.Layer)
 
 
+def require_tensorflow_keras(layer: Any, api: str) -> None:
+    """Refuse a Keras layer on a backend other than TensorFlow (with `KERAS_BACKEND=torch`
+    a Keras layer is also an `nn.Module`, whose torch-side handling would name Keras'
+    internals instead of the layer's variables)."""
+    from ._errors import GradOverrideError
+
+    keras: Any = sys.modules["keras"]
+    name = keras.backend.backend()
+    if name != "tensorflow":
+        msg = (
+            f"{api}: the Keras layer {type(layer).__name__} `{layer.name}` runs on Keras' "
+            f"{name!r} backend; gradoverride supports Keras layers on the TensorFlow backend "
+            "only. Set KERAS_BACKEND=tensorflow before Keras is imported, or, staying on "
+            f"{name!r}, write the gradient with `go.custom_backward` on the layer's tensors."
+        )
+        raise GradOverrideError(msg)
+
+
 def is_tensorflow(value: object) -> bool:
     """Whether `value` is a TensorFlow tensor, variable (Keras 3 variables included) or
     composite tensor (`IndexedSlices`, ...)."""

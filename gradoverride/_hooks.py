@@ -29,7 +29,7 @@ from torch.utils.hooks import RemovableHandle
 
 from ._backends import backend
 from ._errors import GradOverrideError, GradOverrideTypeError
-from ._frameworks import autograph_artifact, is_keras_layer
+from ._frameworks import autograph_artifact, is_keras_layer, require_tensorflow_keras
 from ._function import RECORDERS, break_compiled_transform
 from ._internals import add_tensor_hook, is_tracing, tracing_state, transforms_active
 from ._jit import RefuseScripting, jit_message
@@ -224,10 +224,11 @@ def grad_hook(
     Returns:
         A `HookHandle`; `.remove()` takes the transform away.
     """
+    if is_keras_layer(module):  # first: on Keras' torch backend, a layer is an nn.Module
+        require_tensorflow_keras(module, "grad_hook")
+        # The Keras layer's handle (a LayerHandle).
+        return backend("tensorflow").hook_layer(module, fn, at)  # type: ignore[no-any-return]
     if not isinstance(module, nn.Module):
-        if is_keras_layer(module):
-            # The Keras layer's handle (a LayerHandle).
-            return backend("tensorflow").hook_layer(module, fn, at)
         msg = (
             f"grad_hook needs an nn.Module instance, got {type(module).__name__} {module!r}; "
             "for a tensor, use `tensor.register_hook(fn)`."

@@ -30,7 +30,7 @@ from torch.utils.hooks import RemovableHandle
 
 from ._backends import backend
 from ._errors import GradOverrideError, GradOverrideTypeError
-from ._frameworks import autograph_artifact, is_keras_layer
+from ._frameworks import autograph_artifact, is_keras_layer, require_tensorflow_keras
 from ._function import RECORDERS, CallState, break_compiled_transform
 from ._internals import set_grad_enabled as _set_grad_enabled
 from ._internals import tracing_state, transforms_active
@@ -504,13 +504,14 @@ def override_backward(
     tensor when exactly one owned input or parameter needs a gradient. Shapes, dtypes and
     devices are checked as for `custom_backward`.
     """
+    if is_keras_layer(module):  # first: on Keras' torch backend, a layer is an nn.Module
+        require_tensorflow_keras(module, "override_backward")
+        # The Keras layer's handle (a LayerHandle).
+        return backend("tensorflow").override_layer(  # type: ignore[no-any-return]
+            module, rule, owns=owns, once_differentiable=once_differentiable,
+            materialize_grads=materialize_grads,
+        )
     if not isinstance(module, nn.Module):
-        if is_keras_layer(module):
-            # The Keras layer's handle (a LayerHandle).
-            return backend("tensorflow").override_layer(
-                module, rule, owns=owns, once_differentiable=once_differentiable,
-                materialize_grads=materialize_grads,
-            )
         msg = (
             f"override_backward needs an nn.Module instance, got {type(module).__name__} "
             f"{module!r}; for a function, use `go.custom_backward(fn, backward=rule)`."

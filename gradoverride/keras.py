@@ -74,6 +74,7 @@ except ImportError as error:
     ) from error
 
 from ._straight_through import Keep
+from ._tensorflow._inventory import copy_overrides
 from ._tensorflow._keras_modules import LayerHandle
 from ._tensorflow._layer import Layer
 from .recipes import ganin_ramp, quantize, reverse_grad, spike
@@ -84,7 +85,7 @@ if keras.backend.backend() != "tensorflow":
         f"{keras.backend.backend()!r}. Set KERAS_BACKEND=tensorflow before Keras is imported."
     )
 
-__all__ = ["GradientReversal", "Layer", "LayerHandle", "Quantize", "Spike"]
+__all__ = ["GradientReversal", "Layer", "LayerHandle", "Quantize", "Spike", "copy_overrides"]
 
 
 class _RecipeLayer(keras.layers.Layer):  # type: ignore[misc]  # Keras is untyped (Any)

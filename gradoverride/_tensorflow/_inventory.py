@@ -18,12 +18,13 @@ import keras
 from keras.src.models.functional import Functional  # not exported by `keras` itself
 
 from .._decorators import CustomBackward
+from .._errors import GradOverrideError
 from ..diagnostics._inventory import OverrideRecord, _held, _held_record
 from ..diagnostics._recorder import describe_transform
-from ._keras_modules import _HookedCall, _OverriddenCall, _wrappers
+from ._keras_modules import LayerCall, LayerHandle, _Hook, _Override, attachments_of, hook_layer
 from ._layer import Layer
 
-__all__ = ["keras_overrides", "named_layers"]
+__all__ = ["copy_overrides", "keras_overrides", "named_layers"]
 
 
 def keras_overrides(model: Any) -> list[OverrideRecord]:
@@ -33,6 +34,45 @@ def keras_overrides(model: Any) -> list[OverrideRecord]:
     for path, layer in named_layers(model):
         records += _layer_records(path, layer)
     return records
+
+
+def copy_overrides(source: Any, target: Any) -> list[LayerHandle]:
+    """Install on `target` (a copy of the Keras model or layer `source`) the overrides and
+    hooks `go.override_backward` and `go.grad_hook` installed on `source`, layer by layer.
+
+    Keras copies a layer by saving and loading it (`copy.deepcopy`, `keras.models.
+    clone_model`, a `.keras` file), which keeps its config and weights but not what was
+    installed on the instance. Layers are matched by their path in the model (as
+    `go.overrides` names them); the override's rule and the hooks' functions are shared.
+    Returns the new handles.
+    """
+    targets = dict(named_layers(target))
+    handles = []
+    for path, layer in named_layers(source):
+        attachments = attachments_of(layer)
+        if not attachments:
+            continue
+        twin = targets.get(path)
+        if twin is None or type(twin) is not type(layer):
+            where = f"`{path}`" if path else "the model itself"
+            found = "nothing" if twin is None else f"a {type(twin).__name__}"
+            msg = (
+                f"copy_overrides: {where} is a {type(layer).__name__} with overrides or "
+                f"hooks in the source, and {found} in the target; give a copy of the same "
+                "model (`keras.models.clone_model(source)`, `copy.deepcopy(source)`)."
+            )
+            raise GradOverrideError(msg)
+        for attachment in attachments:
+            if isinstance(attachment, _Override):
+                override = _Override(attachment.op, attachment.description.replace(
+                    f"`{layer.name}`", f"`{twin.name}`", 1))
+                layer_call = LayerCall.of(twin, create=True)
+                assert layer_call is not None
+                layer_call.attach(override)
+                handles.append(LayerHandle(layer_call, override))
+            else:
+                handles.append(hook_layer(twin, attachment.fn, attachment.at))
+    return handles
 
 
 def named_layers(model: Any) -> Iterator[tuple[str, Any]]:
@@ -92,15 +132,15 @@ def _layer_records(path: str, layer: Any) -> list[OverrideRecord]:
             _op_settings(f"{type(layer).__qualname__}.backward", op), True,
         ))
     # Innermost first: the override (always innermost), then the hooks in the order made.
-    for wrapper in reversed(_wrappers(layer)):
-        if isinstance(wrapper, _OverriddenCall):
-            assert wrapper.op._rule is not None  # registered when the override was made
+    for attachment in attachments_of(layer):
+        if isinstance(attachment, _Override):
+            assert attachment.op._rule is not None  # registered when the override was made
             records.append(OverrideRecord(
                 path, "override_backward", type(layer).__name__,
-                _op_settings(wrapper.op._rule.name, wrapper.op), True,
+                _op_settings(attachment.op._rule.name, attachment.op), True,
             ))
-        elif isinstance(wrapper, _HookedCall):
-            records.append(_hook_record(path, layer, wrapper))
+        elif isinstance(attachment, _Hook):
+            records.append(_hook_record(path, layer, attachment))
     recipe_layer = _recipe_layer_record(path, layer)
     if recipe_layer is not None:
         records.append(recipe_layer)
@@ -123,7 +163,7 @@ def _op_settings(rule: str, op: CustomBackward[..., Any]) -> str:
     return "; ".join(parts)
 
 
-def _hook_record(path: str, layer: Any, hook: _HookedCall) -> OverrideRecord:
+def _hook_record(path: str, layer: Any, hook: _Hook) -> OverrideRecord:
     active: bool | None = True
     if hook.at == "variables" and not layer.trainable_variables:
         # None until built: the variables it will make may be trainable.

@@ -1,111 +1,195 @@
 """`go.override_backward` and `go.grad_hook` on an existing Keras 3 layer.
 
-Both install a wrapper as the layer instance's own `call` (Keras' `__call__` runs
-`self.call`), which runs the call it replaced: the layer keeps its class, its variables and
-their paths. Wrappers stack: a hook may wrap an overridden call and the other way round, and
-each handle removes its own wrapper wherever it sits in the stack.
+Keras 3 offers no call hooks: `Layer.__call__` runs `self.call` (see Keras'
+`ops/operation.py`), so an instance attribute `call` is the one per-instance entry point it
+has. The first override or hook on a layer sets one `LayerCall` there; it holds the layer's
+attachments (at most one override, innermost, then the hooks in the order made) and runs
+them around the call it replaced. Installing and removing only change that list; removing
+the last one puts back exactly what was there (the instance's own `call`, or none: the
+class's). If code outside gradoverride wrapped the layer's `call` on top of ours, ours stays
+under it as a plain pass-through, since taking it out would drop the outer wrapper too.
 
-- The override runs the replaced call inside a `custom_backward` op whose first argument is
+- The override runs the class's call inside a `custom_backward` op whose first argument is
   the layer; its rule names the call's arguments (`inputs` for `Dense`), `layer` for the
   layer itself, and returns the gradients of the variables the call reads by their names
-  relative to the layer (`"kernel"`, `"bias"`).
-- A hook at the inputs or outputs applies an identity op whose backward is the transform; a
+  relative to the layer (`"kernel"`, `"bias"`). The rule runs under the layer's autocast
+  scope, as its call does, so under mixed precision it reads the variables in the dtype the
+  call computed with.
+- A hook at the inputs or outputs applies an identity with the transform as its gradient; a
   recipe (`reverse_grad()`, `clip_grad_norm(...)`) is applied as it is, since recipes take
   TensorFlow tensors. A hook at the variables runs the call inside `tf.custom_gradient`
   under an inner tape, which gives the variables' true gradients in backward without
-  running the call again; the transform is applied to each.
+  running the call again; the transform is applied to each. Every transform's result is
+  checked as a rule's is (`check_gradient`).
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
+import warnings
+import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import keras
 import tensorflow as tf
+from keras.src.backend.common.stateless_scope import in_stateless_scope
+from keras.src.backend.common.symbolic_scope import in_symbolic_scope
 
 from .._decorators import CustomBackward, custom_backward
-from .._errors import GradOverrideError, GradOverrideTypeError
+from .._errors import GradOverrideError, GradOverrideTypeError, GradOverrideWarning
 from .._frameworks import autograph_artifact
-from ._layer import Layer, _relative_names
+from ..diagnostics._recorder import describe_transform
+from ._backend import _Meta, check_gradient
+from ._layer import Layer, _relative_names, autocast_scope
 
 _KEYWORD_ONLY = inspect.Parameter.KEYWORD_ONLY
 _POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
 _PLACES = ("inputs", "outputs", "variables")
+#: The layers a `tf.function` (fit's step, the user's own) traced with something installed:
+#: that trace keeps running what was installed then. Whether it is still in use cannot be
+#: told: TensorFlow keeps every traced graph holding a custom gradient alive (in its gradient
+#: registry), so a function traced once and dropped looks like a live one.
+_TRACED: weakref.WeakSet[Any] = weakref.WeakSet()
+#: Where a layer's `LayerCall` is kept (the instance's `call` may be someone else's wrapper).
+_SLOT = "_gradoverride_layer_call"
+
+
+# ---- the one wrapper per layer -------------------------------------------------------------
 
 
 @autograph_artifact
-class _CallWrapper:
-    """A layer instance's `call`, running `previous` (the call it replaced)."""
+class LayerCall:
+    """A layer instance's `call` while gradoverride has something installed on it."""
 
-    def __init__(self, layer: Any, kind: str) -> None:
+    def __init__(self, layer: Any) -> None:
         self.layer = layer
-        self.kind = kind
-        self.previous: Callable[..., Any] = layer.call
-        # Keras reads call's signature; `updated=()`: an inner wrapper's attributes must
+        # What the instance had before (its own `call`), or None: the class's.
+        self.previous: Callable[..., Any] | None = layer.__dict__.get("call")
+        self.override: _Override | None = None
+        self.hooks: list[_Hook] = []
+        # Keras reads `call`'s signature; `updated=()`: the replaced call's attributes must
         # not be copied onto this one.
-        functools.update_wrapper(self, self.previous, updated=())
+        functools.update_wrapper(self, self.below(), updated=())
+
+    def below(self) -> Callable[..., Any]:
+        """The call this one replaced, bound to the layer."""
+        if self.previous is not None:
+            return self.previous
+        return type(self.layer).call.__get__(self.layer)  # type: ignore[no-any-return]
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        raise NotImplementedError
+        if not tf.executing_eagerly() and not _keras_scratch():
+            _TRACED.add(self.layer)
+        # A snapshot: a hook removed while this call runs does not shift the others.
+        return self._through(tuple(self.hooks), args, kwargs)
 
-    def install(self) -> None:
-        """On top of the stack: hooks see what the layer's call (overridden or not) does."""
-        object.__setattr__(self.layer, "call", self)
+    def _through(self, hooks: tuple[_Hook, ...], args: tuple[Any, ...],
+                 kwargs: dict[str, Any]) -> Any:
+        if hooks:
+            inner = functools.partial(_call_with, self._through, hooks[:-1])
+            return hooks[-1].run(self.layer, inner, args, kwargs)
+        if self.override is not None:
+            return self.override.op(self.layer, *args, **kwargs)
+        return self.below()(*args, **kwargs)
 
-    def install_innermost(self) -> None:
-        """At the bottom of the stack, right above the class's own call: an override
-        replaces the layer's backward, and hooks stay outside it, whenever they came."""
-        stack = _wrappers(self.layer)
-        if not stack:
-            self.install()
+    # ---- installing and removing ---------------------------------------------------------
+
+    @classmethod
+    def of(cls, layer: Any, *, create: bool) -> LayerCall | None:
+        found = layer.__dict__.get(_SLOT)
+        if isinstance(found, LayerCall):
+            return found
+        if not create:
+            return None
+        made = cls(layer)
+        object.__setattr__(layer, _SLOT, made)  # not Keras' __setattr__: nothing to track
+        object.__setattr__(layer, "call", made)
+        return made
+
+    def attach(self, attachment: _Override | _Hook) -> None:
+        self._warn_if_traced(attachment, "installed", stacklevel=5)
+        if isinstance(attachment, _Override):
+            self.override = attachment
+        else:
+            self.hooks.append(attachment)
+
+    def detach(self, attachment: _Override | _Hook) -> None:
+        if not self.holds(attachment):
             return
-        self.previous = stack[-1].previous
-        stack[-1].previous = self
+        self._warn_if_traced(attachment, "removed", stacklevel=4)
+        if isinstance(attachment, _Override):
+            self.override = None
+        else:
+            self.hooks.remove(attachment)
+        if self.override is None and not self.hooks:
+            self._leave()
 
-    def uninstall(self) -> bool:
-        """Take this wrapper out of the layer's stack of wrappers; False if it is not there."""
-        top = self.layer.__dict__.get("call")
-        if top is self:
-            if isinstance(self.previous, _CallWrapper):
-                object.__setattr__(self.layer, "call", self.previous)
-            else:
-                object.__delattr__(self.layer, "call")  # the class's own call again
-            return True
-        while isinstance(top, _CallWrapper):
-            if top.previous is self:
-                top.previous = self.previous
-                return True
-            top = top.previous
-        return False
+    def holds(self, attachment: _Override | _Hook) -> bool:
+        return attachment is self.override or any(h is attachment for h in self.hooks)
+
+    def attachments(self) -> list[_Override | _Hook]:
+        """Innermost first: the override, then the hooks in the order made."""
+        return [*([self.override] if self.override is not None else []), *self.hooks]
+
+    def _leave(self) -> None:
+        """Put back what the layer had, unless someone else's wrapper sits on top of this
+        one (then this stays, a pass-through, and is reused by a later install)."""
+        layer = self.layer
+        if layer.__dict__.get("call") is not self:
+            return
+        if self.previous is None:
+            object.__delattr__(layer, "call")
+        else:
+            object.__setattr__(layer, "call", self.previous)
+        object.__delattr__(layer, _SLOT)
+
+    def _warn_if_traced(self, attachment: _Override | _Hook, done: str, stacklevel: int) -> None:
+        if self.layer not in _TRACED:
+            return
+        name = _layer_name(self.layer)
+        msg = (
+            f"{attachment.description} was {done} after {name} was traced into a "
+            "`tf.function` (`model.fit` traces its step on the first call); that traced "
+            "function keeps running the layer as it was when traced. Install and remove "
+            "overrides and hooks before the first traced call, or make the traced function "
+            "again afterwards: `model.compile(...)` again before the next `fit`, or a new "
+            "`tf.function` for your own step."
+        )
+        warnings.warn(msg, GradOverrideWarning, stacklevel=stacklevel)
 
 
-def _wrappers(layer: Any) -> list[_CallWrapper]:
-    found = []
-    top = layer.__dict__.get("call")
-    while isinstance(top, _CallWrapper):
-        found.append(top)
-        top = top.previous
-    return found
+def _call_with(through: Callable[..., Any], hooks: tuple[Any, ...], *args: Any,
+               **kwargs: Any) -> Any:
+    return through(hooks, args, kwargs)
+
+
+def _keras_scratch() -> bool:
+    """Whether Keras runs the call only to learn its output's shape (building a functional
+    model, `compute_output_spec`): a graph that is thrown away, not a traced function."""
+    return bool(in_symbolic_scope() or in_stateless_scope())
+
+
+def _layer_name(layer: Any) -> str:
+    return f"the {type(layer).__name__} `{layer.name}`"
 
 
 class LayerHandle:
     """Returned by `override_backward` and `grad_hook` for a Keras layer; `.remove()` takes
     the override or the transform away (twice is a no-op). Also a context manager."""
 
-    def __init__(self, wrapper: _CallWrapper, description: str) -> None:
-        self._wrapper = wrapper
-        self._description = description
+    def __init__(self, layer_call: LayerCall, attachment: _Override | _Hook) -> None:
+        self._layer_call = layer_call
+        self._attachment = attachment
 
     @property
     def active(self) -> bool:
         """Whether the override or transform is still installed."""
-        return self._wrapper in _wrappers(self._wrapper.layer)
+        return self._layer_call.holds(self._attachment)
 
     def remove(self) -> None:
-        self._wrapper.uninstall()
+        self._layer_call.detach(self._attachment)
 
     def __enter__(self) -> LayerHandle:
         return self
@@ -115,20 +199,22 @@ class LayerHandle:
 
     def __repr__(self) -> str:
         state = "active" if self.active else "removed"
-        return f"<{type(self).__name__} {self._description} ({state})>"
+        return f"<{type(self).__name__} {self._attachment.description} ({state})>"
+
+
+def attachments_of(layer: Any) -> list[Any]:
+    """What gradoverride installed on `layer`, innermost first (for `go.overrides`)."""
+    layer_call = LayerCall.of(layer, create=False)
+    return [] if layer_call is None else layer_call.attachments()
 
 
 # ---- override_backward -------------------------------------------------------------------
 
 
-@autograph_artifact
-class _OverriddenCall(_CallWrapper):
-    def __init__(self, layer: Any, op: CustomBackward[..., Any]) -> None:
-        super().__init__(layer, "override_backward")
+class _Override:
+    def __init__(self, op: CustomBackward[..., Any], description: str) -> None:
         self.op = op
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.op(self.layer, *args, **kwargs)
+        self.description = description
 
 
 def override_layer(
@@ -147,9 +233,10 @@ def override_layer(
             "method instead of overriding it."
         )
         raise GradOverrideError(msg)
-    if any(w.kind == "override_backward" for w in _wrappers(layer)):
+    existing = LayerCall.of(layer, create=False)
+    if existing is not None and existing.override is not None:
         msg = (
-            f"this {name} already has an override from `go.override_backward`; call "
+            f"override_backward: {_layer_name(layer)} already has an override; call "
             "`.remove()` on its handle before overriding again."
         )
         raise GradOverrideError(msg)
@@ -160,12 +247,13 @@ def override_layer(
     layer_param = next(iter(call_signature.parameters))
     inputs = list(call_signature.parameters)[1:]
     where = f"the override of {name}"
-    wrapper_box: list[_OverriddenCall] = []
 
     @autograph_artifact
     def forward(*args: Any, **kwargs: Any) -> Any:
-        # The op's first argument is the layer; the call it replaced is already bound.
-        return wrapper_box[0].previous(*args[1:], **kwargs)
+        # The op's first argument is the layer; below the override is the replaced call.
+        layer_call = LayerCall.of(args[0], create=False)
+        assert layer_call is not None  # the op runs only from the layer's LayerCall
+        return layer_call.below()(*args[1:], **kwargs)
 
     forward.__signature__ = call_signature  # type: ignore[attr-defined]
     forward.__name__ = forward.__qualname__ = f"{name}.call"
@@ -179,10 +267,13 @@ def override_layer(
     op._tensorflow_variable_names = lambda named, variable: _relative_names(
         named[layer_param]
     ).get(id(variable))
-    wrapper = _OverriddenCall(layer, op)
-    wrapper_box.append(wrapper)
-    wrapper.install_innermost()
-    return LayerHandle(wrapper, f"override_backward({name}, {getattr(rule, '__name__', rule)})")
+    override = _Override(
+        op, f"override_backward({name} `{layer.name}`, {getattr(rule, '__name__', rule)})"
+    )
+    layer_call = LayerCall.of(layer, create=True)
+    assert layer_call is not None
+    layer_call.attach(override)
+    return LayerHandle(layer_call, override)
 
 
 def _owned(where: str, owns: Any, inputs: list[str]) -> Any:
@@ -218,7 +309,8 @@ def _layer_rule(where: str, rule: Callable[..., Any], layer_param: str) -> Calla
         layer = named.pop(layer_param)
         if wants_layer:
             named["layer"] = layer
-        return rule(*grads, **named)
+        with autocast_scope(layer):
+            return rule(*grads, **named)
 
     positional = [p for p in params if p.kind in _POSITIONAL or p.kind is p.VAR_POSITIONAL]
     keyword = [p for p in params if p.kind is _KEYWORD_ONLY and p.name != "layer"]
@@ -233,37 +325,91 @@ def _layer_rule(where: str, rule: Callable[..., Any], layer_param: str) -> Calla
 # ---- grad_hook ---------------------------------------------------------------------------
 
 
-@autograph_artifact
-class _HookedCall(_CallWrapper):
-    def __init__(self, layer: Any, at: str, transform: Callable[[Any], Any], fn: Any) -> None:
-        super().__init__(layer, f"grad_hook {at}")
+class _Hook:
+    def __init__(self, layer: Any, at: str, fn: Any) -> None:
         self.at = at
-        self.transform = transform
-        self.fn = fn  # what the user gave, which `go.overrides` names (`transform` wraps it)
+        self.fn = fn  # what the user gave, which `go.overrides` names
+        self.layer_name = _layer_name(layer)
+        self.description = f"grad_hook({type(layer).__name__} `{layer.name}`, " \
+            f"{describe_transform(fn)}, at={at!r})"
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def run(self, layer: Any, inner: Callable[..., Any], args: tuple[Any, ...],
+            kwargs: dict[str, Any]) -> Any:
         if self.at == "inputs":
-            args, kwargs = tf.nest.map_structure(_if_float(self.transform), (args, kwargs))
-            return self.previous(*args, **kwargs)
+            names = _argument_names(args, kwargs)
+            args, kwargs = tf.nest.map_structure(
+                lambda value, name: self._on_tensor(value, name) if _is_float_tensor(value)
+                else value,
+                (args, kwargs), names,
+            )
+            return inner(*args, **kwargs)
         if self.at == "outputs":
-            return tf.nest.map_structure(_if_float(self.transform), self.previous(*args, **kwargs))
-        return self._variables(args, kwargs)
+            output = inner(*args, **kwargs)
+            return tf.nest.map_structure(
+                lambda value: self._on_tensor(value, "the output") if _is_float_tensor(value)
+                else value,
+                output,
+            )
+        return self._variables(layer, inner, args, kwargs)
 
-    def _variables(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        leaves = [v for v in tf.nest.flatten((args, kwargs)) if _is_float_tensor(v)]
-        transform = self.transform
-        previous = self.previous
+    def _on_tensor(self, value: Any, name: str) -> Any:
+        from ..recipes import GradientTransform
+
+        if isinstance(self.fn, GradientTransform):
+            return self.fn(value)  # recipes take TensorFlow tensors: their own backward
+        meta = _Meta(value)
+
+        @tf.custom_gradient  # type: ignore[untyped-decorator]
+        @autograph_artifact
+        def identity(x: Any) -> Any:
+            @autograph_artifact
+            def gradient(upstream: Any) -> Any:
+                return self.checked(self.fn, _dense(upstream), meta, name)
+
+            return tf.identity(x), gradient
+
+        return identity(value)
+
+    def checked(self, fn: Callable[[Any], Any], grad: Any, meta: Any, name: str) -> Any:
+        """`fn(grad)` (`grad` itself where it returns None), checked as a rule's gradient."""
+        result = fn(grad)
+        if result is None:
+            return grad
+        op = f"the {self.at} grad_hook of {self.layer_name}"
+        try:
+            return check_gradient(result, meta, op, name)
+        except GradOverrideError as error:
+            # The checks speak of a rule ("backward of `op` returned ..."); here it is the
+            # hook's transform.
+            text = str(error).replace(
+                f"backward of `{op}`",
+                f"the transform {describe_transform(self.fn)} of the grad_hook at {self.at!r} "
+                f"of {self.layer_name}",
+                1,
+            )
+            raise GradOverrideError(text) from None
+
+    def _variables(self, layer: Any, inner: Callable[..., Any], args: tuple[Any, ...],
+                   kwargs: dict[str, Any]) -> Any:
+        flat = tf.nest.flatten((args, kwargs))
+        leaves = [v for v in flat if _is_float_tensor(v)]
+        gradient_of = self._gradient_function(layer)
         structure: list[Any] = []
 
         @tf.custom_gradient  # type: ignore[untyped-decorator]
         @autograph_artifact
         def run(*tensors: Any) -> Any:
-            it = iter(tensors)
-            flat = [next(it) if _is_float_tensor(v) else v for v in tf.nest.flatten((args, kwargs))]
-            call_args, call_kwargs = tf.nest.pack_sequence_as((args, kwargs), flat)
             with tf.GradientTape(persistent=True) as tape:
-                tape.watch(tensors)
-                output = previous(*call_args, **call_kwargs)
+                # One copy per argument, made on the inner tape: a tensor passed as two
+                # arguments (`mha(h, h)`) gets each argument's share as that argument's
+                # gradient, which TensorFlow then sums once, instead of the whole gradient
+                # twice.
+                copies = [tf.identity(t) for t in tensors]
+                tape.watch(copies)
+                it = iter(copies)
+                values = [next(it) if _is_float_tensor(v) else v for v in flat]
+                call_args, call_kwargs = tf.nest.pack_sequence_as((args, kwargs), values)
+                output = inner(*call_args, **call_kwargs)
             outputs = tf.nest.flatten(output)
             structure.append(output)
 
@@ -271,16 +417,43 @@ class _HookedCall(_CallWrapper):
             def gradient(*upstream: Any, variables: Any = None) -> Any:
                 variables = list(variables or [])
                 grads = tape.gradient(
-                    outputs, [*tensors, *variables], output_gradients=list(upstream)
+                    outputs, [*copies, *variables], output_gradients=list(upstream)
                 )
-                n = len(tensors)
-                var_grads = [None if g is None else _keep(transform, g) for g in grads[n:]]
+                n = len(copies)
+                var_grads = [
+                    None if g is None else gradient_of(g, v)
+                    for g, v in zip(grads[n:], variables, strict=True)
+                ]
                 return (grads[:n], var_grads) if variables else grads[:n]
 
             return outputs, gradient
 
         outputs = run(*leaves)
         return tf.nest.pack_sequence_as(structure[0], outputs)
+
+    def _gradient_function(self, layer: Any) -> Callable[[Any, Any], Any]:
+        """The transform of one variable's gradient. A sparse gradient (an `Embedding`'s
+        `IndexedSlices`) is made dense first: a transform is a function of the variable's
+        whole gradient (a norm, a clip), which the rows alone do not give where they
+        repeat."""
+        from ..recipes import GradientTransform
+
+        fn = self.fn
+        if isinstance(fn, GradientTransform):
+            recipe = fn
+
+            def fn(grad: Any) -> Any:
+                # The recipe's backward, taken on an identity forward of the gradient.
+                with tf.GradientTape() as tape:
+                    tape.watch(grad)
+                    y = recipe(grad)
+                return tape.gradient(y, grad, output_gradients=grad)
+
+        def on_variable(grad: Any, variable: Any) -> Any:
+            name = _variable_name(layer, variable)
+            return self.checked(fn, _dense(grad), _Meta(variable), name)
+
+        return on_variable
 
 
 def hook_layer(layer: Any, fn: Any, at: str) -> LayerHandle:
@@ -296,62 +469,39 @@ def hook_layer(layer: Any, fn: Any, at: str) -> LayerHandle:
     if not callable(fn):
         msg = f"grad_hook: `fn` must be a function of the gradient, got {type(fn).__name__}."
         raise GradOverrideTypeError(msg)
-    transform = _transform_of(fn) if at != "variables" else _gradient_function_of(fn)
-    wrapper = _HookedCall(layer, at, transform, fn)
-    wrapper.install()
-    return LayerHandle(wrapper, f"grad_hook({name}, {fn!r}, at={at!r})")
+    hook = _Hook(layer, at, fn)
+    layer_call = LayerCall.of(layer, create=True)
+    assert layer_call is not None
+    layer_call.attach(hook)
+    return LayerHandle(layer_call, hook)
 
 
-def _transform_of(fn: Any) -> Callable[[Any], Any]:
-    """A function of a tensor that is the identity forward and `fn` on the gradient."""
-    from ..recipes import GradientTransform
-
-    if isinstance(fn, GradientTransform):
-        return fn  # recipes take TensorFlow tensors: identity forward, their backward
-
-    @custom_backward
-    def transformed(x: Any) -> Any:
-        return tf.identity(x)
-
-    @transformed.backward
-    def _(grad: Any) -> Any:
-        return _keep(fn, grad)
-
-    return transformed
+def _argument_names(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """The structure of `(args, kwargs)` with each leaf replaced by the name an error gives
+    it: the keyword, or `argument k` for a positional one."""
+    positional = tuple(
+        tf.nest.map_structure(lambda _, k=k: f"argument {k}", value)
+        for k, value in enumerate(args)
+    )
+    keywords = {key: tf.nest.map_structure(lambda _, key=key: key, value)
+                for key, value in kwargs.items()}
+    return positional, keywords
 
 
-def _gradient_function_of(fn: Any) -> Callable[[Any], Any]:
-    """`fn` applied to a gradient tensor: a recipe's own transform of its gradient."""
-    from ..recipes import GradientTransform
-
-    if isinstance(fn, GradientTransform):
-        recipe = fn
-
-        def on_gradient(grad: Any) -> Any:
-            # The recipe's backward, taken on an identity forward of the gradient.
-            with tf.GradientTape() as tape:
-                tape.watch(grad)
-                y = recipe(grad)
-            return tape.gradient(y, grad, output_gradients=grad)
-
-        return on_gradient
-    return fn  # type: ignore[no-any-return]
+def _variable_name(layer: Any, variable: Any) -> str:
+    """The variable's name relative to the layer (`"kernel"`), as a rule names it."""
+    relative = _relative_names(layer).get(id(variable))
+    if relative is not None:
+        return relative
+    name = str(variable.name)
+    return name[:-2] if name.endswith(":0") else name
 
 
-def _keep(fn: Callable[[Any], Any], grad: Any) -> Any:
-    """`fn(grad)`, or `grad` when `fn` returns None (the gradient is kept)."""
-    result = fn(grad)
-    return grad if result is None else result
+def _dense(grad: Any) -> Any:
+    return tf.convert_to_tensor(grad) if isinstance(grad, tf.IndexedSlices) else grad
 
 
 def _is_float_tensor(value: Any) -> bool:
     return bool(tf.is_tensor(value) and value.dtype.is_floating and not isinstance(
         value, keras.Variable
     ))
-
-
-def _if_float(transform: Callable[[Any], Any]) -> Callable[[Any], Any]:
-    def apply(value: Any) -> Any:
-        return transform(value) if _is_float_tensor(value) else value
-
-    return apply

@@ -11,12 +11,14 @@ and they are translated to paths here, where the layer is known.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import keras
+from keras.src import backend
 
 from .._decorators import CustomBackward, custom_backward
 from .._errors import GradOverrideTypeError
@@ -95,11 +97,16 @@ class Layer(keras.layers.Layer):  # type: ignore[misc]  # Keras is untyped (Any)
         )
         if backward is None or ("call" not in cls.__dict__ and "backward" not in cls.__dict__):
             return  # abstract, or inherits its parent's op unchanged
-        call: Callable[..., Any] | None = cls.__dict__.get("call") or getattr(
-            cls, "_gradoverride_call", None
+        call: Callable[..., Any] | None = (
+            cls.__dict__.get("call") or getattr(cls, "_gradoverride_call", None)
+            or _inherited_call(cls)
         )
         if call is None:
-            msg = f"{where} defines `backward` but no `call`; define both."
+            msg = (
+                f"{where} defines `backward` but no `call`; define `call` too, or inherit "
+                "one from a Keras layer (`class QDense(gradoverride.keras.Layer, "
+                "keras.layers.Dense)`)."
+            )
             raise GradOverrideTypeError(msg)
         op: CustomBackward[..., Any] = custom_backward(
             call,
@@ -122,6 +129,27 @@ class Layer(keras.layers.Layer):  # type: ignore[misc]  # Keras is untyped (Any)
         functools.update_wrapper(call_with_rule, call)
         call_with_rule.__qualname__ = f"{cls.__qualname__}.call"
         cls.call = call_with_rule
+
+
+def _inherited_call(cls: type) -> Callable[..., Any] | None:
+    """The `call` a subclass inherits from a Keras layer class it also derives from
+    (`Dense.call` for `class QDense(gradoverride.keras.Layer, keras.layers.Dense)`); None
+    when it only has Keras' abstract `Layer.call`."""
+    for base in cls.__mro__[1:]:
+        call = base.__dict__.get("call")
+        if call is not None:
+            return None if base is keras.layers.Layer else call
+    return None
+
+
+def autocast_scope(layer: Any) -> Any:
+    """The autocast scope Keras runs `layer`'s call in (mixed precision: variables read in
+    the compute dtype, float16 under `mixed_float16`), for a rule that runs later, in
+    backward, to read them as the call did; a null context where the dtypes are not mixed."""
+    compute, variable = layer.compute_dtype, layer.variable_dtype
+    if layer.autocast and compute != variable and backend.is_float_dtype(compute):
+        return backend.AutocastScope(compute)
+    return contextlib.nullcontext()
 
 
 def _owned_inputs(where: str, call: Callable[..., Any], owns: Any) -> Any:
@@ -161,7 +189,8 @@ def _rule_calling(
     @autograph_artifact
     def rule(*grads: Any, **named: Any) -> Any:
         layer = named.pop(layer_param)
-        return backward(layer, *grads, **named)
+        with autocast_scope(layer):
+            return backward(layer, *grads, **named)
 
     positional = [p for p in params if p.kind in _POSITIONAL or p.kind is p.VAR_POSITIONAL]
     keyword = [p for p in params if p.kind is _KEYWORD_ONLY]

@@ -1,0 +1,394 @@
+"""`go.override_backward` and `go.grad_hook` on Keras layers at the edges: a tensor passed as
+two arguments, transforms returning the wrong thing, sparse gradients, mixed precision,
+copies, removal next to someone else's `call`, installing after tracing, a leak, and the
+texts of the errors. Expected gradients are plain TensorFlow autograd of the same math or
+worked out by hand."""
+
+from __future__ import annotations
+
+import copy
+import gc
+import os
+import subprocess
+import sys
+import textwrap
+import tracemalloc
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+
+import numpy as np
+import pytest
+from tf_support import tf
+
+# isort: split
+import keras  # after tf_support, which skips this module without TensorFlow
+
+import gradoverride as go
+import gradoverride.keras
+from gradoverride import recipes
+from gradoverride.keras import Layer
+
+X = np.array([[1.0, 2.0, 3.0], [-1.0, 0.5, 2.0]], dtype=np.float32)
+
+
+def _dense(units: int = 2) -> Any:
+    keras.utils.set_random_seed(0)
+    layer = keras.layers.Dense(units)
+    layer(tf.constant(X))
+    return layer
+
+
+def _kernel_grad(layer: Any, x: Any = X) -> Any:
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(layer(tf.constant(x)))
+    return tape.gradient(loss, layer.kernel)
+
+
+# ---- silently wrong gradients ----------------------------------------------------------
+
+
+def test_a_tensor_fed_to_two_arguments_is_not_counted_twice_at_the_variables() -> None:
+    keras.utils.set_random_seed(1)
+    mha = keras.layers.MultiHeadAttention(num_heads=2, key_dim=4)
+    h = tf.constant(np.random.default_rng(0).normal(size=(2, 3, 4)), tf.float32)
+    mha(h, h)
+
+    def grads() -> list[Any]:
+        with tf.GradientTape() as tape:
+            tape.watch(h)
+            loss = tf.reduce_sum(mha(h, h) ** 2)
+        return tape.gradient(loss, [h, *mha.trainable_variables])
+
+    want = grads()  # TensorFlow's own: no hook
+    with go.grad_hook(mha, lambda g: g, at="variables"):
+        got = grads()
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(g.numpy(), w.numpy(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("result", "match"),
+    [
+        (lambda g: tf.cast(g, tf.int32), r"the transform .* of the grad_hook at 'variables' of "
+         r"the Dense `dense\w*` returned a gradient of dtype int32 for `kernel`, which has "
+         r"dtype float32"),
+        (lambda g: np.zeros(3), r"the transform .* of the grad_hook at 'variables' of the "
+         r"Dense `dense\w*` returned a ndarray for `(kernel|bias)`; expected a tensor"),
+        (lambda g: tf.zeros((7,)), r"returned a gradient of shape \(7,\) for `(kernel|bias)`"),
+    ],
+)
+def test_a_variables_transform_result_is_checked(result: Any, match: str) -> None:
+    layer = _dense()
+    go.grad_hook(layer, result, at="variables")
+    with pytest.raises(go.GradOverrideError, match=match):
+        _kernel_grad(layer)
+
+
+def test_an_inputs_transform_error_names_the_layer_and_the_hook() -> None:
+    layer = _dense()
+
+    def first_row(grad: Any) -> Any:
+        return grad[0]
+
+    go.grad_hook(layer, first_row, at="inputs")
+    x = tf.constant(X)
+    with pytest.raises(go.GradOverrideError, match=r"the transform .*first_row of the "
+                       r"grad_hook at 'inputs' of the Dense `dense\w*` returned a gradient of "
+                       r"shape \(3,\) for `argument 0`, which has shape \(2, 3\)"):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = layer(x)
+        tape.gradient(y, x)
+
+
+# ---- sparse gradients --------------------------------------------------------------------
+
+
+def _embedding_grad(hook: Any) -> Any:
+    keras.utils.set_random_seed(0)
+    embedding = keras.layers.Embedding(6, 2)
+    ids = tf.constant([[1, 2, 1]])
+    embedding(ids)
+    with go.grad_hook(embedding, hook, at="variables"):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(embedding(ids) * tf.constant([[[1.0], [0.25], [1.0]]]))
+        grad = tape.gradient(loss, embedding.embeddings)
+    return tf.convert_to_tensor(grad).numpy()
+
+
+def test_an_embeddings_sparse_gradient_reaches_a_function_dense() -> None:
+    seen = []
+
+    def half(grad: Any) -> Any:
+        seen.append(type(grad))
+        return grad * 0.5
+
+    got = _embedding_grad(half)
+    # Row 1 is used twice (1 + 1), row 2 once (0.25); every other row gets nothing.
+    want = np.zeros((6, 2), np.float32)
+    want[1], want[2] = 0.5 * 2.0, 0.5 * 0.25
+    np.testing.assert_allclose(got, want)
+    assert all(issubclass(t, tf.Tensor) for t in seen)
+
+
+def test_a_recipe_clips_an_embeddings_whole_gradient() -> None:
+    got = _embedding_grad(recipes.clip_grad_value(0.5))
+    # The sum over repeated rows is clipped (2.0 -> 0.5), not each occurrence (1.0 -> 0.5
+    # twice, 1.0).
+    want = np.zeros((6, 2), np.float32)
+    want[1], want[2] = 0.5, 0.25
+    np.testing.assert_allclose(got, want)
+
+
+# ---- mixed precision ---------------------------------------------------------------------
+
+
+@pytest.fixture
+def mixed_float16() -> Iterator[None]:
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        yield
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+
+
+def test_an_override_rule_reads_variables_in_the_compute_dtype(mixed_float16: None) -> None:
+    dense = keras.layers.Dense(2)
+    x = tf.constant([[1.0, 2.0, 3.0]])
+    dense(x)
+    dtypes = []
+
+    def ten_times_kernel(grad: Any, *, inputs: Any, layer: Any) -> Any:
+        dtypes.append(layer.kernel.dtype)
+        return {
+            "inputs": grad @ tf.transpose(layer.kernel),
+            "kernel": 10 * tf.transpose(inputs) @ grad,
+            "bias": tf.reduce_sum(grad, axis=0),
+        }
+
+    with go.override_backward(dense, ten_times_kernel):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(tf.cast(dense(x), tf.float32))
+        kernel_grad = tape.gradient(loss, dense.kernel)
+    assert dtypes == ["float16"]
+    assert kernel_grad.dtype == tf.float32  # the variable's dtype
+    np.testing.assert_allclose(kernel_grad.numpy()[:, 0], [10.0, 20.0, 30.0])
+
+
+def test_a_keras_layer_backward_reads_variables_in_the_compute_dtype(
+    mixed_float16: None,
+) -> None:
+    class Scale(Layer):
+        def build(self, input_shape: Any) -> None:
+            self.w = self.add_weight(shape=(input_shape[-1],), initializer="ones", name="w")
+
+        def call(self, x: Any) -> Any:
+            return x * self.w
+
+        def backward(self, grad: Any, *, x: Any) -> Any:
+            return {"x": grad * self.w, "w": tf.reduce_sum(3 * grad * x, axis=0)}
+
+    layer = Scale()
+    x = tf.constant([[1.0, 2.0]])
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(tf.cast(layer(x), tf.float32))
+    np.testing.assert_allclose(tape.gradient(loss, layer.w).numpy(), [3.0, 6.0])
+
+
+# ---- copies and removal ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("copier", ["deepcopy", "clone_model"])
+def test_copy_overrides_installs_them_again_on_a_keras_copy(copier: str) -> None:
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2, name="hidden"),
+                              keras.layers.Dense(1, name="head")])
+    hidden, head = model.layers
+
+    def ten_times_kernel(grad: Any, *, inputs: Any, layer: Any) -> Any:
+        return {"inputs": grad @ tf.transpose(layer.kernel),
+                "kernel": 10 * tf.transpose(inputs) @ grad, "bias": None}
+
+    go.override_backward(hidden, ten_times_kernel)
+    go.grad_hook(head, lambda g: -g, at="variables")
+    if copier == "deepcopy":
+        with warnings.catch_warnings():
+            # Keras' own saving, under numpy 2: not ours.
+            warnings.simplefilter("ignore", DeprecationWarning)
+            twin = copy.deepcopy(model)
+    else:
+        twin = keras.models.clone_model(model)
+        twin.set_weights(model.get_weights())
+    # Keras copies by saving and loading: nothing installed on the instances comes along.
+    assert len(go.overrides(twin)) == 0
+    handles = go.keras.copy_overrides(model, twin)
+    assert [h.active for h in handles] == [True, True]
+    assert [r.kind for r in go.overrides(twin)] == [r.kind for r in go.overrides(model)]
+
+    def grads(m: Any) -> list[Any]:
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(m(tf.constant(X)))
+        return tape.gradient(loss, [m.layers[0].kernel, m.layers[1].kernel])
+
+    # Independent: plain autograd of the same model, then the rule's and the hook's factors.
+    plain = keras.models.clone_model(model)
+    plain.set_weights(model.get_weights())
+    want = grads(plain)
+    got = grads(twin)
+    np.testing.assert_allclose(got[0].numpy(), 10 * want[0].numpy(), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got[1].numpy(), -want[1].numpy(), rtol=1e-5, atol=1e-5)
+
+
+def test_copy_overrides_names_a_layer_the_target_lacks() -> None:
+    source = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2, name="hidden")])
+    go.grad_hook(source.layers[0], lambda g: g, at="outputs")
+    target = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2, name="other")])
+    with pytest.raises(go.GradOverrideError, match=r"copy_overrides: `hidden` is a Dense with "
+                       r"overrides or hooks in the source, and nothing in the target"):
+        go.keras.copy_overrides(source, target)
+
+
+def test_removal_puts_back_the_layers_own_instance_call() -> None:
+    layer = _dense()
+
+    def own_call(inputs: Any, training: Any = None) -> Any:
+        return 2 * keras.layers.Dense.call(layer, inputs)
+
+    object.__setattr__(layer, "call", own_call)
+    handle = go.grad_hook(layer, lambda g: g, at="outputs")
+    handle.remove()
+    assert layer.__dict__["call"] is own_call
+    np.testing.assert_allclose(_kernel_grad(layer).numpy(), 2 * _kernel_grad(_dense()).numpy())
+
+
+def test_removal_under_someone_elses_wrapper_stops_the_hook() -> None:
+    layer = _dense()
+    want = _kernel_grad(_dense()).numpy()
+    handle = go.grad_hook(layer, lambda g: 5 * g, at="outputs")
+    below = layer.call
+    object.__setattr__(layer, "call", lambda *a, **k: below(*a, **k))  # a wrapper on top
+    handle.remove()
+    assert not handle.active
+    np.testing.assert_allclose(_kernel_grad(layer).numpy(), want, rtol=1e-6)
+    assert len(go.overrides(layer)) == 0
+    again = go.grad_hook(layer, lambda g: 7 * g, at="outputs")  # reuses the pass-through
+    np.testing.assert_allclose(_kernel_grad(layer).numpy(), 7 * want, rtol=1e-6)
+    assert again.active
+
+
+# ---- tracing -----------------------------------------------------------------------------
+
+
+def test_installing_after_fit_traced_the_layer_warns() -> None:
+    keras.utils.set_random_seed(0)
+    dense = keras.layers.Dense(1)
+    model = keras.Sequential([keras.Input((3,)), dense])
+    model.compile("sgd", "mse", jit_compile=False)
+    first = go.grad_hook(dense, lambda g: g, at="outputs")
+    model.fit(X, np.ones((2, 1)), verbose=0)
+    with pytest.warns(go.GradOverrideWarning, match=r"grad_hook\(Dense `dense\w*`, .*at="
+                      r"'variables'\) was installed after the Dense `dense\w*` was traced into "
+                      r"a `tf.function`.*`model.compile\(...\)` again before the next `fit`"):
+        go.grad_hook(dense, recipes.reverse_grad(), at="variables")
+    with pytest.warns(go.GradOverrideWarning, match=r"was removed after"):
+        first.remove()
+
+
+def test_building_a_functional_model_is_not_a_trace() -> None:
+    dense = keras.layers.Dense(1)
+    go.grad_hook(dense, lambda g: g, at="outputs")
+    inputs = keras.Input((3,))
+    keras.Model(inputs, dense(inputs))  # Keras runs the call on symbolic tensors
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        go.grad_hook(dense, lambda g: 2 * g, at="outputs")
+
+
+# ---- leak --------------------------------------------------------------------------------
+
+
+def test_installing_and_removing_around_each_step_keeps_nothing() -> None:
+    layer = _dense()
+    x = tf.constant(X)
+
+    def step() -> None:
+        with go.grad_hook(layer, lambda g: 2 * g, at="outputs"):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_sum(layer(x))
+            tape.gradient(loss, layer.trainable_variables)
+
+    for _ in range(20):
+        step()
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.take_snapshot()
+        for _ in range(200):
+            step()
+        gc.collect()
+        after = tracemalloc.take_snapshot()
+    finally:
+        tracemalloc.stop()
+    ours = tracemalloc.Filter(True, "*gradoverride*")
+    grown = sum(
+        stat.size_diff
+        for stat in after.filter_traces([ours]).compare_to(
+            before.filter_traces([ours]), "filename"
+        )
+    )
+    assert grown < 200 * 64, f"{grown} bytes kept by gradoverride over 200 steps"
+
+
+# ---- layers and backends -----------------------------------------------------------------
+
+
+def test_a_layer_inheriting_call_from_a_keras_layer_gets_its_backward() -> None:
+    keras.utils.set_random_seed(0)
+
+    class QDense(Layer, keras.layers.Dense):
+        def backward(self, grad: Any, *, inputs: Any) -> Any:
+            return {
+                "inputs": grad @ tf.transpose(self.kernel),
+                "kernel": 4 * tf.transpose(inputs) @ grad,
+                "bias": None,
+            }
+
+    layer = QDense(2)
+    x = tf.constant(X)
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(layer(x))
+    kernel_grad, bias_grad = tape.gradient(loss, [layer.kernel, layer.bias])
+    np.testing.assert_allclose(kernel_grad.numpy(), 4 * X.T @ np.ones((2, 2), np.float32))
+    assert bias_grad is None
+
+
+def test_a_keras_layer_on_the_torch_backend_is_refused_by_name() -> None:
+    pytest.importorskip("keras")
+    script = textwrap.dedent(
+        """
+        import os
+        os.environ["KERAS_BACKEND"] = "torch"
+        import keras, torch
+        import gradoverride as go
+        layer = keras.layers.Dense(3)
+        layer(torch.ones(2, 4))
+        for call in (lambda: go.grad_hook(layer, lambda g: g, at="variables"),
+                     lambda: go.override_backward(layer, lambda g, *, inputs: g)):
+            try:
+                call()
+            except go.GradOverrideError as error:
+                print(error)
+        """
+    )
+    env = {**os.environ, "KERAS_BACKEND": "torch"}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          env=env, check=False)
+    lines = [line for line in done.stdout.splitlines() if line.strip()]
+    assert len(lines) == 2, done.stdout + done.stderr
+    assert lines[0].startswith("grad_hook: the Keras layer Dense `dense` runs on Keras' "
+                               "'torch' backend; gradoverride supports Keras layers on the "
+                               "TensorFlow backend only. Set KERAS_BACKEND=tensorflow")
+    assert lines[1].startswith("override_backward: the Keras layer Dense `dense` runs on")
