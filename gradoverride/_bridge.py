@@ -22,6 +22,7 @@ import copy
 import functools
 import inspect
 import math
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeAlias, TypeVar, overload
@@ -758,6 +759,8 @@ class Bridge(Generic[P]):
                 self._refuse_batched(args, kwargs)
             if any_tensorflow(args, kwargs):
                 return backend("tensorflow").bridge_call(self, args, kwargs, self.outputs)
+            if "keras" in sys.modules:
+                self._refuse_keras_tensors(args, kwargs)
             return op(*args, **kwargs)
 
         run.__name__ = run.__qualname__ = f"bridge({self._name})"
@@ -778,6 +781,12 @@ class Bridge(Generic[P]):
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Bridge[P]:
         return self  # shared, as a function is: a bridge holds no per-copy state
+
+    def __tf_tracing_type__(self, context: Any) -> Any:
+        # `tf.function` replaces an argument that has `__wrapped__` (ours: the bridged
+        # function) by the wrapped function, which would run the numpy function on symbolic
+        # tensors, or drop the backward; declaring our own trace type keeps the bridge.
+        return backend("tensorflow").OpTraceType(self)
 
     # -- forward ------------------------------------------------------------------------------
 
@@ -974,6 +983,33 @@ class Bridge(Generic[P]):
         )
         raise GradOverrideError(msg)
 
+    def _refuse_keras_tensors(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """A GradOverrideError if an argument is a symbolic KerasTensor (a functional Keras
+        model being built): `fn` cannot run on it, and the bridge is no Keras layer."""
+        keras: Any = sys.modules["keras"]
+        kind = getattr(keras, "KerasTensor", None)
+        if kind is None:
+            return
+
+        def symbolic(value: Any) -> bool:
+            return isinstance(value, kind)
+
+        if not any(map(symbolic, pytree.tree_leaves((args, kwargs)))):
+            return
+        where = _naming(
+            _holding(_bind(self._signature, args, kwargs), symbolic),
+            "its argument {names} is", "its arguments {names} are", "an argument is",
+        )
+        msg = (
+            f"`{self._name}` is a go.bridge, and {where} a symbolic KerasTensor (a "
+            "functional Keras model is being built), which holds no values for its numpy "
+            "function. Call the bridge inside a layer's `call` (a `keras.layers.Layer` "
+            "subclass, or `keras.layers.Lambda`), and pass `outputs=` to go.bridge with "
+            "each output's shape and dtype (e.g. `outputs=tf.TensorSpec([None, 3], "
+            "tf.float32)`), so that Keras can infer the layer's output without running it."
+        )
+        raise GradOverrideError(msg)
+
     def _refuse_transformed(self, rule: str, values: Any) -> None:
         """In the backward, a GradOverrideError if torch.func hands it wrapped tensors: the
         transform (grad, jacrev, hessian, ...) differentiates the bridge inside itself."""
@@ -1101,8 +1137,12 @@ def bridge(
     `tf.function` (through `tf.numpy_function`; give `outputs=` there when `fn` returns
     something other than one array of the inputs' dtype), with the same rule or estimator.
     The backward calls `fn` once more on the same inputs (TensorFlow keeps no Python state
-    between forward and backward). Under XLA (`jit_compile=True`) a bridge is a
-    `GradOverrideError`: XLA cannot compile a call into Python.
+    between forward and backward). It works under `tf.vectorized_map` (`fn` then runs once
+    per example) and `tape.jacobian`; its gradient cannot be differentiated again (a
+    `GradOverrideError`, as on torch). Under XLA (`jit_compile=True`) a bridge is a
+    `GradOverrideError`: XLA cannot compile a call into Python; so is saving it in a
+    SavedModel (`model.export`, `tf.saved_model.save`), which cannot hold Python code. In a
+    functional Keras model, call it from a layer and give `outputs=` with the shapes.
 
     Args:
         fn: the function, called on numpy arrays.
@@ -1112,7 +1152,9 @@ def bridge(
         outputs: on TensorFlow tensors inside a `tf.function`, what `fn` returns: a
             `tf.TensorSpec`, a dtype, or a tuple of them, one per output (the function is
             traced before `fn` runs). Default: one output in the floating arguments'
-            promoted dtype. Not needed eagerly, nor on torch tensors.
+            promoted dtype. Not needed eagerly, nor on torch tensors. In a layer of a
+            functional Keras model, give the shapes too (None for the batch axis): Keras
+            infers the layer's output from them.
 
     Returns:
         A `Bridge`, callable like `fn` on tensors; usable as a decorator with options.

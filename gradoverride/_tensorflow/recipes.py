@@ -1025,8 +1025,16 @@ def _work_dtype(dtype: Any) -> Any:
 
 
 def _one_hot(scores: Any, dim: int, dtype: Any) -> Any:
-    depth = tf.shape(scores)[dim]
-    return tf.one_hot(tf.argmax(scores, axis=dim), depth, axis=dim, dtype=dtype)
+    """1 at the first maximum of `scores` along `dim`, 0 elsewhere, shaped like `scores`."""
+    index = tf.argmax(scores, axis=dim)
+    rank = scores.shape.rank
+    if rank is not None:
+        # `tf.one_hot` takes `axis` -1 or in [0, rank): `dim` counted from the front.
+        axis = dim % rank if dim < 0 else dim
+        return tf.one_hot(index, tf.shape(scores)[dim], axis=axis, dtype=dtype)
+    # Rank unknown while tracing: compare each position along `dim` with the argmax.
+    position = tf.cumsum(tf.ones_like(scores, tf.int64), axis=dim) - 1
+    return tf.cast(tf.equal(position, tf.expand_dims(index, dim)), dtype)
 
 
 def _softmax_backward(grad: Any, soft: Any, dim: int, temperature: float) -> Any:
