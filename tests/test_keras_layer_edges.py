@@ -392,3 +392,45 @@ def test_a_keras_layer_on_the_torch_backend_is_refused_by_name() -> None:
                                "'torch' backend; gradoverride supports Keras layers on the "
                                "TensorFlow backend only. Set KERAS_BACKEND=tensorflow")
     assert lines[1].startswith("override_backward: the Keras layer Dense `dense` runs on")
+
+
+def test_a_clip_under_a_mirrored_strategy_warns_and_a_scale_does_not() -> None:
+    # Logical devices must be set before TensorFlow first uses the CPU: a fresh process.
+    script = textwrap.dedent(
+        """
+        import os, warnings
+        import numpy as np
+        import tensorflow as tf
+        cpu = tf.config.list_physical_devices("CPU")[0]
+        tf.config.set_logical_device_configuration(
+            cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+        import keras
+        import gradoverride as go
+        from gradoverride import recipes
+        strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+        for transform in (recipes.clip_grad_value(0.05), recipes.reverse_grad()):
+            with strategy.scope():
+                dense = keras.layers.Dense(1)
+                model = keras.Sequential([keras.Input((3,)), dense])
+                model.compile("sgd", "mse", jit_compile=False)
+            go.grad_hook(dense, transform, at="variables")
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                model.fit(np.ones((4, 3)), np.ones((4, 1)), batch_size=4, verbose=0)
+            print("WARNED", sum(issubclass(w.category, go.GradOverrideWarning)
+                                for w in caught))
+            for w in caught:
+                if issubclass(w.category, go.GradOverrideWarning):
+                    print("TEXT", w.message)
+        """
+    )
+    env = {**os.environ, "KERAS_BACKEND": "tensorflow", "TF_CPP_MIN_LOG_LEVEL": "2"}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          env=env, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    counts = [line for line in done.stdout.splitlines() if line.startswith("WARNED")]
+    assert counts == ["WARNED 1", "WARNED 0"], done.stdout
+    text = next(line for line in done.stdout.splitlines() if line.startswith("TEXT"))
+    assert "runs on each replica's share of the gradient, before MirroredStrategy sums the 2 " \
+        "shares: clip_grad_value(clip_value=0.05) bounds each share" in text, text
+    assert "`clipvalue=`, `clipnorm=` or `global_clipnorm=`" in text

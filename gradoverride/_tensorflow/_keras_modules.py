@@ -330,11 +330,14 @@ class _Hook:
         self.at = at
         self.fn = fn  # what the user gave, which `go.overrides` names
         self.layer_name = _layer_name(layer)
+        self.warned_replicas = False
         self.description = f"grad_hook({type(layer).__name__} `{layer.name}`, " \
             f"{describe_transform(fn)}, at={at!r})"
 
     def run(self, layer: Any, inner: Callable[..., Any], args: tuple[Any, ...],
             kwargs: dict[str, Any]) -> Any:
+        if not self.warned_replicas:
+            self._warn_per_replica()
         if self.at == "inputs":
             names = _argument_names(args, kwargs)
             args, kwargs = tf.nest.map_structure(
@@ -351,6 +354,33 @@ class _Hook:
                 output,
             )
         return self._variables(layer, inner, args, kwargs)
+
+    def _warn_per_replica(self) -> None:
+        """A transform runs in the graph of each replica, on its share of the gradient,
+        before the strategy sums them: the same for a linear transform (a scale), not for a
+        clip (two shares clipped at c may sum to 2c)."""
+        from ..recipes import GradientTransform
+        from ..recipes._flow import _ScaledGradient
+
+        context = tf.distribute.get_replica_context()
+        replicas = 1 if context is None else int(context.num_replicas_in_sync)
+        fn = self.fn
+        if replicas < 2 or not isinstance(fn, GradientTransform) or isinstance(
+            fn, _ScaledGradient
+        ):
+            return
+        self.warned_replicas = True
+        strategy = type(tf.distribute.get_strategy()).__name__
+        msg = (
+            f"{self.description} runs on each replica's share of the gradient, before "
+            f"{strategy} sums the {replicas} shares: {fn!r} bounds each share, so the summed "
+            "gradient is not what it would clip on one device. To clip the summed gradient, "
+            "give the optimizer `clipvalue=`, `clipnorm=` or `global_clipnorm=` instead. If "
+            "clipping each share is what you mean, silence this warning: "
+            "`warnings.filterwarnings('ignore', message='.*each replica', "
+            "category=go.GradOverrideWarning)`."
+        )
+        warnings.warn(msg, GradOverrideWarning, stacklevel=2)
 
     def _on_tensor(self, value: Any, name: str) -> Any:
         from ..recipes import GradientTransform
