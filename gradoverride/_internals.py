@@ -49,6 +49,10 @@ Private torch pieces used elsewhere, each with a test that fails if it goes miss
 * `GradScaler._scale` (`loss_scale`): the scale a `torch.amp.GradScaler` multiplies the loss
   by, as the tensor on its device, so that a clipping recipe reads it in backward without a
   synchronization (`get_scale()` reads it back to the host); `get_scale()` where it is absent.
+
+Not torch, but beside it: `is_keras_loss_scaler` tells Keras' `LossScaleOptimizer` (the other
+`scaler=` the clipping recipes take) by its class, looked up only when Keras is already in
+`sys.modules`, so checking a recipe's arguments never imports Keras.
 """
 
 from __future__ import annotations
@@ -69,6 +73,8 @@ __all__ = [
     "in_compiled_autograd",
     "is_batched",
     "is_grad_scaler",
+    "is_keras_loss_scaler",
+    "is_keras_optimizer",
     "is_tracing",
     "is_transformed",
     "loss_scale",
@@ -206,6 +212,30 @@ def is_grad_scaler(value: Any) -> bool:
     return callable(getattr(value, "get_scale", None)) and callable(
         getattr(value, "is_enabled", None)
     )
+
+
+def _keras_optimizer_class(name: str) -> type | None:
+    """`keras.optimizers.<name>` if Keras is already imported, else None: gradoverride never
+    imports Keras itself (a user with a Keras optimizer in hand has imported it)."""
+    import sys
+
+    keras = sys.modules.get("keras")
+    found = getattr(getattr(keras, "optimizers", None), name, None)
+    return found if isinstance(found, type) else None
+
+
+def is_keras_loss_scaler(value: Any) -> bool:
+    """Whether `value` is a Keras `LossScaleOptimizer` (what `model.optimizer` is after
+    `model.compile` under the `mixed_float16` policy), which the clipping recipes' `scaler=`
+    takes for TensorFlow gradients."""
+    cls = _keras_optimizer_class("LossScaleOptimizer")
+    return cls is not None and isinstance(value, cls)
+
+
+def is_keras_optimizer(value: Any) -> bool:
+    """Whether `value` is any Keras optimizer (for the error naming a plain one)."""
+    cls = _keras_optimizer_class("Optimizer")
+    return cls is not None and isinstance(value, cls)
 
 
 def loss_scale_value(scaler: Any) -> float:

@@ -81,6 +81,7 @@ from __future__ import annotations
 import importlib
 import math
 import struct
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -645,10 +646,41 @@ def _scaled_module_transform(module: ScaledGradientModule, grad: Any) -> Any:
     return _scaled_transform(module.recipe, grad)
 
 
+def _keras_loss_scale(recipe: clip_grad_value | clip_grad_norm, dtype: Any) -> Any:
+    """The scale the recipe's `scaler` (a Keras LossScaleOptimizer) multiplies the loss by
+    now, as its `scale_loss` does: its `dynamic_scale` variable, read in the graph (so a
+    traced or XLA-compiled step follows the scale as it changes) in `dtype`; before the
+    optimizer is built, its `initial_scale`, a number."""
+    optimizer = recipe.scaler
+    keras = sys.modules["keras"]  # imported: the optimizer is a Keras object
+    if keras.config.backend() != "tensorflow":
+        msg = (
+            f"{type(recipe).__name__}(scaler=...) got a Keras {type(optimizer).__name__} "
+            f"whose scale lives in Keras' {keras.config.backend()!r} backend, and this "
+            "gradient is TensorFlow's: a traced TensorFlow function could not follow it. "
+            "Run Keras on TensorFlow (KERAS_BACKEND=tensorflow, set before importing keras) "
+            "to clip TensorFlow gradients under its loss scaling."
+        )
+        raise GradOverrideError(msg)
+    if not optimizer.built:
+        return float(optimizer.initial_scale)
+    return tf.cast(tf.convert_to_tensor(optimizer.dynamic_scale), dtype)
+
+
 def _clip_value_transform(recipe: clip_grad_value, grad: Any) -> Any:
     # A bound beyond the dtype's range clamps nothing there (and cannot be a constant of it).
-    bound = min(float(recipe.clip_value), float(grad.dtype.max))
-    return _clamp(grad, -bound, bound)
+    top = float(grad.dtype.max)
+    if recipe.scaler is None:
+        bound = min(float(recipe.clip_value), top)
+        return _clamp(grad, -bound, bound)
+    # Under Keras' loss scaling the gradient is the true one times the scale: the bound on
+    # the true gradient is clip_value times the scale on this one (as torch's GradScaler).
+    scale = _keras_loss_scale(recipe, _compute_dtype(grad.dtype))
+    if isinstance(scale, float):
+        bound = min(float(recipe.clip_value) * scale, top)
+        return _clamp(grad, -bound, bound)
+    bound_t = tf.cast(tf.minimum(recipe.clip_value * scale, top), grad.dtype)
+    return _clamp(grad, -bound_t, bound_t)
 
 
 def _vector_norm(x: Any, order: float, axis: Any) -> Any:
@@ -673,7 +705,13 @@ def _clip_norm_transform(recipe: clip_grad_norm, grad: Any) -> Any:
     # The norm in at least float32, so a float16 gradient's sum of squares cannot overflow.
     compute = _compute_dtype(grad.dtype)
     norm = _vector_norm(tf.cast(grad, compute), recipe.norm_type, recipe.dim)
-    coefficient = recipe.max_norm / (norm + recipe.eps)
+    if recipe.scaler is None:
+        coefficient = recipe.max_norm / (norm + recipe.eps)
+    else:
+        # A gradient scaled by the Keras loss scale s is clipped as the true one would be:
+        # max_norm*s / (|s*g| + eps*s) = max_norm / (|g| + eps), as with torch's GradScaler.
+        scale = _keras_loss_scale(recipe, compute)
+        coefficient = recipe.max_norm * scale / (norm + recipe.eps * scale)
     # torch.clamp(max=1): NaN stays NaN (a poisoned slice stays visible).
     coefficient = tf.where(coefficient > 1.0, tf.ones_like(coefficient), coefficient)
     return grad * tf.cast(coefficient, grad.dtype)

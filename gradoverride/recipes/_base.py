@@ -35,6 +35,7 @@ from .._decorators import custom_backward
 from .._errors import GradOverrideError
 from .._frameworks import autograph_artifact, is_tensorflow
 from .._function import RECORDERS
+from .._internals import is_grad_scaler
 from .._jit import refuse_scripting
 from .._passthrough import passthrough
 
@@ -215,12 +216,16 @@ def tensorflow_transform(recipe: object, grad: Any, /, **kwargs: Any) -> Tensor:
 
 
 def _refuse_torch_scaler(recipe: object) -> None:
-    """A recipe given torch's GradScaler (`scaler=`) has nothing to read on TensorFlow."""
-    if getattr(recipe, "scaler", None) is not None:
+    """A recipe given torch's GradScaler (`scaler=`) has nothing to read on TensorFlow: the
+    loss there is scaled by Keras' LossScaleOptimizer, which `scaler=` takes instead."""
+    scaler = getattr(recipe, "scaler", None)
+    if scaler is not None and is_grad_scaler(scaler):
         name = type(recipe).__name__
         msg = (
-            f"{name}(scaler=...) takes torch's GradScaler, and this gradient is "
-            "TensorFlow's. Under Keras' loss scaling the gradients a transform sees are "
-            "scaled too: see the recipes page, \"Loss scaling\", for what to do there."
+            f"{name}(scaler=...) got torch's {type(scaler).__name__}, and this gradient is "
+            "TensorFlow's: a GradScaler scales torch losses only. Under Keras mixed "
+            "precision give the optimizer that scales the loss, the LossScaleOptimizer "
+            "(`scaler=model.optimizer` after `model.compile` under the `mixed_float16` "
+            "policy), or no scaler."
         )
         raise GradOverrideError(msg)

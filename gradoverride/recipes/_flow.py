@@ -28,7 +28,12 @@ from torch.compiler import is_dynamo_compiling
 from .._decorators import custom_backward
 from .._errors import GradOverrideError, GradOverrideTypeError, GradOverrideWarning
 from .._frameworks import is_tensorflow
-from .._internals import is_grad_scaler, loss_scale
+from .._internals import (
+    is_grad_scaler,
+    is_keras_loss_scaler,
+    is_keras_optimizer,
+    loss_scale,
+)
 from .._passthrough import passthrough
 from ._base import (
     GradientTransform,
@@ -372,9 +377,10 @@ class ScaledGradientModule(RecipeModule):
 
 
 class _WithScaler:
-    """What the clipping recipes holding a GradScaler do when copied or saved: a deep copy
-    (a model's EMA copy) shares the scaler, which scales the loss of the whole training; a
-    saved recipe would hold a copy of it, which scales nothing, so saving one is refused."""
+    """What the clipping recipes holding a loss scaler (torch's GradScaler, Keras'
+    LossScaleOptimizer) do when copied or saved: a deep copy (a model's EMA copy) shares the
+    scaler, which scales the loss of the whole training; a saved recipe would hold a copy of
+    it, which scales nothing, so saving one is refused."""
 
     scaler: Any
 
@@ -390,11 +396,11 @@ class _WithScaler:
     def __reduce_ex__(self, protocol: Any) -> Any:
         if self.scaler is not None:
             msg = (
-                f"{self!r} holds a GradScaler and cannot be saved with it: loaded, it would "
-                "hold a copy that scales no loss, and clip the scaled gradients at the "
-                "unscaled bound. Save the model without it (set `scaler=None`, as "
-                f"`dataclasses.replace(recipe, scaler=None)`), and give the scaler again "
-                "after loading."
+                f"{self!r} holds a {type(self.scaler).__name__} and cannot be saved with it: "
+                "loaded, it would hold a copy that scales no loss, and clip the scaled "
+                "gradients at the unscaled bound. Save the model without it (set "
+                "`scaler=None`, as `dataclasses.replace(recipe, scaler=None)`), and give the "
+                "scaler again after loading."
             )
             raise GradOverrideError(msg)
         return super().__reduce_ex__(protocol)
@@ -420,9 +426,12 @@ class clip_grad_value(_WithScaler, GradientTransform):
 
     Args:
         clip_value: the bound, at least 0.
-        scaler: the `torch.amp.GradScaler` scaling the loss, if any (keyword only). Its
-            gradients arrive multiplied by the loss scale; with it, the bound applies to the
-            true (unscaled) gradient: ``clip_value`` times the scale on the scaled one.
+        scaler: what scales the loss, if anything (keyword only): the `torch.amp.GradScaler`
+            for torch tensors, or for TensorFlow ones the Keras `LossScaleOptimizer`
+            (`model.optimizer` after `model.compile` under the `mixed_float16` policy). The
+            gradients arrive multiplied by the loss scale; with the scaler, the bound applies
+            to the true (unscaled) gradient: ``clip_value`` times the current scale (read
+            in the graph, without a synchronization) on the scaled one.
 
     Returns (when called): the input unchanged, whose gradient is the upstream gradient
     clamped elementwise to ``[-clip_value, clip_value]``, in the input's dtype.
@@ -448,7 +457,7 @@ class clip_grad_value(_WithScaler, GradientTransform):
         # scalar the dtype cannot hold (1e6 for float16).
         top = torch.finfo(grad.dtype).max
         if self.scaler is not None:
-            scale = loss_scale(self.scaler, grad)
+            scale = _torch_loss_scale(self, grad)
             if isinstance(scale, Tensor):
                 bound_t = (self.clip_value * scale).clamp(max=top).to(grad.dtype)
                 return torch.clamp(grad, -bound_t, bound_t)
@@ -497,9 +506,12 @@ class clip_grad_norm(_WithScaler, GradientTransform):
             None (default) means the whole tensor.
         norm_type: the order of the norm (default 2; `math.inf` for the max-abs norm).
         eps: added to the norm before dividing, as in torch (default 1e-6).
-        scaler: the `torch.amp.GradScaler` scaling the loss, if any (keyword only). Its
-            gradients arrive multiplied by the loss scale; with it, `max_norm` (and `eps`)
-            apply to the true (unscaled) gradient.
+        scaler: what scales the loss, if anything (keyword only): the `torch.amp.GradScaler`
+            for torch tensors, or for TensorFlow ones the Keras `LossScaleOptimizer`
+            (`model.optimizer` after `model.compile` under the `mixed_float16` policy). The
+            gradients arrive multiplied by the loss scale s; with the scaler, `max_norm` (and
+            `eps`) apply to the true (unscaled) gradient:
+            ``clamp(max_norm * s / (norm + eps * s), max=1)``.
 
     Returns (when called): the input unchanged, with the clipped gradient, in its dtype.
     """
@@ -541,7 +553,7 @@ class clip_grad_norm(_WithScaler, GradientTransform):
         # scale s, the scaled gradient s*g is clipped as g would be: max_norm*s / (|s*g| +
         # eps*s) = max_norm / (|g| + eps).
         if self.scaler is not None:
-            scale = loss_scale(self.scaler, grad)
+            scale = _torch_loss_scale(self, grad)
             coef = torch.clamp(self.max_norm * scale / (norm + self.eps * scale), max=1.0)
         else:
             coef = torch.clamp(self.max_norm / (norm + self.eps), max=1.0)
@@ -549,13 +561,41 @@ class clip_grad_norm(_WithScaler, GradientTransform):
 
 
 def _check_scaler(recipe: str, scaler: Any) -> None:
-    if scaler is not None and not is_grad_scaler(scaler):
+    if scaler is None or is_grad_scaler(scaler) or is_keras_loss_scaler(scaler):
+        return
+    if is_keras_optimizer(scaler):
         msg = (
-            f"{recipe} needs `scaler` to be the torch.amp.GradScaler scaling the loss (or "
-            f"None), got {type(scaler).__name__} {scaler!r:.60}. Pass the scaler whose "
-            "`scaler.scale(loss).backward()` runs the backward."
+            f"{recipe} needs `scaler` to be the Keras LossScaleOptimizer scaling the loss (or "
+            f"None), got the Keras optimizer {type(scaler).__name__}, which scales no loss. "
+            "`model.optimizer` is a LossScaleOptimizer after `model.compile` under the "
+            "`mixed_float16` policy (`keras.mixed_precision.set_global_policy(...)` before "
+            "building the model); without loss scaling, give no scaler."
         )
         raise GradOverrideTypeError(msg)
+    msg = (
+        f"{recipe} needs `scaler` to be the torch.amp.GradScaler scaling the loss (for "
+        "TensorFlow gradients, the Keras LossScaleOptimizer), or None; got "
+        f"{type(scaler).__name__} {scaler!r:.60}. Pass the scaler whose "
+        "`scaler.scale(loss).backward()` runs the backward, or under Keras mixed precision "
+        "`model.optimizer`."
+    )
+    raise GradOverrideTypeError(msg)
+
+
+def _torch_loss_scale(recipe: clip_grad_value | clip_grad_norm, grad: Tensor) -> Tensor | float:
+    """The GradScaler's current scale for a torch gradient; a Keras optimizer scales the
+    losses of TensorFlow models, whose scale means nothing for this gradient."""
+    scaler = recipe.scaler
+    if is_keras_loss_scaler(scaler):
+        name = type(recipe).__name__
+        msg = (
+            f"{name}(scaler=...) got a Keras {type(scaler).__name__}, and this gradient is a "
+            "torch tensor: a Keras optimizer scales the loss of a Keras model on TensorFlow, "
+            "not this one. For torch's mixed precision give the `torch.amp.GradScaler` whose "
+            "`scaler.scale(loss).backward()` runs the backward, or no scaler."
+        )
+        raise GradOverrideError(msg)
+    return loss_scale(scaler, grad)
 
 
 
