@@ -23,7 +23,16 @@ What TensorFlow's `tf.custom_gradient` leaves to its users, done here:
   them, and a returned `IndexedSlices` is made dense before it is checked.
 * Shapes and dtypes of returned gradients are checked as in torch (TensorFlow checks
   neither): a shape the input broadcasts to is summed down, another float precision is cast,
-  anything else is a `GradOverrideError` naming the input.
+  anything else is a `GradOverrideError` naming the input. As in torch, an integer or bool
+  tensor argument (an index, Keras' `mask=`) takes no gradient, so a returned dict need not
+  name it.
+* In graph mode the rule runs as a function call of its own that is not inlined (see
+  `_in_function`): a rule that reads a variable (`self.kernel`) then reads it before the
+  optimizer updates it, and works inside a `tf.while_loop`'s gradient.
+* Refused with a `GradOverrideError` that names the fix: a call inside `tf.vectorized_map`
+  (which drops custom gradients, see `_tracing`), and a `tf.RaggedTensor` or
+  `tf.SparseTensor` of floats as an owned argument or as the output (`tf.custom_gradient`
+  has no gradient slot for one; integer ones reach the forward as they are).
 
 Differences, documented in the README: an output the loss does not use always sends the
 rule zeros (TensorFlow materializes them in both modes, so `materialize_grads=False` has no
@@ -33,6 +42,8 @@ floating-point input (TensorFlow does not say which gradients a tape will use).
 
 from __future__ import annotations
 
+import functools
+import importlib
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -59,12 +70,15 @@ from .._gradients import (
 )
 from .._rule import RuleSpec
 from .._signature import ForwardSignature
+from ._tracing import refuse_vectorized_map
 
 __all__ = ["TensorFlowCall", "check_gradient"]
 
 _ONE_LEAF = pytree.tree_structure(0)  # the structure of a lone tensor output
 #: What a rule may return as a gradient (an `IndexedSlices` is made dense).
 _GRADIENT_TYPES = (tf.Tensor, tf.IndexedSlices)
+#: Tensors `tf.custom_gradient` cannot give a gradient slot to.
+_COMPOSITE = (tf.RaggedTensor, tf.SparseTensor)
 
 
 class _Meta:
@@ -130,12 +144,15 @@ class TensorFlowCall:
         self.owning = spec.owns_all and not spec.owns_declared
 
     def __call__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        refuse_vectorized_map(f"`{self.op}`")
         values = self.sig.bind(args, kwargs)
         flat, layout = flatten_inputs(values, tf.is_tensor)
         if _holds_torch(flat):
             self._refuse_torch(flat, layout)
-        flat = tuple(_read(v) for v in flat)
         owned = _per_leaf(self.spec.owned, layout)
+        if any(isinstance(v, _COMPOSITE) for v in flat):
+            self._refuse_composite(flat, layout, owned)
+        flat = tuple(_read(v) for v in flat)
         # The inputs that get a gradient: owned floating-point (or complex) tensors.
         slots = tuple(
             i
@@ -158,6 +175,31 @@ class TensorFlowCall:
                 )
                 raise GradOverrideTypeError(msg)
 
+    def _refuse_composite(
+        self, flat: tuple[Any, ...], layout: Any, owned: tuple[bool, ...]
+    ) -> None:
+        """Refuse a `tf.RaggedTensor` or `tf.SparseTensor` that would need a gradient (one of
+        floating-point values the rule owns): `tf.custom_gradient` gives its gradient
+        function no gradient for one. Other ones (integer ids, say) reach the forward as
+        they are."""
+        ranges = slot_ranges(layout, len(self.sig.names))
+        for i, value in enumerate(flat):
+            if not (isinstance(value, _COMPOSITE) and owned[i] and _differentiable(value.dtype)):
+                continue
+            slot = next(s for s, (start, stop, _) in enumerate(ranges) if start <= i < stop)
+            name = self.sig.names[slot]
+            kind, fix = (
+                ("tf.RaggedTensor", f"`{name}.to_tensor()`")
+                if isinstance(value, tf.RaggedTensor)
+                else ("tf.SparseTensor", f"`tf.sparse.to_dense({name})`")
+            )
+            msg = (
+                f"`{self.op}` got a {kind} of {value.dtype.name} for `{name}`, which its rule "
+                f"owns; a gradient override takes dense tensors: pass {fix} (or leave "
+                f"`{name}` out of `owns=` so it keeps its ordinary TensorFlow gradient)."
+            )
+            raise GradOverrideTypeError(msg)
+
     # ---- the two forms --------------------------------------------------------------------
 
     def _owning(self, flat: tuple[Any, ...], layout: Any, slots: tuple[int, ...]) -> Any:
@@ -177,7 +219,7 @@ class TensorFlowCall:
 
             @autograph_artifact  # run as Python, not converted by AutoGraph
             def gradient(*upstream: Any, variables: Any = None) -> Any:
-                grads, var_grads = self._gradients(upstream, record, variables)
+                grads, var_grads, _ = self._gradients(upstream, record, variables)
                 if variables:
                     return grads, var_grads
                 return grads
@@ -218,8 +260,10 @@ class TensorFlowCall:
         def attach(*tensors: Any) -> Any:
             @autograph_artifact  # run as Python, not converted by AutoGraph
             def gradient(*upstream: Any, variables: Any = None) -> Any:
-                grads, _ = self._gradients(upstream, record, None)
-                passed = [_dense(g) for g in upstream]
+                # The outputs' gradients pass on through the rule's call (see `_in_function`).
+                grads, _, passed = self._gradients(
+                    upstream, record, None, carry=[_dense(g) for g in upstream]
+                )
                 return [*grads, *passed]
 
             return [tf.identity(t) for t in tensors[n_owned:]], gradient
@@ -244,6 +288,17 @@ class TensorFlowCall:
             }
         n_top = len(output) if type(output) is tuple else 1
         check_output_count(self.spec.n_grads, n_top, self.spec.name, self.op)
+        if not isinstance(output, tf.Tensor):
+            for leaf in pytree.tree_leaves(output):
+                if isinstance(leaf, _COMPOSITE) and _differentiable(leaf.dtype):
+                    kind = type(leaf).__name__
+                    msg = (
+                        f"the forward of `{self.op}` returned a tf.{kind}; its rule could "
+                        "not be given the upstream gradient of one, so a gradient override "
+                        "returns dense tensors: return `result.to_tensor()` (ragged) or "
+                        "`tf.sparse.to_dense(result)` (sparse) from the forward."
+                    )
+                    raise GradOverrideError(msg)
         return output, residuals
 
     def _record(
@@ -277,8 +332,13 @@ class TensorFlowCall:
                 name: any(start <= i < stop for i in slots)
                 for name, (start, stop, _) in zip(names, ranges, strict=True)
             }
+        # As in torch: an integer or bool tensor (an index, a mask) can never have a
+        # gradient, so it is no gradient slot (None) and a returned dict need not name it;
+        # a floating-point tensor whose gradient is not asked for is SKIP.
         meta = [
-            (_Meta(value) if i in slots else SKIP) if isinstance(value, tf.Tensor) else None
+            (_Meta(value) if i in slots else SKIP)
+            if isinstance(value, tf.Tensor) and _differentiable(value.dtype)
+            else None
             for i, value in enumerate(inputs)
         ]
         lone = isinstance(output, tf.Tensor)
@@ -295,10 +355,10 @@ class TensorFlowCall:
         )
 
     def _gradients(
-        self, upstream: tuple[Any, ...], record: _Record, variables: Any
-    ) -> tuple[list[Any], list[Any]]:
+        self, upstream: tuple[Any, ...], record: _Record, variables: Any, carry: Any = ()
+    ) -> tuple[list[Any], list[Any], list[Any]]:
         """Call the rule; the checked gradients for the inputs in `slots` and for
-        `variables`."""
+        `variables`, and `carry` as it comes out of the rule's call."""
         # The upstream gradients, in the structure of the forward's output.
         grad_leaves: list[Any] = [None] * record.n_leaves
         for j, grad, m in zip(record.picked, upstream, record.out_meta, strict=True):
@@ -309,7 +369,7 @@ class TensorFlowCall:
             tree = pytree.tree_unflatten(grad_leaves, record.out_spec)
             rule_grads = tuple(tree) if record.tuple_output else (tree,)
 
-        result = self._call_rule(rule_grads, record.kwargs)
+        result, carried = self._call_rule(rule_grads, record.kwargs, list(carry))
         var_grads: list[Any] = []
         if variables and self.variables_get_none:
             var_grads = [None] * len(variables)
@@ -329,9 +389,23 @@ class TensorFlowCall:
         if self.spec.once_differentiable:
             grads = [g if g is None else _once_differentiable(self.op, g) for g in grads]
             var_grads = [g if g is None else _once_differentiable(self.op, g) for g in var_grads]
-        return grads, var_grads
+        return grads, var_grads, carried
 
-    def _call_rule(self, grads: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def _call_rule(
+        self, grads: tuple[Any, ...], kwargs: dict[str, Any], carry: list[Any]
+    ) -> tuple[Any, list[Any]]:
+        """The rule's result, and `carry` unchanged: in graph mode both come out of one
+        function call, so that what uses them runs after every read the rule made (see
+        `_in_function`). A rule gradoverride wrote (straight_through's) reads no
+        variables and runs as it is."""
+        if self.variables_get_none or tf.executing_eagerly():
+            return self._run_rule(grads, kwargs), carry
+        result: tuple[Any, list[Any]] = _in_function(
+            lambda: (self._run_rule(grads, kwargs), carry)
+        )
+        return result
+
+    def _run_rule(self, grads: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         try:
             return self.rule(*grads, **kwargs)
         except GradOverrideError:
@@ -413,6 +487,71 @@ class TensorFlowCall:
 
     def _owned_names(self) -> list[str]:
         return [n for n, o in zip(self.sig.names, self.spec.owned, strict=True) if o]
+
+
+def _in_function(run: Callable[[], Any]) -> Any:
+    """`run()`, traced as a function of its own and called as one op that is not inlined,
+    in graph mode.
+
+    Why: a rule may read variables (a layer's `self.kernel`, a closure's `tf.Variable`),
+    which no TensorFlow gradient function does (they use the forward's values), and two
+    things go wrong with such reads when they are plain ops of the gradient:
+
+    * order: the read is ordered before the optimizer's update of the same variable by a
+      control edge only, which TensorFlow's graph optimizer (grappler's dependency
+      optimizer) may drop: in `model.fit` with `steps_per_execution > 1` the rule then reads
+      an already updated weight now and then, and training gives run-to-run different
+      weights. A call that is not inlined gives all its outputs at its end, so the gradients
+      that come out of it (the rule's, and the upstream gradients the attaching form passes
+      on through it) depend on every read in it by data, as do the updates made from them.
+    * while loops: the gradient of a `tf.while_loop` (a `tf.range` loop under `tf.function`,
+      a Keras RNN) cannot capture a variable handle straight from eager (TensorFlow's
+      "internal_captures" error); it can capture one from the function around the loop. So
+      the handles this function captures from eager are captured by that function first,
+      and passed from there (`set_external_captures`).
+
+    Only tensors leave the function: other values the rule returned (a Python number, a
+    torch tensor) come back as they are, for the checks to report.
+    """
+    kept: dict[str, Any] = {}
+
+    def body() -> list[Any]:
+        leaves, spec = pytree.tree_flatten(run())
+        is_tf = [isinstance(leaf, (tf.Tensor, tf.IndexedSlices)) for leaf in leaves]
+        kept.update(leaves=leaves, spec=spec, is_tf=is_tf)
+        return [leaf for leaf, t in zip(leaves, is_tf, strict=True) if t]
+
+    concrete = tf.function(
+        body, autograph=False, experimental_attributes={"_noinline": True}
+    ).get_concrete_function()
+    graph = tf.compat.v1.get_default_graph()
+    # The function being traced around the control-flow bodies (while, cond) we are in: a
+    # handle captured there is the one its other ops (an optimizer's update) use, so that
+    # they stay ordered with this call.
+    outer = graph
+    while isinstance(outer, _control_flow_graph()):
+        outer = outer.outer_graph
+    captured = list(concrete.captured_inputs)
+    if outer is not graph and hasattr(outer, "capture") and any(_eager(t) for t in captured):
+        with outer.as_default():
+            captured = [outer.capture(t) if _eager(t) else t for t in captured]
+        concrete.set_external_captures(captured)
+    results = iter(concrete())
+    leaves = [next(results) if t else leaf for leaf, t in zip(kept["leaves"], kept["is_tf"],
+                                                                 strict=True)]
+    return pytree.tree_unflatten(leaves, kept["spec"])
+
+
+@functools.cache
+def _control_flow_graph() -> Any:
+    """The class of TensorFlow's while-loop and cond bodies (and their gradients)."""
+    module = importlib.import_module("tensorflow.python.ops.control_flow_v2_func_graphs")
+    return module.ControlFlowFuncGraph
+
+
+def _eager(value: Any) -> bool:
+    """Whether `value` is an eager tensor (one with no graph)."""
+    return isinstance(value, tf.Tensor) and getattr(value, "graph", None) is None
 
 
 # ---- checking one gradient -------------------------------------------------------------------
@@ -526,8 +665,9 @@ def _once_differentiable(op: str, grad: Any) -> Any:
 
 
 def _read(value: Any) -> Any:
-    """A variable (TensorFlow's or Keras') as the tensor it holds; a composite tensor dense."""
-    if isinstance(value, tf.Tensor) or not is_tensorflow(value):
+    """A variable (TensorFlow's or Keras') as the tensor it holds; a ragged or sparse
+    tensor as it is (it gets no gradient: see `_refuse_composite`)."""
+    if isinstance(value, (tf.Tensor, *_COMPOSITE)) or not is_tensorflow(value):
         return value
     return tf.convert_to_tensor(value)
 

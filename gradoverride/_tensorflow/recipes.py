@@ -115,6 +115,7 @@ from ..recipes._ste import (
     ternarize,
 )
 from ..recipes._surrogate import _canonical, _refuse_noise, _set, spike
+from ._tracing import refuse_vectorized_map
 
 # TensorFlow has no type stubs: its values are typed `Any` throughout.
 tf: Any = importlib.import_module("tensorflow")
@@ -1248,6 +1249,7 @@ def _check_floating(recipe: object, x: Any, argument: str = "x") -> None:
 
 def call(recipe: object, x: Any, /, *args: Any, **kwargs: Any) -> Any:
     """`recipe(x, ...)` for a TensorFlow `x` (the torch recipe's `__call__` sends it here)."""
+    refuse_vectorized_map(f"`{recipe!r}`")
     implementation = _lookup(_CALLS, recipe)
     if implementation is None:
         raise _unsupported(recipe, x)
