@@ -136,6 +136,7 @@ class CustomBackward(Generic[P, R]):
         # How the TensorFlow side names the variables a forward reads, from the values the
         # rule names (gradoverride.keras.Layer names them relative to the layer).
         self._tensorflow_variable_names: Callable[[dict[str, Any], Any], str | None] | None = None
+        self._tensorflow_variable_frozen: Callable[[dict[str, Any], Any], bool] | None = None
 
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
         if self._check_next or RECORDERS:
@@ -307,6 +308,7 @@ class CustomBackward(Generic[P, R]):
                 self._residuals,
                 rule=self._tensorflow_rule or self._rule.rule,
                 variable_names=self._tensorflow_variable_names,
+                variable_frozen=self._tensorflow_variable_frozen,
                 # A rule gradoverride wrote (straight_through's) gives the first argument its
                 # gradient and nothing else: variables the forward reads (or writes, as
                 # `x.assign` does) get none, as `tf.grad_pass_through` gives them.

@@ -434,3 +434,67 @@ def test_a_clip_under_a_mirrored_strategy_warns_and_a_scale_does_not() -> None:
     assert "runs on each replica's share of the gradient, before MirroredStrategy sums the 2 " \
         "shares: clip_grad_value(clip_value=0.05) bounds each share" in text, text
     assert "`clipvalue=`, `clipnorm=` or `global_clipnorm=`" in text
+
+
+# ---- frozen layers and the texts naming what a rule returns ------------------------------
+
+
+class _Scale(Layer):
+    """x * w, whose rule gives the variables by `self.trainable_variables` (the documented
+    idiom) and twice the true gradient to x."""
+
+    def build(self, input_shape: Any) -> None:
+        self.w = self.add_weight(shape=(input_shape[-1],), initializer="ones", name="w")
+
+    def call(self, x: Any) -> Any:
+        return x * self.w
+
+    def backward(self, grad: Any, *, x: Any) -> Any:
+        rest = {v.path.rsplit("/", 1)[-1]: tf.reduce_sum(grad * x, axis=0)
+                for v in self.trainable_variables}
+        return {"x": 2 * grad * self.w, **rest}
+
+
+def test_a_frozen_layer_with_its_own_backward_trains_in_fit() -> None:
+    keras.utils.set_random_seed(0)
+    scale = _Scale()
+    head = keras.layers.Dense(1, kernel_initializer="ones", bias_initializer="zeros")
+    model = keras.Sequential([keras.Input((3,)), scale, head])
+    scale.trainable = False
+    model.compile(keras.optimizers.SGD(0.1), "mse", jit_compile=False)
+    x = np.array([[1.0, 2.0, 3.0]], np.float32)
+    y = np.array([[0.0]], np.float32)
+    model.fit(x, y, epochs=1, verbose=0)
+    np.testing.assert_allclose(scale.w.numpy(), [1.0, 1.0, 1.0])  # frozen: unchanged
+    # The head's update is plain SGD on the mse: prediction 6, d(loss)/d(kernel) = 2*6*x.
+    np.testing.assert_allclose(head.kernel.numpy()[:, 0], 1.0 - 0.1 * 12.0 * x[0], rtol=1e-6)
+
+
+def test_a_rule_missing_variables_is_told_the_names_it_can_return() -> None:
+    class Partial(_Scale):
+        def backward(self, grad: Any, *, x: Any) -> Any:
+            return grad * self.w  # a tensor: the variable `w` is not given
+
+    layer = Partial()
+    x = tf.constant(X)
+    with pytest.raises(go.GradOverrideError) as caught:
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = layer(x)
+        tape.gradient(y, x)
+    text = str(caught.value)
+    assert "in a dict by name: {'x': ..., 'w': ...}; or declare what the rule owns " \
+        "(`owns='x'`, say)" in text, text
+    assert "'self'" not in text
+
+
+def test_an_override_rule_is_not_told_to_return_the_layer_or_training() -> None:
+    layer = _dense()
+    go.override_backward(layer, lambda grad, *, inputs, layer: grad @ tf.transpose(
+        layer.kernel))
+    with pytest.raises(go.GradOverrideError) as caught:
+        _kernel_grad(layer)
+    text = str(caught.value)
+    assert "{'inputs': ..., 'kernel': ..., 'bias': ...}" in text, text
+    assert "(`owns='inputs'`, say)" in text
+    assert "'self'" not in text and "'training'" not in text

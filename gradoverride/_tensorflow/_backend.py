@@ -127,12 +127,16 @@ class TensorFlowCall:
         *,
         rule: Callable[..., Any],
         variable_names: Callable[[dict[str, Any], Any], str | None] | None = None,
+        variable_frozen: Callable[[dict[str, Any], Any], bool] | None = None,
         variables_get_none: bool = False,
     ) -> None:
         self.op = op
         # `variable_names(named_values, variable)`: the name a rule gives a variable the
         # forward reads, or None for the default (its path or TensorFlow name).
         self.variable_names = variable_names
+        # `variable_frozen(named_values, variable)`: whether the variable belongs to a frozen
+        # Keras layer (`trainable=False`), whose gradient a rule may leave out.
+        self.variable_frozen = variable_frozen
         self.variables_get_none = variables_get_none
         self.sig = sig
         self.spec = spec
@@ -374,7 +378,7 @@ class TensorFlowCall:
         if variables and self.variables_get_none:
             var_grads = [None] * len(variables)
         elif variables:
-            result, var_grads = self._variable_gradients(result, variables, record.kwargs)
+            result, var_grads = self._variable_gradients(result, variables, record)
         flat_grads = flat_gradients(
             result,
             op=self.op,
@@ -415,9 +419,11 @@ class TensorFlowCall:
             raise
 
     def _variable_gradients(
-        self, result: Any, variables: Any, named: dict[str, Any]
+        self, result: Any, variables: Any, record: _Record
     ) -> tuple[Any, list[Any]]:
         """Split the gradients of variables the forward read from the rule's dict."""
+        named = record.kwargs
+        inputs = self._tensor_names(record)
         namer = self.variable_names
         names = [
             (namer(named, v) if namer is not None else None) or _variable_name(v)
@@ -438,10 +444,10 @@ class TensorFlowCall:
             msg = (
                 f"the forward of `{self.op}` reads the variables {listing}, so its backward "
                 f"must return their gradients too, in a dict by name: "
-                f"{{{', '.join(repr(p) + ': ...' for p in self._owned_names())}"
-                f"{', ' if self._owned_names() else ''}{example}}}; or declare what the rule "
-                f"owns (`owns={self.sig.names[0]!r}`, say): variables it does not name then "
-                "keep their TensorFlow gradient."
+                f"{{{', '.join(repr(p) + ': ...' for p in inputs)}"
+                f"{', ' if inputs else ''}{example}}}; or declare what the rule owns"
+                f"{f' (`owns={inputs[0]!r}`, say)' if inputs else ' with `owns=`'}: "
+                "variables it does not name then keep their TensorFlow gradient."
             )
             raise GradOverrideError(msg)
         rest = {k: v for k, v in result.items() if k in self.sig.index}
@@ -451,6 +457,11 @@ class TensorFlowCall:
         used: set[str] = set()
         for variable, name, own_keys in zip(variables, names, keys, strict=True):
             key = next((k for k in own_keys if k in given), None)
+            if key is None and self.variable_frozen is not None and self.variable_frozen(
+                named, variable
+            ):
+                var_grads.append(None)  # frozen: no one asks for its gradient
+                continue
             if key is None:
                 address = own_keys[0]
                 clash = (
@@ -476,7 +487,7 @@ class TensorFlowCall:
             )
         unknown = [k for k in given if k not in used]
         if unknown:
-            valid = ", ".join(f"`{n}`" for n in (*self._owned_names(), *names))
+            valid = ", ".join(f"`{n}`" for n in (*inputs, *names))
             msg = (
                 f"backward of `{self.op}` returned a gradient for `{unknown[0]}`, which is "
                 f"neither a parameter of `{self.op}` nor a variable its forward reads; the "
@@ -485,8 +496,17 @@ class TensorFlowCall:
             raise GradOverrideError(msg)
         return rest, var_grads
 
-    def _owned_names(self) -> list[str]:
-        return [n for n, o in zip(self.sig.names, self.spec.owned, strict=True) if o]
+    def _tensor_names(self, record: _Record) -> list[str]:
+        """The owned parameters that hold a floating-point tensor in this call: those a
+        rule's dict gives gradients for (not the layer, not `training=`)."""
+        ranges = slot_ranges(record.layout, len(self.sig.names))
+        return [
+            name
+            for name, owned, (start, stop, _) in zip(
+                self.sig.names, self.spec.owned, ranges, strict=True
+            )
+            if owned and any(record.meta[i] is not None for i in range(start, stop))
+        ]
 
 
 def _in_function(run: Callable[[], Any]) -> Any:

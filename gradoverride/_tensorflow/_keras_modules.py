@@ -42,7 +42,7 @@ from .._errors import GradOverrideError, GradOverrideTypeError, GradOverrideWarn
 from .._frameworks import autograph_artifact
 from ..diagnostics._recorder import describe_transform
 from ._backend import _Meta, check_gradient
-from ._layer import Layer, _relative_names, autocast_scope
+from ._layer import Layer, _relative_names, autocast_scope, frozen_in
 
 _KEYWORD_ONLY = inspect.Parameter.KEYWORD_ONLY
 _POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
@@ -267,6 +267,7 @@ def override_layer(
     op._tensorflow_variable_names = lambda named, variable: _relative_names(
         named[layer_param]
     ).get(id(variable))
+    op._tensorflow_variable_frozen = frozen_in(forward)
     override = _Override(
         op, f"override_backward({name} `{layer.name}`, {getattr(rule, '__name__', rule)})"
     )

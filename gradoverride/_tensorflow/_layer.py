@@ -118,6 +118,7 @@ class Layer(keras.layers.Layer):  # type: ignore[misc]  # Keras is untyped (Any)
         rule, variable_name = _rule_calling(where, call, backward)
         op.backward(rule)
         op._tensorflow_variable_names = variable_name
+        op._tensorflow_variable_frozen = frozen_in(call)
         cls._gradoverride_op = op
         cls._gradoverride_call = call
 
@@ -204,6 +205,23 @@ def _rule_calling(
         return _relative_names(named[layer_param]).get(id(variable))
 
     return rule, variable_name
+
+
+def frozen_in(call: Callable[..., Any]) -> Callable[[dict[str, Any], Any], bool]:
+    """For an op whose first parameter is a Keras layer: whether a variable its forward reads
+    is not among the layer's trainable variables (a frozen layer, `trainable=False`), whose
+    gradient a rule built from `self.trainable_variables` leaves out."""
+    layer_param = next(iter(inspect.signature(call).parameters))
+
+    def frozen(named: dict[str, Any], variable: Any) -> bool:
+        layer = named[layer_param]
+        trainable = {id(v) for v in layer.trainable_variables}
+        trainable |= {id(getattr(v, "_value", None)) for v in layer.trainable_variables}
+        return id(variable) not in trainable and any(
+            variable is v or variable is getattr(v, "_value", None) for v in layer.variables
+        )
+
+    return frozen
 
 
 def _relative_names(layer: Any) -> dict[int, str]:
