@@ -389,7 +389,7 @@ def test_an_override_without_a_proxy_gets_a_row_saying_so() -> None:
     report = gradient_report(model, F.mse_loss, regression_batch(),
                              proxies={"3": None})
     assert [r.label for r in report.rows] == [
-        "1: rounded", "2: lsq(bits=4, signed=True, grad_scale=None)",
+        "1: rounded", "2: lsq(bits=4, signed=True, grad_scale=None, window='open')",
         "3: binarize(clip=1.0, inclusive=True, keep='input')"]
     for row in report.rows:
         assert (row.cosine, row.norm_ratio, row.reference) == (None, None, "-")

@@ -270,7 +270,9 @@ def test_lsq_step_gradient_at_the_bounds_and_per_channel_step() -> None:
 def test_lsq_module_initialises_and_keeps_a_loaded_step() -> None:
     quantizer = R.lsq(bits=4).module()
     assert isinstance(quantizer, R.LearnedStepQuantizer)
-    assert repr(quantizer) == "LearnedStepQuantizer(lsq(bits=4, signed=True, grad_scale=None))"
+    assert repr(quantizer) == (
+        "LearnedStepQuantizer(lsq(bits=4, signed=True, grad_scale=None, window='open'))"
+    )
     x = torch.randn(64, 8)
     quantizer(x).sum().backward()
     torch.testing.assert_close(quantizer.step.detach(), 2 * x.abs().mean() / math.sqrt(7))
@@ -429,8 +431,9 @@ def test_vmap_of_grad_matches_the_loop(recipe: Any) -> None:
         (lambda: R.lsq(grad_scale=0.0), go.GradOverrideError,
          r"lsq: `grad_scale` must be a positive finite number; got float 0\.0\."),
         (lambda: R.lsq()(torch.ones(2), 0.5), go.GradOverrideTypeError,
-         r"lsq\(bits=8, signed=True, grad_scale=None\): `step` must be a tensor \(a learnable "
-         r"parameter\), got float 0\.5; use `lsq\(\.\.\.\)\.module\(\)` to hold it\."),
+         r"lsq\(bits=8, signed=True, grad_scale=None, window='open'\): `step` must be a "
+         r"tensor \(a learnable parameter\), got float 0\.5; use "
+         r"`lsq\(\.\.\.\)\.module\(\)` to hold it\."),
     ],
 )
 def test_mistakes_are_errors_that_name_the_fix(make: Any, error: type[Exception],
@@ -958,3 +961,61 @@ def test_the_hardtanh_preset_is_torch_hardtanh_at_every_value(dtype, bound) -> N
 
     torch.testing.assert_close(preset(x), torch_hardtanh(x), rtol=0, atol=0)
     torch.testing.assert_close(grad_of(preset), grad_of(torch_hardtanh), rtol=0, atol=0)
+
+
+# ---- lsq's window conventions -------------------------------------------------------------
+
+# v = x / s at the places the conventions differ: inside, on the ends, past them by less
+# than half a code (rounded back in), and by more.
+_V = [6.9, 7.0, 7.3, 7.5, 7.6, -8.0, -8.4, -8.6, 0.3, 2.5, 9.0, -11.0]
+
+
+def test_lsq_rounded_window_is_torch_ao_learnable_fake_quantize() -> None:
+    # torch.ao's LSQ (`_LearnableFakeQuantize`) runs this kernel; its grad_factor is the
+    # recipe's grad_scale.
+    x = torch.tensor(_V) * 0.5  # the kernel takes float32 only
+    up = torch.linspace(-1.0, 2.0, len(_V))
+    step = torch.tensor([0.5])
+    xt, st_ = x.clone().requires_grad_(), step.clone().requires_grad_()
+    want_y = torch._fake_quantize_learnable_per_tensor_affine(
+        xt, st_, torch.zeros(1), -8, 7, 0.25)
+    want = torch.autograd.grad(want_y, (xt, st_), up)
+    xr, sr = x.clone().requires_grad_(), step.clone().requires_grad_()
+    got_y = R.lsq(bits=4, window="rounded", grad_scale=0.25)(xr, sr)
+    got = torch.autograd.grad(got_y, (xr, sr), up)
+    torch.testing.assert_close(got_y, want_y)
+    torch.testing.assert_close(got[0], want[0])
+    torch.testing.assert_close(got[1], want[1])
+
+
+def test_lsq_closed_window_is_clamp_then_round_by_autograd() -> None:
+    x = torch.tensor(_V, dtype=torch.float64) * 0.5
+    up = torch.linspace(-1.0, 2.0, len(_V), dtype=torch.float64)
+    xr, sr = x.clone().requires_grad_(), torch.tensor(0.5, dtype=torch.float64,
+                                                     requires_grad=True)
+    v = torch.clamp(xr / sr, -8, 7)
+    want_y = (v + (torch.round(v) - v).detach()) * sr  # the common hand-written LSQ
+    want = torch.autograd.grad(want_y, (xr, sr), up)
+    xg, sg = x.clone().requires_grad_(), torch.tensor(0.5, dtype=torch.float64,
+                                                     requires_grad=True)
+    got = torch.autograd.grad(R.lsq(bits=4, window="closed", grad_scale=1.0)(xg, sg),
+                              (xg, sg), up)
+    torch.testing.assert_close(got[0], want[0])
+    torch.testing.assert_close(got[1], want[1])
+
+
+def test_lsq_rounded_window_agrees_with_quantize() -> None:
+    # The same unsigned 4-bit grid: codes 0..15, step 0.5 (quantize's bound (0, 7.5)).
+    x = torch.tensor([-0.3, -0.2, 0.1, 3.3, 7.6, 7.74, 7.76, 9.0], requires_grad=True)
+    up = torch.arange(1.0, 9.0)
+    lsq_grad = torch.autograd.grad(
+        R.lsq(bits=4, signed=False, window="rounded")(x, torch.tensor(0.5)), x, up)[0]
+    quantize_grad = torch.autograd.grad(
+        R.quantize(bits=4, symmetric=False, bound=(0.0, 7.5))(x), x, up)[0]
+    torch.testing.assert_close(lsq_grad, quantize_grad)
+
+
+def test_lsq_unknown_window_names_the_conventions() -> None:
+    with pytest.raises(go.GradOverrideError, match=r"lsq got window='torch'; expected one of "
+                       r"'open', 'closed', 'rounded'"):
+        R.lsq(window="torch")

@@ -218,7 +218,8 @@ def test_ste_clamp_bounds_of_the_other_framework_are_refused() -> None:
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize(
     ("recipe", "step_shape"),
-    [(lsq(), ()), (lsq(bits=3, grad_scale=0.5), (6, 1)), (lsq(bits=4, signed=False), (1, 8))],
+    [(lsq(), ()), (lsq(bits=3, grad_scale=0.5), (6, 1)), (lsq(bits=4, signed=False), (1, 8)),
+     (lsq(bits=3, window="rounded"), ()), (lsq(bits=3, window="closed"), (6, 1))],
     ids=repr,
 )
 def test_lsq_parity(recipe: lsq, step_shape: tuple[int, ...], mode: str) -> None:

@@ -539,8 +539,12 @@ def _lsq(recipe: lsq, x: Any, step: Any) -> Any:
             # v recomputed from x and step, which are what the gradient keeps (as in torch).
             v = quotient(x, step)
             dy = _dense(dy)
-            below = v <= -qn
-            above = v >= qp
+            if recipe.window == "rounded":  # the window conventions of torch's `lsq`
+                below, above = tf.round(v) < -qn, tf.round(v) > qp
+            elif recipe.window == "closed":
+                below, above = v < -qn, v > qp
+            else:
+                below, above = v <= -qn, v >= qp
             inside = ~(below | above)
             grad_x = _zero_where(~inside, dy)
             # Esser et al. (2020), eq. 3: round(v) - v inside, -Qn below, Qp above.

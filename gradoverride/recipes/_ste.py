@@ -950,6 +950,20 @@ class quantize(Recipe):
 # ---- LSQ -----------------------------------------------------------------------------------
 
 
+_LSQ_WINDOWS = ("open", "closed", "rounded")
+
+
+def _lsq_outside(v: Tensor, window: str, low: int, high: int) -> tuple[Tensor, Tensor]:
+    """Where v = x / s counts as below and above the code range, in `window`'s convention
+    (see `lsq`)."""
+    if window == "rounded":
+        code = torch.round(v)
+        return code < low, code > high
+    if window == "closed":
+        return v < low, v > high
+    return v <= low, v >= high
+
+
 @custom_backward
 def _lsq(x: Tensor, step: Tensor, recipe: lsq) -> Tensor:
     qn, qp = recipe.code_range
@@ -960,8 +974,7 @@ def _lsq(x: Tensor, step: Tensor, recipe: lsq) -> Tensor:
 def _(grad: Tensor, *, x: Tensor, step: Tensor, recipe: lsq) -> Any:
     qn, qp = recipe.code_range
     v = x / step
-    below = v <= -qn
-    above = v >= qp
+    below, above = _lsq_outside(v, recipe.window, -qn, qp)
     inside = ~(below | above)
     grad_x = torch.where(inside, grad, 0)
     # Esser et al. (2020), eq. 3: d(v_hat)/ds = round(v/s) - v/s inside, -Qn below, Qp above.
@@ -986,6 +999,20 @@ class lsq(Recipe):
     for activations, where N is the number of features). A `step` with a broadcastable
     shape (per channel) gets its gradient summed to its shape.
 
+    `window` says where v counts as inside the code range, the one place public LSQ code
+    differs (the forward is the same in all three):
+
+    * `"open"` (default), the paper's eq. 3: -Qn < v < Qp; at v = Qp exactly the step gets
+      Qp and x nothing.
+    * `"closed"`: -Qn <= v <= Qp, what `round_pass(clamp(x / s, -Qn, Qp)) * s` gives by
+      autograd (the common hand-written LSQ, as in the authors' later code and most ports).
+    * `"rounded"`: -Qn <= round(v) <= Qp (halves to even), torch.ao's
+      `_LearnableFakeQuantize` (`torch._fake_quantize_learnable_per_tensor_affine`) and
+      `recipes.quantize`'s convention: at v = 7.3 with Qp = 7, x gets its gradient and the
+      step round(v) - v. Port a torch.ao LSQ model with `window="rounded"` and
+      `grad_scale=1.0` (torch's `use_grad_scaling=False`; with it, torch's factor is this
+      recipe's default 1/sqrt(N * Qp)).
+
     `lsq(bits).module()` is an `nn.Module` holding `step` as a parameter, initialised from
     the first input as 2 * mean(|x|) / sqrt(Qp) (the paper's initialisation; floored at the
     dtype's smallest normal number, so an all-zero first input does not give step 0).
@@ -994,10 +1021,18 @@ class lsq(Recipe):
     bits: int = 8
     signed: bool = True
     grad_scale: float | None = None
+    window: str = "open"
     code_range: tuple[int, int] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         bits = _check_int("lsq", "bits", self.bits, 2 if self.signed else 1, 16)
+        if self.window not in _LSQ_WINDOWS:
+            msg = (
+                f"lsq got window={self.window!r}; expected one of "
+                f"{', '.join(repr(w) for w in _LSQ_WINDOWS)}: 'open' (the paper), 'closed' "
+                "(clamp then round by autograd), 'rounded' (torch.ao's fake quantize)."
+            )
+            raise GradOverrideError(msg)
         if self.grad_scale is not None:
             positive_number("lsq", "grad_scale", self.grad_scale)
         if self.signed:
