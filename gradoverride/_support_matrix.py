@@ -1,8 +1,10 @@
 """The support matrix: every op kind under every context, supported or refused with a reason.
 
-This table is the one source of truth: `tests/test_support_matrix.py` runs one test per cell
-(a supported cell must give eager mode's gradients; a refused cell must raise the error named
-here), and `docs/support-matrix.md` is generated from it (`python -m
+Two tables, torch's (`KINDS` x `CONTEXTS`) and TensorFlow's (`TF_KINDS` x `TF_CONTEXTS`),
+are the one source of truth: `tests/test_support_matrix.py` and
+`tests/test_support_matrix_tensorflow.py` run one test per cell (a supported cell must give
+the expected gradients; a refused cell must raise the error named here; a warning cell must
+warn), and `docs/support-matrix.md` is generated from them (`python -m
 gradoverride._support_matrix docs/support-matrix.md`; a test fails when the page is stale).
 """
 
@@ -11,7 +13,21 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 
-__all__ = ["CONTEXTS", "KINDS", "NOTES", "REFUSED", "Refusal", "markdown"]
+__all__ = [
+    "CONTEXTS",
+    "KINDS",
+    "NOTES",
+    "REFUSED",
+    "TF_CONTEXTS",
+    "TF_DEFECTS",
+    "TF_KINDS",
+    "TF_NOTES",
+    "TF_NOT_APPLICABLE",
+    "TF_REFUSED",
+    "TF_WARNS",
+    "Refusal",
+    "markdown",
+]
 
 #: Op kinds: (key, what it is). Each has a case in the test suite.
 KINDS: tuple[tuple[str, str], ...] = (
@@ -83,10 +99,11 @@ CONTEXTS: tuple[tuple[str, str], ...] = (
 
 @dataclass(frozen=True)
 class Refusal:
-    """A cell that raises instead of computing: what it raises and why."""
+    """A cell that raises instead of computing (or, in `TF_WARNS`, that warns): what it
+    raises and why."""
 
     reason: str
-    error: str = "GradOverrideError"  # the exception class name the cell raises
+    error: str = "GradOverrideError"  # the exception (or warning) class name the cell raises
     match: str = ""  # a regular expression its message matches
 
 
@@ -216,6 +233,177 @@ NOTES: dict[tuple[str, str], str] = {
 }
 
 
+# ---- TensorFlow and Keras ----------------------------------------------------------------
+#
+# The same contract on TensorFlow: `tests/test_support_matrix_tensorflow.py` runs one test
+# per cell. Each op kind is called from a Keras layer (an op on `x * scale`, with `scale` a
+# variable), so that every context, `model.fit` included, differentiates the same thing.
+
+#: TensorFlow op kinds: (key, what it is). Each has a case in the test suite.
+TF_KINDS: tuple[tuple[str, str], ...] = (
+    ("custom_backward", "`@go.custom_backward` on TensorFlow tensors, the rule owning every "
+     "input"),
+    ("custom_backward owns=", "a rule owning `x`; a Keras variable passed as the other "
+     "argument keeps TensorFlow's gradient"),
+    ("straight_through", "`go.straight_through(tf.sign)`: the identity backward"),
+    ("recipe: surrogate spike", "`recipes.spike('arctan')`: a step forward, the surrogate's "
+     "derivative backward"),
+    ("recipe: gradient flow", "`recipes.reverse_grad(scale=0.5)`"),
+    ("gradoverride.keras.Layer", "a Keras layer whose `backward` gives its input's and its "
+     "variable's gradients"),
+    ("override_backward", "a rule given to an existing `keras.layers.Dense`"),
+    ("grad_hook inputs", "a transform at a `Dense`'s inputs"),
+    ("grad_hook outputs", "a transform at a `Dense`'s outputs"),
+    ("grad_hook variables", "a transform (`recipes.clip_grad_value`) at a `Dense`'s variables"),
+    ("bridge", "`go.bridge` around numpy code on TensorFlow tensors, with `outputs=` giving "
+     "the output's shape"),
+)
+
+#: TensorFlow contexts: (key, how the cell runs the op).
+TF_CONTEXTS: tuple[tuple[str, str], ...] = (
+    ("eager", "forward and backward eagerly, checked against gradients worked out by hand"),
+    ("tf.function", "the gradient step traced by `tf.function`"),
+    ("XLA", "the gradient step compiled by `tf.function(jit_compile=True)`"),
+    ("model.fit", "the layer in a `keras.Sequential`, one SGD step of `model.fit` "
+     "(`jit_compile=False`): the updated variables"),
+    ("vectorized_map", "`tf.vectorized_map` of the layer over the batch's rows, the gradient "
+     "with respect to the batched input"),
+    ("while loop", "the layer called in a `tf.range` loop under `tf.function` (a "
+     "`tf.while_loop`), differentiated"),
+    ("mixed precision", "the layer built and run eagerly under `keras.mixed_precision."
+     "set_global_policy('mixed_float16')`: float16 compute (an op gets float16 tensors), "
+     "float32 variables"),
+    ("strategy", "`tf.distribute.MirroredStrategy` over two logical CPUs: each replica's "
+     "gradient of its half of the batch, summed"),
+    ("installed after tracing", "an override or hook installed on a layer that a "
+     "`tf.function` already ran with something installed"),
+    ("clone/deepcopy", "`copy.deepcopy` of a Keras model holding the layer, and a `.keras` "
+     "file saved and loaded (Keras copies by saving and loading); "
+     "`gradoverride.keras.copy_overrides(model, copy)` for what was installed on a layer"),
+    ("sparse gradients", "an `IndexedSlices` gradient reaching the layer (its output gathered "
+     "with `tf.gather`); for `grad_hook variables`, an `Embedding`'s gradient"),
+)
+
+#: Kinds whose override is installed on an existing layer (`override_backward`, `grad_hook`).
+_TF_INSTALLED = ("override_backward", "grad_hook inputs", "grad_hook outputs",
+                 "grad_hook variables")
+_TF_OPS = ("custom_backward", "custom_backward owns=", "straight_through",
+           "recipe: surrogate spike", "recipe: gradient flow", "bridge")
+
+_VECTORIZED_MAP = Refusal(
+    "`tf.vectorized_map` rewrites each op of its function into a batched op and drops custom "
+    "gradients on the way, so the override would be replaced by the derivative of the "
+    "forward's own ops; the call raises instead. Call the op or layer on the whole batch "
+    "(it takes batched tensors), or use `tf.map_fn`.",
+    match=r"is called inside `tf.vectorized_map`.*on the whole batch",
+)
+_BRIDGE_XLA = Refusal(
+    "XLA compiles TensorFlow ops only and cannot call into numpy; the message says to run "
+    "the step eagerly or in a `tf.function` without `jit_compile=True` (in Keras, "
+    "`model.compile(..., jit_compile=False)`).",
+    match=r"go\.bridge, which runs numpy code, so it cannot be compiled by XLA",
+)
+
+#: The refused TensorFlow cells, by (kind, context).
+TF_REFUSED: dict[tuple[str, str], Refusal] = {
+    **{
+        (kind, "vectorized_map"): _VECTORIZED_MAP
+        for kind in ("custom_backward", "custom_backward owns=", "straight_through",
+                     "recipe: surrogate spike", "recipe: gradient flow",
+                     "gradoverride.keras.Layer", "override_backward", "grad_hook inputs",
+                     "grad_hook outputs", "grad_hook variables")
+    },
+    ("bridge", "XLA"): _BRIDGE_XLA,
+}
+
+_AFTER_TRACING = Refusal(
+    "A traced function keeps running the layer as it was when traced, so installing (or "
+    "removing) an override or hook on a layer a `tf.function` (`model.fit`'s step) already "
+    "traced warns, saying to install before the first traced call or to make the function "
+    "again (`model.compile(...)` before the next `fit`). Not detected: a layer first traced "
+    "with nothing installed on it; installing then gives no warning, and the traced function "
+    "runs the layer without the override.",
+    error="GradOverrideWarning",
+    match=r"was installed after the Dense `\w+` was traced into a `tf.function`",
+)
+_PER_REPLICA = Refusal(
+    "A hook runs on each replica's share of the gradient before the strategy sums the "
+    "shares. A linear transform (a scale, `reverse_grad`) gives the one-device gradient; a "
+    "nonlinear one (a clip) warns that it bounds each share, and the cell checks the sum of "
+    "the clipped shares. To clip the summed gradient, give the optimizer `clipvalue=` or "
+    "`clipnorm=`.",
+    error="GradOverrideWarning",
+    match=r"runs on each replica's share of the gradient, before MirroredStrategy sums the 2 "
+    r"shares",
+)
+
+#: TensorFlow cells that work and warn (a `GradOverrideWarning`), by (kind, context).
+TF_WARNS: dict[tuple[str, str], Refusal] = {
+    **{(kind, "installed after tracing"): _AFTER_TRACING for kind in _TF_INSTALLED},
+    ("grad_hook variables", "strategy"): _PER_REPLICA,
+}
+
+#: TensorFlow cells that do not apply, with the reason.
+TF_NOT_APPLICABLE: dict[tuple[str, str], str] = {
+    **{
+        (kind, "installed after tracing"): "an op is code the layer's `call` runs, not "
+        "something installed on a layer: a traced function runs the code it traced."
+        for kind in _TF_OPS
+    },
+    ("gradoverride.keras.Layer", "installed after tracing"): (
+        "its backward is part of its class: nothing is installed on the instance."
+    ),
+}
+
+#: TensorFlow cells that give a wrong gradient without an error today (known defects,
+#: marked as expected failures in the tests until fixed), by (kind, context): none now.
+TF_DEFECTS: dict[tuple[str, str], str] = {}
+
+#: Supported TensorFlow cells with something to know, by (kind, context).
+TF_NOTES: dict[tuple[str, str], str] = {
+    **{
+        (kind, "clone/deepcopy"): (
+            "The copy has no override or hook until `gradoverride.keras.copy_overrides("
+            "model, copy)`: Keras copies a layer's config and weights, not what was "
+            "installed on the instance (`go.overrides(copy)` lists nothing)."
+        )
+        for kind in _TF_INSTALLED
+    },
+    **{
+        (kind, "clone/deepcopy"): (
+            "The op is code in the layer's `call`, so the copy runs it (the layer class is "
+            "registered with Keras, as a loaded `.keras` file needs)."
+        )
+        for kind in _TF_OPS
+    },
+    ("gradoverride.keras.Layer", "clone/deepcopy"): (
+        "The backward is the class's: the copy has it (the class is registered with Keras)."
+    ),
+    ("bridge", "model.fit"): (
+        "With `outputs=` giving the output's shape: Keras infers a functional model's "
+        "shapes before numpy can run (without it, a `GradOverrideError` says to pass it)."
+    ),
+    ("bridge", "while loop"): (
+        "With `outputs=` giving the output's shape: without it the bridge's output has an "
+        "unknown shape in the graph, which TensorFlow refuses for a loop variable."
+    ),
+    ("bridge", "vectorized_map"): "The numpy function runs once per example.",
+    ("grad_hook variables", "model.fit"): (
+        "The transform gets the gradient of the loss Keras differentiates (the batch mean), "
+        "so a clip bounds what the optimizer gets."
+    ),
+    ("grad_hook variables", "sparse gradients"): (
+        "The `Embedding`'s `IndexedSlices` gradient is made dense before the transform: a "
+        "row looked up twice has its summed gradient clipped once."
+    ),
+    ("override_backward", "mixed precision"): (
+        "The rule gets float16 gradients and inputs; `layer.kernel` read in the rule is "
+        "float16 too (Keras' autocast), and the returned float16 gradients are cast to the "
+        "float32 variables."
+    ),
+}
+
+
 def _cell(kind: str, context: str) -> str:
     refusal = REFUSED.get((kind, context))
     if refusal is not None:
@@ -278,8 +466,70 @@ def markdown() -> str:
         "inference; train with eager mode or `torch.compile`. (ONNX export goes through "
         "`torch.export` and needs the `onnx` package, which the tests do not install.)",
         "",
+        *_tensorflow_markdown(),
     ]
     return "\n".join(lines)
+
+
+def _tf_cell(kind: str, context: str) -> str:
+    cell = (kind, context)
+    if cell in TF_REFUSED:
+        return "refused"
+    if cell in TF_NOT_APPLICABLE:
+        return "n/a"
+    if cell in TF_DEFECTS:
+        return "**wrong** †"
+    if cell in TF_WARNS:
+        return "warns"
+    return "yes *" if cell in TF_NOTES else "yes"
+
+
+def _tensorflow_markdown() -> list[str]:
+    """The TensorFlow and Keras section of the page."""
+    contexts = [key for key, _ in TF_CONTEXTS]
+    lines = [
+        "## TensorFlow and Keras",
+        "",
+        "Every TensorFlow op kind under every TensorFlow context. An op (a `custom_backward`, "
+        "a recipe, a bridge) runs inside a small Keras layer, on `x * scale` with `scale` a "
+        "variable, so that every context, `model.fit` included, differentiates the same "
+        "thing; a layer kind is that layer. **yes**: supported, and tested to give the gradients "
+        "worked out by hand. **refused**: the call raises the error given below. **warns**: "
+        "it works and gives a `GradOverrideWarning`, for the reason below. **n/a**: the "
+        "context does not apply to the kind. **wrong** †: a known defect, a wrong gradient "
+        "without an error (see below). The test suite runs one test per cell "
+        "(`tests/test_support_matrix_tensorflow.py`).",
+        "",
+        "| op kind | " + " | ".join(contexts) + " |",
+        "| --- | " + " | ".join("---" for _ in contexts) + " |",
+    ]
+    for kind, _ in TF_KINDS:
+        cells = [_tf_cell(kind, context) for context in contexts]
+        lines.append(f"| {kind} | " + " | ".join(cells) + " |")
+    lines += ["", "### Op kinds (TensorFlow)", ""]
+    lines += [f"- **{kind}**: {text}." for kind, text in TF_KINDS]
+    lines += ["", "### Contexts (TensorFlow)", ""]
+    lines += [f"- **{key}**: {text}." for key, text in TF_CONTEXTS]
+    for title, table in (("Refused cells (TensorFlow)", TF_REFUSED),
+                         ("Cells that warn (TensorFlow)", TF_WARNS)):
+        lines += ["", f"### {title}", ""]
+        seen: dict[Refusal, list[str]] = {}
+        for (kind, context), refusal in table.items():
+            seen.setdefault(refusal, []).append(f"{kind} in {context}")
+        lines += [f"- {'; '.join(cells)}: `{refusal.error}`. {refusal.reason}"
+                  for refusal, cells in seen.items()]
+    for title, texts in (("Known defects (†)", TF_DEFECTS),
+                         ("Not applicable (TensorFlow)", TF_NOT_APPLICABLE),
+                         ("Notes (TensorFlow, *)", TF_NOTES)):
+        if not texts:
+            continue
+        lines += ["", f"### {title}", ""]
+        grouped: dict[str, list[str]] = {}
+        for (kind, context), text in texts.items():
+            grouped.setdefault(text, []).append(f"{kind} in {context}")
+        lines += [f"- {'; '.join(cells)}: {text}" for text, cells in grouped.items()]
+    lines.append("")
+    return lines
 
 
 if __name__ == "__main__":  # pragma: no cover - the docs page's generator

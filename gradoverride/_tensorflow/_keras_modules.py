@@ -43,6 +43,7 @@ from .._frameworks import autograph_artifact
 from ..diagnostics._recorder import describe_transform
 from ._backend import _Meta, check_gradient
 from ._layer import Layer, _relative_names, autocast_scope, frozen_in
+from ._tracing import refuse_vectorized_map
 
 _KEYWORD_ONLY = inspect.Parameter.KEYWORD_ONLY
 _POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
@@ -81,6 +82,7 @@ class LayerCall:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not tf.executing_eagerly() and not _keras_scratch():
+            refuse_vectorized_map(f"{_layer_name(self.layer)} (with an override or hook)")
             _TRACED.add(self.layer)
         # A snapshot: a hook removed while this call runs does not shift the others.
         return self._through(tuple(self.hooks), args, kwargs)
