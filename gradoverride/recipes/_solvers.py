@@ -25,6 +25,7 @@ that says so.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -286,12 +287,16 @@ class blackbox_solver(_SolverRecipe):
 # ---- Berthet et al. -------------------------------------------------------------------------
 
 _NOISES = ("normal", "gumbel")
+_JACOBIANS = ("full", "diagonal")
+_LAYOUTS = ("samples_first", "batch_first")
 
 
 @custom_backward(residuals=("solutions", "score"))
-def _perturbed(theta: Tensor, recipe: perturbed_optimizer) -> Any:
-    noise, score = recipe._noise(theta)
+def _perturbed(theta: Tensor, recipe: perturbed_optimizer, given: Tensor | None) -> Any:
+    noise, score = recipe._noise(theta) if given is None else recipe._score(theta, given)
     solutions = recipe._solve(theta.detach().unsqueeze(0) + recipe.sigma * noise)
+    if recipe.jacobian == "diagonal":
+        recipe._check_diagonal(theta, solutions)
     return solutions.mean(0), {"solutions": solutions, "score": score}
 
 
@@ -299,15 +304,29 @@ def _perturbed(theta: Tensor, recipe: perturbed_optimizer) -> Any:
 def _(
     grad: Tensor, *, theta: Tensor, recipe: perturbed_optimizer, solutions: Tensor,
     score: Tensor,
-) -> Tensor:
-    # (samples, *batch): <y(theta + sigma Z_n), g> per sample and instance.
+) -> Any:
     batch_dims = theta.ndim - recipe.instance_dims
+    if recipe.jacobian == "diagonal":
+        # Solutions (samples, *batch, *lead, *instance) seen as (n, b, k, d), and the same
+        # einsums, in the same order, as Differentiable Patch Selection's reference, so that
+        # the gradients round as its do (bit for bit on CPU).
+        samples = solutions.shape[0]
+        cut = 1 + batch_dims
+        b = math.prod(solutions.shape[1:cut])
+        d = math.prod(score.shape[cut:])
+        k = math.prod(solutions.shape[cut:solutions.ndim - recipe.instance_dims])
+        expected = torch.einsum(
+            "nbkd,nbd->bkd", solutions.reshape(samples, b, k, d), score.reshape(samples, b, d)
+        ) / samples / recipe.sigma
+        diagonal = torch.einsum("bkd,bkd->bd", grad.reshape(b, k, d), expected)
+        return diagonal.reshape(theta.shape), None, None
+    # (samples, *batch): <y(theta + sigma Z_n), g> per sample and instance.
     out_dims = tuple(range(1 + batch_dims, solutions.ndim))
     projection = solutions * grad.unsqueeze(0)
     if out_dims:  # (`sum(dim=())` would sum everything)
         projection = projection.sum(dim=out_dims)
     projection = projection.reshape(*projection.shape, *([1] * recipe.instance_dims))
-    return (projection * score).mean(0) / recipe.sigma
+    return (projection * score).mean(0) / recipe.sigma, None, None
 
 
 @dataclass(frozen=True, repr=False)
@@ -337,6 +356,28 @@ class perturbed_optimizer(_SolverRecipe):
     ``samples=1000``, normal noise. The solver's output may have any shape per instance (a
     solution, or the optimal value).
 
+    ``jacobian="diagonal"`` keeps only the diagonal of that estimate, as the perturbed top-k
+    of Differentiable Patch Selection (Cordonnier et al., CVPR 2021) does: each input entry
+    ``e`` gets only the terms of the solution entries at the same place,
+
+    ```text
+    grad_theta[e] = sum_k mean_m  y_m[k, e] * g[k, e] * grad_nu(Z_m)[e] / sigma
+    ```
+
+    It needs each solution to end in the instance's shape, ``(*lead, *instance)``, its
+    trailing axes aligned with the input's; any leading solution axes (top-k's ``k`` one-hot
+    rows, shape ``(k, d)`` for scores of shape ``(d,)``) are summed. A solver whose output
+    does not end in the instance's shape is refused, at the forward call.
+
+    Given noise: ``recipe(theta, noise=Z)`` perturbs with the draws ``Z`` instead of drawing
+    them: standard normal (or standard Gumbel, for ``noise="gumbel"``) values, not multiplied
+    by `sigma`, in the input's dtype and on its device. The number of samples is then ``Z``'s,
+    and the recipe must have no `seed` or `generator`. ``noise_layout`` says where ``Z``
+    holds its samples: ``"samples_first"`` (default), shape ``(samples, *batch, *instance)``,
+    the recipe's own; or ``"batch_first"``, shape ``(*batch, samples, *instance)``, the layout
+    of Differentiable Patch Selection's reference (``(b, n, d)``). For one unbatched instance
+    the two agree. Given noise is a constant: it gets no gradient.
+
     ```python
     import torch
     import torch.nn.functional as F
@@ -365,6 +406,11 @@ class perturbed_optimizer(_SolverRecipe):
         batched: the solver takes a stack of instances (first axis) and returns a stack; it
             then gets all ``samples * batch`` perturbed instances in one call.
         numpy: call the solver with numpy arrays instead of tensors.
+        jacobian: ``"full"`` (default), the estimate above (Berthet et al.); or
+            ``"diagonal"``, its diagonal (Differentiable Patch Selection's perturbed top-k).
+
+    Call: ``recipe(theta)``, or ``recipe(theta, noise=Z, noise_layout="samples_first")``
+    with given draws (see above).
 
     Returns (when called): the mean solution, shape ``(*batch, *solution)``, in the input's
     dtype and device. It keeps ``samples`` solutions and noise gradients for backward.
@@ -379,10 +425,18 @@ class perturbed_optimizer(_SolverRecipe):
     instance_dims: int = 1
     batched: bool = False
     numpy: bool = False
+    jacobian: Literal["full", "diagonal"] = "full"
 
     def __post_init__(self) -> None:
         self._check_common()
         _eager(_perturbed, "perturbed_optimizer")
+        if self.jacobian not in _JACOBIANS:
+            msg = (
+                f"perturbed_optimizer got jacobian={self.jacobian!r}; pass 'full' (the whole "
+                "Monte-Carlo estimate of Berthet et al.) or 'diagonal' (only its diagonal, as "
+                "Differentiable Patch Selection's perturbed top-k)."
+            )
+            raise GradOverrideError(msg)
         if not (isinstance(self.sigma, int | float) and self.sigma > 0):
             msg = f"perturbed_optimizer needs `sigma` to be a number > 0, got {self.sigma!r}."
             raise GradOverrideError(msg)
@@ -433,17 +487,130 @@ class perturbed_optimizer(_SolverRecipe):
             score.to(device=theta.device, dtype=theta.dtype),
         )
 
-    def __call__(self, theta: Tensor, /) -> Tensor:
+    def _score(self, theta: Tensor, noise: Tensor) -> tuple[Tensor, Tensor]:
+        """Given draws ``Z`` (samples first, in `theta`'s dtype and device) and
+        ``grad_nu(Z)``, computed as for drawn noise: in float64 for a float64 input, else
+        float32."""
+        if self.noise == "normal":
+            return noise, noise
+        kind = torch.float64 if theta.dtype == torch.float64 else torch.float32
+        score = -torch.expm1(-noise.to(kind))  # 1 - exp(-Z)
+        return noise, score.to(theta.dtype)
+
+    def _check_diagonal(self, theta: Tensor, solutions: Tensor) -> None:
+        """Refuse solutions that do not end in the instance's shape (jacobian="diagonal")."""
+        batch, instance = self._split(theta)
+        solution = tuple(solutions.shape[1 + len(batch):])
+        if len(solution) < len(instance) or solution[len(solution) - len(instance):] != instance:
+            msg = (
+                f"{self!r}: jacobian='diagonal' pairs each input entry with the solution "
+                f"entries at the same place, so each solution must end in the instance's "
+                f"shape {instance} (any leading axes, such as top-k's k, are summed); the "
+                f"solver `{self._solver_repr()}` returned solutions of shape {solution} for "
+                f"instances of shape {instance}. Return solutions shaped (..., "
+                f"{', '.join(map(str, instance))}) (top-k as k one-hot rows), or use "
+                "jacobian='full'."
+            )
+            raise GradOverrideError(msg)
+
+    def _given(self, theta: Tensor, noise: object, layout: object) -> Tensor:
+        """The draws given at the call, checked, samples first and detached."""
+        if self.seed is not None or self.generator is not None:
+            what = "seed=" if self.seed is not None else "generator="
+            msg = (
+                f"{self!r} got `noise=` but draws its own noise (`{what}`); pass one: make "
+                "the recipe without `seed` and `generator` to give the draws at the call, "
+                "or drop `noise=` to draw them."
+            )
+            raise GradOverrideError(msg)
+        if layout not in _LAYOUTS:
+            msg = (
+                f"{self!r} got noise_layout={layout!r}; pass 'samples_first' (noise shaped "
+                "(samples, *batch, *instance)) or 'batch_first' ((*batch, samples, "
+                "*instance), as Differentiable Patch Selection's reference)."
+            )
+            raise GradOverrideError(msg)
+        if not isinstance(noise, Tensor) or not noise.is_floating_point():
+            got = f"a {noise.dtype} tensor" if isinstance(noise, Tensor) else (
+                f"{type(noise).__name__} {noise!r}"
+            )
+            msg = (
+                f"{self!r}: `noise` must be a floating-point tensor of {self.noise} draws "
+                f"(not multiplied by sigma); got {got}."
+            )
+            raise GradOverrideTypeError(msg)
+        batch, instance = self._split(theta)
+        if layout == "samples_first":
+            pattern, expected = "(samples, *batch, *instance)", ("samples", *batch, *instance)
+            fits = noise.ndim == theta.ndim + 1 and tuple(noise.shape[1:]) == theta.shape
+            other = noise.ndim == theta.ndim + 1 and (
+                tuple(noise.shape[: len(batch)]) == batch
+                and tuple(noise.shape[len(batch) + 1:]) == instance
+            )
+        else:
+            pattern, expected = "(*batch, samples, *instance)", (*batch, "samples", *instance)
+            fits = noise.ndim == theta.ndim + 1 and (
+                tuple(noise.shape[: len(batch)]) == batch
+                and tuple(noise.shape[len(batch) + 1:]) == instance
+            )
+            other = noise.ndim == theta.ndim + 1 and tuple(noise.shape[1:]) == theta.shape
+        if not fits:
+            hint = (
+                f" It fits the other layout: pass noise_layout="
+                f"{'batch_first' if layout == 'samples_first' else 'samples_first'!r}."
+                if other else ""
+            )
+            shape = "(" + ", ".join(map(str, expected)) + ")"
+            msg = (
+                f"{self!r}: with noise_layout={layout!r}, `noise` must be shaped {pattern} = "
+                f"{shape} for an input of shape {tuple(theta.shape)} (instance_dims="
+                f"{self.instance_dims}); got {tuple(noise.shape)}.{hint}"
+            )
+            raise GradOverrideError(msg)
+        if noise.dtype != theta.dtype or noise.device != theta.device:
+            msg = (
+                f"{self!r}: `noise` must have the input's dtype and device, {theta.dtype} on "
+                f"{theta.device}; got {noise.dtype} on {noise.device}. Convert it with "
+                "`noise.to(theta)`."
+            )
+            raise GradOverrideError(msg)
+        samples_axis = 0 if layout == "samples_first" else len(batch)
+        if noise.shape[samples_axis] == 0:
+            msg = (
+                f"{self!r} got `noise` with no samples (shape {tuple(noise.shape)}); give at "
+                "least one draw."
+            )
+            raise GradOverrideError(msg)
+        return noise.detach().movedim(samples_axis, 0)
+
+    def __call__(
+        self,
+        theta: Tensor,
+        /,
+        *,
+        noise: Tensor | None = None,
+        noise_layout: Literal["samples_first", "batch_first"] = "samples_first",
+    ) -> Tensor:
         if not isinstance(theta, Tensor) and is_tensorflow(theta):
-            return tensorflow_call(self, theta)
-        return _EAGER["perturbed_optimizer"](theta, self)
+            return tensorflow_call(self, theta, noise=noise, noise_layout=noise_layout)
+        given: Tensor | None = None
+        if noise is not None:
+            given = self._given(theta, noise, noise_layout)
+        elif noise_layout != "samples_first":
+            msg = (
+                f"{self!r} got noise_layout={noise_layout!r} without `noise=`; the layout "
+                "describes given draws: pass them as `noise=`, or drop `noise_layout`."
+            )
+            raise GradOverrideError(msg)
+        return _EAGER["perturbed_optimizer"](theta, self, given)
 
     def __repr__(self) -> str:
         generator = "" if self.generator is None else ", generator=<torch.Generator>"
+        jacobian = "" if self.jacobian == "full" else f", jacobian={self.jacobian!r}"
         return (
             f"perturbed_optimizer({self._solver_repr()}, sigma={self.sigma!r}, "
             f"samples={self.samples!r}, noise={self.noise!r}, seed={self.seed!r}"
             f"{generator}, instance_dims={self.instance_dims!r}, batched={self.batched!r}, "
-            f"numpy={self.numpy!r})"
+            f"numpy={self.numpy!r}{jacobian})"
         )
 
