@@ -337,10 +337,21 @@ _PER_REPLICA = Refusal(
     r"shares",
 )
 
+_PER_CALL = Refusal(
+    "A hook at the variables applies to the gradient of each call of the layer (TensorFlow "
+    "has no hook on a variable's total gradient): in a loop each pass's share is "
+    "transformed. A linear transform gives the total's; a clip (this cell's) warns that it "
+    "bounds each share, and the cell checks the sum of the clipped shares. To clip the total, "
+    "give the optimizer `clipnorm=` or `clipvalue=`.",
+    error="GradOverrideWarning",
+    match=r"to the gradient of each call of the Dense `\w+`, which runs in a loop",
+)
+
 #: TensorFlow cells that work and warn (a `GradOverrideWarning`), by (kind, context).
 TF_WARNS: dict[tuple[str, str], Refusal] = {
     **{(kind, "installed after tracing"): _AFTER_TRACING for kind in _TF_INSTALLED},
     ("grad_hook variables", "strategy"): _PER_REPLICA,
+    ("grad_hook variables", "while loop"): _PER_CALL,
 }
 
 #: TensorFlow cells that do not apply, with the reason.

@@ -498,3 +498,125 @@ def test_an_override_rule_is_not_told_to_return_the_layer_or_training() -> None:
     assert "{'inputs': ..., 'kernel': ..., 'bias': ...}" in text, text
     assert "(`owns='inputs'`, say)" in text
     assert "'self'" not in text and "'training'" not in text
+
+
+# ---- found by a hostile review -----------------------------------------------------------
+
+
+def test_a_keras_variable_passed_as_an_argument_to_a_hooked_layer() -> None:
+    class Scale(keras.layers.Layer):
+        def call(self, x: Any, w: Any) -> Any:
+            return x * w
+
+    layer = Scale()
+    w = keras.Variable([[2.0, 4.0]])
+    x = tf.constant([[3.0, 2.0]])
+    for at in ("inputs", "variables"):
+        with go.grad_hook(layer, lambda g: 2 * g, at=at):
+            with tf.GradientTape() as tape:
+                tape.watch(x)
+                y = tf.reduce_sum(layer(x, w))
+            gx = tape.gradient(y, x)
+        want = [[4.0, 8.0]] if at == "inputs" else [[2.0, 4.0]]  # the variable is read
+        np.testing.assert_allclose(gx.numpy(), want)
+
+
+def test_jacobian_through_a_recipe_hooked_at_the_variables() -> None:
+    layer = _dense()
+    x = tf.constant(X)
+    with go.grad_hook(layer, recipes.scale_grad(3.0), at="variables"):
+        with tf.GradientTape() as tape:
+            y = layer(x)
+        jacobian = tape.jacobian(y, layer.kernel)
+    # y[b, j] = sum_i x[b, i] k[i, j] + c[j]: d y[b, j] / d k[i, j] = x[b, i], times 3.
+    want = np.zeros((2, 2, 3, 2), np.float32)
+    for b in range(2):
+        for j in range(2):
+            want[b, j, :, j] = 3 * X[b]
+    np.testing.assert_allclose(jacobian.numpy(), want, rtol=1e-6)
+
+
+def test_a_variables_hook_on_a_layer_returning_none_beside_a_tensor() -> None:
+    class WithAux(keras.layers.Layer):
+        def build(self, input_shape: Any) -> None:
+            self.w = self.add_weight(shape=(input_shape[-1],), initializer="ones")
+
+        def call(self, x: Any) -> Any:
+            return {"y": x * self.w, "aux": None, "count": 3}
+
+    layer = WithAux()
+    x = tf.constant([[1.0, 2.0]])
+    layer(x)
+    with go.grad_hook(layer, lambda g: -g, at="variables"):
+        with tf.GradientTape() as tape:
+            out = layer(x)
+            loss = tf.reduce_sum(out["y"])
+        assert out["aux"] is None and out["count"] == 3
+        np.testing.assert_allclose(tape.gradient(loss, layer.w).numpy(), [-1.0, -2.0])
+
+
+@pytest.mark.parametrize("kind", ["override", "hook"])
+def test_a_traced_layer_is_freed_with_its_model(kind: str) -> None:
+    import weakref
+
+    def build() -> Any:
+        dense = keras.layers.Dense(2)
+        if kind == "override":
+            go.override_backward(dense, lambda grad, *, inputs, layer: {
+                "inputs": grad @ tf.transpose(layer.kernel),
+                "kernel": tf.transpose(inputs) @ grad, "bias": tf.reduce_sum(grad, 0)})
+        else:
+            go.grad_hook(dense, lambda g: g, at="variables")
+        model = keras.Sequential([keras.Input((3,)), dense])
+        model.compile("sgd", "mse", jit_compile=False)
+        model.fit(X, np.ones((2, 2), np.float32), verbose=0)
+        return weakref.ref(dense)
+
+    ref = build()
+    keras.backend.clear_session()
+    gc.collect()
+    assert ref() is None
+
+
+def test_an_override_rule_returns_a_tuple_by_call_input() -> None:
+    layer = keras.layers.Activation("relu")
+    x = tf.constant([[-1.0, 2.0]])
+    with go.override_backward(layer, lambda grad, *, inputs: (5 * grad,)):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = tf.reduce_sum(layer(x))
+        np.testing.assert_allclose(tape.gradient(y, x).numpy(), [[5.0, 5.0]])
+
+
+def test_a_scheduled_reversal_hook_is_refused_with_the_layer_to_use() -> None:
+    with pytest.raises(go.GradOverrideError, match=r"has a scheduled scale, whose step count "
+                       r"a Keras model has nowhere to keep here. Put a "
+                       r"`gradoverride.keras.GradientReversal\(scale=ganin_ramp"):
+        go.grad_hook(_dense(), recipes.reverse_grad(scale=recipes.ganin_ramp(100)),
+                     at="outputs")
+
+
+def test_a_clip_at_the_variables_of_a_layer_called_twice_warns() -> None:
+    layer = _dense()
+    go.grad_hook(layer, recipes.clip_grad_norm(1.0), at="variables")
+
+    @tf.function
+    def step(x: Any) -> Any:
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(layer(x)) + tf.reduce_sum(layer(2 * x))
+        return tape.gradient(loss, layer.kernel)
+
+    with pytest.warns(go.GradOverrideWarning, match=r"applies clip_grad_norm\(max_norm=1.0"
+                      r".* to the gradient of each call of the Dense `dense\w*`, which runs "
+                      r"more than once in one traced step"):
+        step(tf.constant(X))
+
+
+def test_a_clip_at_the_variables_of_an_rnn_cell_warns() -> None:
+    cell = keras.layers.SimpleRNNCell(3)
+    rnn = keras.layers.RNN(cell)
+    go.grad_hook(cell, recipes.clip_grad_value(0.1), at="variables")
+    model = keras.Sequential([keras.Input((4, 2)), rnn])
+    model.compile("sgd", "mse", jit_compile=False)
+    with pytest.warns(go.GradOverrideWarning, match=r"which runs in a loop"):
+        model.fit(np.ones((2, 4, 2), np.float32), np.ones((2, 3), np.float32), verbose=0)

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import weakref
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -52,7 +53,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from .._errors import GradOverrideError, GradOverrideTypeError
-from .._frameworks import autograph_artifact, is_tensorflow
+from .._frameworks import autograph_artifact, is_keras_layer, is_tensorflow
 from .._function import (
     check_output_count,
     flatten_inputs,
@@ -323,10 +324,16 @@ class TensorFlowCall:
         names = self.sig.names
         ranges = slot_ranges(layout, len(names))
         kwargs: dict[str, Any] = {}
+        graph = not tf.executing_eagerly()
         for name, slot in spec.requested_slots:
             start, stop, treespec = ranges[slot]
             part = inputs[start:stop]
-            kwargs[name] = part[0] if treespec is None else pytree.tree_unflatten(part, treespec)
+            value = part[0] if treespec is None else pytree.tree_unflatten(part, treespec)
+            if graph and is_keras_layer(value):
+                # Weakly: TensorFlow keeps a traced gradient function for good (its gradient
+                # registry), which would keep the layer and its weights alive with it.
+                value = weakref.proxy(value)
+            kwargs[name] = value
         for name, _ in spec.requested_residuals:
             kwargs[name] = residuals[name]
         if spec.wants_output:

@@ -43,7 +43,10 @@ def copy_overrides(source: Any, target: Any) -> list[LayerHandle]:
     Keras copies a layer by saving and loading it (`copy.deepcopy`, `keras.models.
     clone_model`, a `.keras` file), which keeps its config and weights but not what was
     installed on the instance. Layers are matched by their path in the model (as
-    `go.overrides` names them); the override's rule and the hooks' functions are shared.
+    `go.overrides` names them: in a functional or Sequential model, the layer's name), so a
+    copy with other layer names is refused and one with the names swapped between layers of
+    the same class gets each override where the name says; the override's rule and the
+    hooks' functions are shared.
     Returns the new handles.
     """
     targets = dict(named_layers(target))
@@ -58,8 +61,10 @@ def copy_overrides(source: Any, target: Any) -> list[LayerHandle]:
             found = "nothing" if twin is None else f"a {type(twin).__name__}"
             msg = (
                 f"copy_overrides: {where} is a {type(layer).__name__} with overrides or "
-                f"hooks in the source, and {found} in the target; give a copy of the same "
-                "model (`keras.models.clone_model(source)`, `copy.deepcopy(source)`)."
+                f"hooks in the source, and {found} in the target. Layers are matched by path "
+                "(the attribute holding them, or their name in a functional or Sequential "
+                "model): give a copy that keeps the layer names, as `copy.deepcopy(source)` "
+                "and `keras.models.clone_model(source)` do, or install on the copy yourself."
             )
             raise GradOverrideError(msg)
         for attachment in attachments:

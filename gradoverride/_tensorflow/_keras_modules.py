@@ -26,6 +26,7 @@ under it as a plain pass-through, since taking it out would drop the outer wrapp
 from __future__ import annotations
 
 import functools
+import importlib
 import inspect
 import warnings
 import weakref
@@ -41,8 +42,8 @@ from .._decorators import CustomBackward, custom_backward
 from .._errors import GradOverrideError, GradOverrideTypeError, GradOverrideWarning
 from .._frameworks import autograph_artifact
 from ..diagnostics._recorder import describe_transform
-from ._backend import _Meta, check_gradient
-from ._layer import Layer, _relative_names, autocast_scope, frozen_in
+from ._backend import _control_flow_graph, _Meta, check_gradient
+from ._layer import Layer, _relative_names, autocast_scope, frozen_in, with_layer_slot
 from ._tracing import refuse_vectorized_map
 
 _KEYWORD_ONLY = inspect.Parameter.KEYWORD_ONLY
@@ -167,6 +168,13 @@ def _call_with(through: Callable[..., Any], hooks: tuple[Any, ...], *args: Any,
     return through(hooks, args, kwargs)
 
 
+@functools.cache
+def _while_body_graph() -> Any:
+    """The class of TensorFlow's while-loop bodies (a Keras RNN's step, a `tf.range` loop)."""
+    module = importlib.import_module("tensorflow.python.ops.control_flow_v2_func_graphs")
+    return module.WhileBodyFuncGraph
+
+
 def _keras_scratch() -> bool:
     """Whether Keras runs the call only to learn its output's shape (building a functional
     model, `compute_output_spec`): a graph that is thrown away, not a traced function."""
@@ -265,7 +273,7 @@ def override_layer(
         once_differentiable=once_differentiable,
         materialize_grads=materialize_grads,
     )
-    op.backward(_layer_rule(where, rule, layer_param))
+    op.backward(_layer_rule(where, rule, layer_param, inputs))
     op._tensorflow_variable_names = lambda named, variable: _relative_names(
         named[layer_param]
     ).get(id(variable))
@@ -295,7 +303,9 @@ def _owned(where: str, owns: Any, inputs: list[str]) -> Any:
     return names
 
 
-def _layer_rule(where: str, rule: Callable[..., Any], layer_param: str) -> Callable[..., Any]:
+def _layer_rule(
+    where: str, rule: Callable[..., Any], layer_param: str, call_inputs: list[str]
+) -> Callable[..., Any]:
     """The user's rule with `layer` (the reserved name) fed from the op's first argument,
     which the rule always receives so the variables can be named relative to the layer."""
     params = list(inspect.signature(rule).parameters.values())
@@ -306,6 +316,7 @@ def _layer_rule(where: str, rule: Callable[..., Any], layer_param: str) -> Calla
         )
         raise GradOverrideTypeError(msg)
     wants_layer = any(p.name == "layer" and p.kind is _KEYWORD_ONLY for p in params)
+    n_inputs = len(call_inputs)
 
     @autograph_artifact
     def wrapped(*grads: Any, **named: Any) -> Any:
@@ -313,7 +324,7 @@ def _layer_rule(where: str, rule: Callable[..., Any], layer_param: str) -> Calla
         if wants_layer:
             named["layer"] = layer
         with autocast_scope(layer):
-            return rule(*grads, **named)
+            return with_layer_slot(rule(*grads, **named), n_inputs)
 
     positional = [p for p in params if p.kind in _POSITIONAL or p.kind is p.VAR_POSITIONAL]
     keyword = [p for p in params if p.kind is _KEYWORD_ONLY and p.name != "layer"]
@@ -334,6 +345,9 @@ class _Hook:
         self.fn = fn  # what the user gave, which `go.overrides` names
         self.layer_name = _layer_name(layer)
         self.warned_replicas = False
+        self.warned_calls = False
+        # The traced graphs it ran in, with the replicas (of a strategy) it ran for.
+        self.graphs: weakref.WeakKeyDictionary[Any, set[Any]] = weakref.WeakKeyDictionary()
         self.description = f"grad_hook({type(layer).__name__} `{layer.name}`, " \
             f"{describe_transform(fn)}, at={at!r})"
 
@@ -341,6 +355,8 @@ class _Hook:
             kwargs: dict[str, Any]) -> Any:
         if not self.warned_replicas:
             self._warn_per_replica()
+        if self.at == "variables" and not self.warned_calls and not tf.executing_eagerly():
+            self._warn_per_call()
         if self.at == "inputs":
             names = _argument_names(args, kwargs)
             args, kwargs = tf.nest.map_structure(
@@ -358,19 +374,56 @@ class _Hook:
             )
         return self._variables(layer, inner, args, kwargs)
 
+    def _nonlinear(self) -> bool:
+        """Whether the transform is a recipe known not to be linear in the gradient (a
+        clip): a scale gives the same total however the gradient is split."""
+        from ..recipes import GradientTransform
+        from ..recipes._flow import _ScaledGradient
+
+        return isinstance(self.fn, GradientTransform) and not isinstance(
+            self.fn, _ScaledGradient
+        )
+
+    def _warn_per_call(self) -> None:
+        """At the variables, the transform applies to each call's share of a variable's
+        gradient; a layer called twice in a traced step, or in a loop (an RNN cell), has
+        several shares, and a clip then bounds each one, not the total."""
+        graph = tf.compat.v1.get_default_graph()
+        # A strategy traces each replica's step into the same graph: once per replica.
+        context = tf.distribute.get_replica_context()
+        index = None if context is None else tf.get_static_value(
+            context.replica_id_in_sync_group)
+        replica = -1 if index is None else int(index)
+        seen = self.graphs.setdefault(graph, set())
+        again = replica in seen
+        seen.add(replica)
+        in_loop = False
+        while isinstance(graph, _control_flow_graph()):
+            in_loop = in_loop or isinstance(graph, _while_body_graph())
+            graph = graph.outer_graph
+        if not (again or in_loop) or not self._nonlinear():
+            return
+        self.warned_calls = True
+        where = "in a loop" if in_loop else "more than once in one traced step"
+        msg = (
+            f"{self.description} applies {self.fn!r} to the gradient of each call of "
+            f"{self.layer_name}, which runs {where}: each call's share is transformed, not "
+            "the variables' total gradient, so a clip bounds each share. To clip the total, "
+            "give the optimizer `clipnorm=`, `global_clipnorm=` or `clipvalue=`. If "
+            "transforming each call's share is what you mean, silence this warning: "
+            "`warnings.filterwarnings('ignore', message='.*each call', "
+            "category=go.GradOverrideWarning)`."
+        )
+        warnings.warn(msg, GradOverrideWarning, stacklevel=3)
+
     def _warn_per_replica(self) -> None:
         """A transform runs in the graph of each replica, on its share of the gradient,
         before the strategy sums them: the same for a linear transform (a scale), not for a
         clip (two shares clipped at c may sum to 2c)."""
-        from ..recipes import GradientTransform
-        from ..recipes._flow import _ScaledGradient
-
         context = tf.distribute.get_replica_context()
         replicas = 1 if context is None else int(context.num_replicas_in_sync)
         fn = self.fn
-        if replicas < 2 or not isinstance(fn, GradientTransform) or isinstance(
-            fn, _ScaledGradient
-        ):
+        if replicas < 2 or not self._nonlinear():
             return
         self.warned_replicas = True
         strategy = type(tf.distribute.get_strategy()).__name__
@@ -443,8 +496,10 @@ class _Hook:
                 values = [next(it) if _is_float_tensor(v) else v for v in flat]
                 call_args, call_kwargs = tf.nest.pack_sequence_as((args, kwargs), values)
                 output = inner(*call_args, **call_kwargs)
-            outputs = tf.nest.flatten(output)
-            structure.append(output)
+            flat_out = tf.nest.flatten(output)
+            picked = [k for k, v in enumerate(flat_out) if _is_float_tensor(v)]
+            outputs = [flat_out[k] for k in picked]
+            structure.append((output, flat_out, picked))
 
             @autograph_artifact
             def gradient(*upstream: Any, variables: Any = None) -> Any:
@@ -461,8 +516,12 @@ class _Hook:
 
             return outputs, gradient
 
-        outputs = run(*leaves)
-        return tf.nest.pack_sequence_as(structure[0], outputs)
+        results = run(*leaves)
+        output, flat_out, picked = structure[0]
+        flat_out = list(flat_out)  # what is no float tensor (None, a number) as it came
+        for k, result in zip(picked, tf.nest.flatten(results), strict=True):
+            flat_out[k] = result
+        return tf.nest.pack_sequence_as(output, flat_out)
 
     def _gradient_function(self, layer: Any) -> Callable[[Any, Any], Any]:
         """The transform of one variable's gradient. A sparse gradient (an `Embedding`'s
@@ -473,17 +532,14 @@ class _Hook:
 
         fn = self.fn
         if isinstance(fn, GradientTransform):
-            recipe = fn
-
-            def fn(grad: Any) -> Any:
-                # The recipe's backward, taken on an identity forward of the gradient.
-                with tf.GradientTape() as tape:
-                    tape.watch(grad)
-                    y = recipe(grad)
-                return tape.gradient(y, grad, output_gradients=grad)
+            fn = fn.transform  # the recipe's backward, as a function of the gradient
+        # Weakly: TensorFlow keeps a traced gradient function for good (its gradient
+        # registry), which would keep the layer and its weights alive with it.
+        layer_ref = weakref.ref(layer)
 
         def on_variable(grad: Any, variable: Any) -> Any:
-            name = _variable_name(layer, variable)
+            owner = layer_ref()
+            name = _variable_name(owner, variable) if owner is not None else str(variable.name)
             return self.checked(fn, _dense(grad), _Meta(variable), name)
 
         return on_variable
@@ -502,11 +558,28 @@ def hook_layer(layer: Any, fn: Any, at: str) -> LayerHandle:
     if not callable(fn):
         msg = f"grad_hook: `fn` must be a function of the gradient, got {type(fn).__name__}."
         raise GradOverrideTypeError(msg)
+    _refuse_scheduled(layer, fn)
     hook = _Hook(layer, at, fn)
     layer_call = LayerCall.of(layer, create=True)
     assert layer_call is not None
     layer_call.attach(hook)
     return LayerHandle(layer_call, hook)
+
+
+def _refuse_scheduled(layer: Any, fn: Any) -> None:
+    """A recipe whose scale follows a schedule counts training steps in torch state (its
+    `.module()`); a Keras layer counts them in a variable of its own."""
+    from ..recipes._flow import _is_schedule, _ScaledGradient
+
+    if isinstance(fn, _ScaledGradient) and _is_schedule(fn.scale):
+        msg = (
+            f"grad_hook: {fn!r} on the Keras layer {type(layer).__name__} `{layer.name}` has a "
+            "scheduled scale, whose step count a Keras model has nowhere to keep here. Put a "
+            "`gradoverride.keras.GradientReversal(scale=ganin_ramp(...))` layer after it "
+            "instead (it keeps the count in a variable saved with the model), or hook a "
+            "fixed scale."
+        )
+        raise GradOverrideError(msg)
 
 
 def _argument_names(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -535,6 +608,7 @@ def _dense(grad: Any) -> Any:
 
 
 def _is_float_tensor(value: Any) -> bool:
-    return bool(tf.is_tensor(value) and value.dtype.is_floating and not isinstance(
-        value, keras.Variable
-    ))
+    # A Keras variable first: its dtype is a string, and it is read inside the call.
+    if isinstance(value, keras.Variable):
+        return False
+    return bool(tf.is_tensor(value) and value.dtype.is_floating)

@@ -143,6 +143,15 @@ def _inherited_call(cls: type) -> Callable[..., Any] | None:
     return None
 
 
+def with_layer_slot(result: Any, n_inputs: int) -> Any:
+    """A rule's tuple of gradients, one per call input, with the layer's slot (the op's
+    first parameter, which takes no gradient) put in front: the user counts the call's
+    inputs, not the layer."""
+    if type(result) is tuple and len(result) == n_inputs:
+        return (None, *result)
+    return result
+
+
 def autocast_scope(layer: Any) -> Any:
     """The autocast scope Keras runs `layer`'s call in (mixed precision: variables read in
     the compute dtype, float16 under `mixed_float16`), for a rule that runs later, in
@@ -187,11 +196,13 @@ def _rule_calling(
         )
         raise GradOverrideTypeError(msg)
 
+    n_inputs = len(inspect.signature(call).parameters) - 1
+
     @autograph_artifact
     def rule(*grads: Any, **named: Any) -> Any:
         layer = named.pop(layer_param)
         with autocast_scope(layer):
-            return backward(layer, *grads, **named)
+            return with_layer_slot(backward(layer, *grads, **named), n_inputs)
 
     positional = [p for p in params if p.kind in _POSITIONAL or p.kind is p.VAR_POSITIONAL]
     keyword = [p for p in params if p.kind is _KEYWORD_ONLY]
