@@ -8,8 +8,9 @@ once, when its rule is registered. A call goes one way:
    module, whose values are its forward's inputs and its parameters); containers of
    tensors are spread into their leaves (`CallState.layout`);
 2. when no gradient can be computed (grad mode off, `inference_mode`; while compiling, no
-   tensor that requires grad), the plain forward runs and nothing else: compiled inference
-   and `torch.jit.trace` see the forward alone;
+   tensor that requires grad; while `torch.onnx.export`'s TorchScript-based exporter
+   traces, which records an inference graph), the plain forward runs and nothing else:
+   compiled inference, `torch.jit.trace` and the ONNX exporters see the forward alone;
 3. otherwise a Function runs the forward and keeps what the rule names. Two shapes, chosen
    by what the rule owns:
 
@@ -40,6 +41,7 @@ how to rebuild the outputs.
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -80,6 +82,7 @@ __all__ = [
     "build_route",
     "check_output_count",
     "current_parameter",
+    "exporting_onnx",
     "flatten_inputs",
     "parameters_as",
     "saved_for",
@@ -725,16 +728,28 @@ def _plain_call(plan: OpPlan, values: tuple[Any, ...], owning: bool) -> Any:
     return out
 
 
+def exporting_onnx() -> bool:
+    """Whether `torch.onnx.export` runs now (asked only while `torch.jit.trace` records: the
+    TorchScript-based exporter, `dynamo=False`, traces the model with grad enabled). What it
+    records is an inference graph, which no backward rule can be part of, so the forward
+    runs alone there, as under `no_grad`."""
+    onnx = sys.modules.get("torch.onnx")  # imported by the exporter; never imported here
+    return onnx is not None and bool(onnx.is_in_onnx_export())
+
+
 def _no_gradient(flat: Sequence[Any]) -> bool:
     """Whether this call can compute no gradient, so the plain forward runs: grad mode is
     off (`no_grad`, `inference_mode`: compiled inference, `torch.jit.trace` for
-    deployment), or, while compiling, no tensor input requires grad (a frozen model; dynamo
-    cannot trace a `setup_context` Function none of whose inputs requires grad). Eager, such
-    a call takes the Function, whose output requires no grad either."""
+    deployment), the TorchScript-based ONNX exporter traces (`exporting_onnx`), or, while
+    compiling, no tensor input requires grad (a frozen model; dynamo cannot trace a
+    `setup_context` Function none of whose inputs requires grad). Eager, such a call takes
+    the Function, whose output requires no grad either; `torch.jit.trace` with grad
+    enabled is refused by the caller (the traced graph could be called later with inputs
+    that require grad, and would silently drop the rule)."""
     if not torch.is_grad_enabled():
         return True
     if not is_dynamo_compiling():
-        return False
+        return tracing_state() is not None and exporting_onnx()
     return not any(isinstance(value, Tensor) and value.requires_grad for value in flat)
 
 

@@ -30,7 +30,7 @@ from torch.utils.hooks import RemovableHandle
 from ._backends import backend
 from ._errors import GradOverrideError, GradOverrideTypeError
 from ._frameworks import autograph_artifact, is_keras_layer, require_tensorflow_keras
-from ._function import RECORDERS, break_compiled_transform
+from ._function import RECORDERS, break_compiled_transform, exporting_onnx
 from ._internals import add_tensor_hook, is_tracing, tracing_state, transforms_active
 from ._jit import RefuseScripting, jit_message
 from ._passthrough import related, shows_input
@@ -407,8 +407,13 @@ class _AtInputs(_Transforming):
         self.local = _CallStack()
 
     def __call__(
-        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        if kwargs is None:
+            # Registered again without its keyword arguments (torch.ao.quantization's module
+            # swap copies a module's hooks that way): the same, giving the inputs alone.
+            given = self(module, args, {})
+            return None if given is None else given[0]
         entries: list[tuple[str, Tensor, Tensor, Any]] = []
         self.local.stack.append(entries)  # first: `after` pops once per call, whatever happens
         if not torch.is_grad_enabled():
@@ -416,6 +421,8 @@ class _AtInputs(_Transforming):
         if is_dynamo_compiling() and transforms_active():
             break_compiled_transform(f"the go.grad_hook of `{type(module).__name__}`")
         if tracing_state() is not None:
+            if exporting_onnx():
+                return None  # an inference graph (see `exporting_onnx`): nothing to hook
             _refuse_tracing(module)
         transform = self.transform
 
@@ -575,16 +582,27 @@ def _refuse_tracing(module: nn.Module) -> None:
         )
 
 
+#: `_AtOutputs`' output when it is called without keyword arguments.
+_NO_OUTPUT: Any = object()
+
+
 class _AtOutputs(_Transforming):
     """Forward hook: a tensor hook on each output (it fires with the gradient of the value
     the module returned, even when an in-place op changes the output afterwards)."""
 
     def __call__(
-        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+        output: Any = _NO_OUTPUT,
     ) -> Any:
+        if output is _NO_OUTPUT:
+            # Registered again without its keyword arguments (torch.ao.quantization's module
+            # swap copies a module's hooks that way): the third argument is the output.
+            return self(module, args, {}, kwargs)
         if not torch.is_grad_enabled():
             return None
         if tracing_state() is not None:
+            if exporting_onnx():
+                return None  # an inference graph (see `exporting_onnx`): nothing to hook
             _refuse_tracing(module)
         if is_dynamo_compiling() and transforms_active():
             break_compiled_transform(f"the go.grad_hook of `{type(module).__name__}`")

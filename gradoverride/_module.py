@@ -20,7 +20,7 @@ from torch import nn
 from torch.compiler import is_dynamo_compiling
 
 from ._errors import GradOverrideError, GradOverrideTypeError
-from ._function import RECORDERS
+from ._function import RECORDERS, exporting_onnx
 from ._internals import tracing_state, transforms_active
 from ._jit import jit_message, refuse_scripting
 from ._module_op import (
@@ -237,6 +237,8 @@ def _call(module: Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     if not torch.is_grad_enabled():
         return rule.forward(module, *args, **kwargs)
     if tracing_state() is not None:
+        if exporting_onnx():  # an inference graph: the forward alone, as under no_grad
+            return rule.forward(module, *args, **kwargs)
         raise GradOverrideError(jit_message(rule.where, "torch.jit.trace"))
     compiling = is_dynamo_compiling()
     # The `backward` the module has now (see the module docstring).

@@ -31,7 +31,7 @@ from torch.utils.hooks import RemovableHandle
 from ._backends import backend
 from ._errors import GradOverrideError, GradOverrideTypeError
 from ._frameworks import autograph_artifact, is_keras_layer, require_tensorflow_keras
-from ._function import RECORDERS, CallState, break_compiled_transform
+from ._function import RECORDERS, CallState, break_compiled_transform, exporting_onnx
 from ._internals import set_grad_enabled as _set_grad_enabled
 from ._internals import tracing_state, transforms_active
 from ._jit import RefuseScripting, jit_message
@@ -85,6 +85,10 @@ class _Calls(threading.local):
         self.frames: list[_Frame | _Given | None] = []
 
 
+#: `_Override.after`'s output when it is called without keyword arguments.
+_NO_OUTPUT: Any = object()
+
+
 class _Override:
     """The hooks of one `override_backward`: `before` (forward pre-hook) and `after`
     (forward hook), for whichever module they are called with."""
@@ -113,7 +117,12 @@ class _Override:
         return rule
 
     def before(self, module: nn.Module, args: tuple[Any, ...],
-               kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+               kwargs: dict[str, Any] | None = None) -> Any:
+        if kwargs is None:
+            # Registered again without its keyword arguments (torch.ao.quantization's module
+            # swap copies a module's hooks that way): the same, giving the inputs alone.
+            given = self.before(module, args, {})
+            return None if given is None else given[0]
         frames = self.calls.frames
         # A place for this call's frame first: the forward hook runs even when this one
         # raises, and takes it.
@@ -121,6 +130,8 @@ class _Override:
         if not torch.is_grad_enabled():
             return None  # no gradient can be computed: the plain forward
         if tracing_state() is not None:
+            if exporting_onnx():
+                return None  # an inference graph (see `exporting_onnx`): the plain forward
             raise GradOverrideError(jit_message(self.module_rule.where, "torch.jit.trace"))
         compiling = is_dynamo_compiling()
         if not compiling:
@@ -255,7 +266,11 @@ class _Override:
         return new_args, new_kwargs
 
     def after(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
-              output: Any) -> Any:
+              output: Any = _NO_OUTPUT) -> Any:
+        if output is _NO_OUTPUT:
+            # Registered again without its keyword arguments (see `before`): the third
+            # argument is the output.
+            return self.after(module, args, {}, kwargs)
         frames = self.calls.frames
         popped = frames.pop() if frames else None
         if popped is None:

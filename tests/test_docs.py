@@ -43,6 +43,14 @@ _INTEGRATIONS = {
 # The spiking peers (the `peers` extra, not required anywhere): their blocks skip without them.
 _PEERS = {"import snntorch": "snntorch", "import spikingjelly": "spikingjelly"}
 _REQUIRE_INTEGRATIONS = os.environ.get("GRADOVERRIDE_REQUIRE_INTEGRATIONS") == "1"
+# The ONNX exporters' packages (the `export` extra; the deployment page): their blocks skip
+# where a package is missing, unless CI requires them.
+_EXPORT = {
+    "import onnxruntime": "onnxruntime",
+    "torch.onnx.export": "onnx",
+    "dynamo=True": "onnxscript",
+}
+_REQUIRE_EXPORT = os.environ.get("GRADOVERRIDE_REQUIRE_EXPORT") == "1"
 
 
 def _relative(path: Path) -> str:
@@ -66,6 +74,13 @@ def test_the_pages_have_examples() -> None:
 # Lightning's, about torch's pytree, and the HuggingFace Trainer's DataLoader on a CPU.
 @pytest.mark.filterwarnings("ignore:.*LeafSpec.*:FutureWarning")
 @pytest.mark.filterwarnings("ignore:'pin_memory' argument is set as true:UserWarning")
+# torch deprecates TorchScript (the deployment page; inductor uses it internally too) and
+# its ONNX exporter, on every call.
+@pytest.mark.filterwarnings("ignore:`torch.jit.[a-z_]*` is deprecated:DeprecationWarning")
+@pytest.mark.filterwarnings(
+    "ignore:You are using the legacy TorchScript-based ONNX export:DeprecationWarning"
+)
+@pytest.mark.filterwarnings("ignore:The feature will be removed:DeprecationWarning")
 @pytest.mark.parametrize("example", EXAMPLES, ids=_id)
 def test_example_runs_and_prints_what_the_page_shows(
     example: CodeExample, eval_example: EvalExample
@@ -76,6 +91,10 @@ def test_example_runs_and_prints_what_the_page_shows(
         if (marker in example.source and not _REQUIRE_INTEGRATIONS
                 and importlib.util.find_spec(package) is None):
             pytest.skip(f"{package} is not installed (pip install 'gradoverride[integrations]')")
+    for marker, package in _EXPORT.items():
+        if (marker in example.source and not _REQUIRE_EXPORT
+                and importlib.util.find_spec(package) is None):
+            pytest.skip(f"{package} is not installed (pip install 'gradoverride[export]')")
     for marker, package in _PEERS.items():
         if marker in example.source and importlib.util.find_spec(package) is None:
             pytest.skip(f"{package} is not installed (pip install 'gradoverride[peers]')")

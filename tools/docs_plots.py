@@ -42,7 +42,12 @@ _X_RANGE = 2.5  # the grid: [-_X_RANGE, _X_RANGE]
 _PROBE_ALPHA = 3.0  # a second alpha, to tell an alias from formulas that meet at a default
 _POINTS = 501  # odd, so that x = 0 is on the grid
 _DPI = 100
-_SINGLE_SIZE = (3.0, 1.7)  # inches
+# A surrogate's or preset's own figure is a thumbnail in its table row, shown 9.5rem wide
+# (docs/stylesheets/extra.css): drawn at that size (about 190 by 95 px on a desktop) with
+# fonts readable there, at twice the pixels for sharp high-density screens. Its row names
+# it, so it has no title.
+_SINGLE_SIZE = (1.9, 0.95)  # inches
+_SINGLE_DPI = 2 * _DPI
 _OVERVIEW_SIZE = (7.6, 4.4)
 
 
@@ -151,11 +156,9 @@ def _style(axes: Axes, sg: Sequence[float] = (0.0, 1.0)) -> None:
         axes.spines[side].set_visible(False)
 
 
-def _alpha_note(curve: Curve, sep: str) -> str:
+def _alpha_note(curve: Curve) -> str:
     """The default alpha, for a surrogate whose shape depends on it."""
-    if not curve.uses_alpha:
-        return ""
-    return f"{sep}alpha={curve.alpha:.3g}" if sep != " " else f" (alpha={curve.alpha:.3g})"
+    return f" (alpha={curve.alpha:.3g})" if curve.uses_alpha else ""
 
 
 def _png(figure: object) -> bytes:
@@ -170,22 +173,23 @@ def _png(figure: object) -> bytes:
     return buffer.getvalue()
 
 
-def draw_one(curve: Curve, preset: bool = False) -> bytes:
-    """sg(x) of one surrogate (or preset), with the step H(x) it stands in for, as a PNG."""
+def draw_one(curve: Curve) -> bytes:
+    """sg(x) of one surrogate (or preset), with the step H(x) it stands in for, as a PNG
+    thumbnail for its table row (which names it and gives its alpha)."""
     from matplotlib.figure import Figure
 
-    figure = Figure(figsize=_SINGLE_SIZE, dpi=_DPI)
-    figure.subplots_adjust(left=0.12, right=0.97, bottom=0.14, top=0.86)
+    figure = Figure(figsize=_SINGLE_SIZE, dpi=_SINGLE_DPI)
+    figure.subplots_adjust(left=0.15, right=0.98, bottom=0.19, top=0.97)
     axes = figure.add_subplot()
     _style(axes, curve.sg)
+    axes.tick_params(labelsize=6.5, length=2, pad=1.5)
     axes.step([-_X_RANGE, 0.0, _X_RANGE], [0.0, 1.0, 1.0], where="post", color="0.55",
               linewidth=0.9, linestyle="--", label="H(x)")
-    axes.plot(curve.x, curve.sg, color="tab:blue", linewidth=1.6, label="sg(x)")
-    axes.plot([0.0], [curve.at_zero], "o", color="tab:blue", markersize=3)
-    alias = f" = {curve.same_as}" if curve.same_as else ""
-    note = "" if preset else _alpha_note(curve, ", ")
-    axes.set_title(f"{curve.name}{alias}{note}", fontsize=8)
-    axes.legend(fontsize=6, loc="center right", frameon=False)
+    axes.plot(curve.x, curve.sg, color="tab:blue", linewidth=1.5, label="sg(x)")
+    axes.plot([0.0], [curve.at_zero], "o", color="tab:blue", markersize=2.5)
+    # Where it hides the least of the curves (a flat sg leaves the top left no room).
+    axes.legend(fontsize=6, loc="best", frameon=False, handlelength=1.6, borderaxespad=0.1,
+                labelspacing=0.2)
     return _png(figure)
 
 
@@ -206,7 +210,7 @@ def draw_overview(curves: Sequence[Curve]) -> bytes:
         if curve.same_as is not None:
             continue
         label = " = ".join([curve.name, *aliases.get(curve.name, [])])
-        axes.plot(curve.x, curve.sg, linewidth=1.4, label=label + _alpha_note(curve, " "))
+        axes.plot(curve.x, curve.sg, linewidth=1.4, label=label + _alpha_note(curve))
     axes.set_xlabel("x", fontsize=8)
     axes.set_title("sg(x) of every surrogate at its default alpha (spike's backward)",
                    fontsize=9)
@@ -222,7 +226,7 @@ def figures() -> dict[str, bytes]:
     drawn = {f"{IMAGE_DIR}/{curve.name}.png": draw_one(curve) for curve in curves}
     drawn[f"{IMAGE_DIR}/{OVERVIEW}.png"] = draw_overview(curves)
     for curve in sample_presets():
-        drawn[f"{PRESET_DIR}/{curve.name}.png"] = draw_one(curve, preset=True)
+        drawn[f"{PRESET_DIR}/{curve.name}.png"] = draw_one(curve)
     return drawn
 
 

@@ -41,7 +41,7 @@ from torch import Tensor
 from .._decorators import custom_backward
 from .._errors import GradOverrideError, GradOverrideTypeError
 from .._frameworks import is_tensorflow
-from .._internals import transforms_active
+from .._internals import tracing_state, transforms_active
 from ._base import Recipe, finite, positive_number, tensorflow_call
 
 __all__ = ["SPIKE_PRESETS", "SURROGATES", "spike"]
@@ -87,8 +87,9 @@ def _indicator(compare: Callable[..., Tensor], a: Tensor, b: Tensor | float) -> 
     """compare(a, b) as 1 or 0 in a's dtype, written straight into a tensor of that dtype:
     one pass, where `(a > b).to(a.dtype)` takes two and its bool-to-float copy is the slow
     one (and `torch.where` on the CPU is slower still, so the formulas blend with these
-    0/1 factors instead)."""
-    if torch.compiler.is_compiling() or transforms_active():
+    0/1 factors instead). Not while `torch.jit.trace` records: the TorchScript-based ONNX
+    exporter cannot translate an `out=` write."""
+    if torch.compiler.is_compiling() or transforms_active() or tracing_state() is not None:
         return compare(a, b).to(a.dtype)  # no out= there; the compiler fuses it anyway
     return compare(a, b, out=torch.empty_like(a))
 
