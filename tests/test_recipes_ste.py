@@ -282,6 +282,12 @@ def test_lsq_module_initialises_and_keeps_a_loaded_step() -> None:
     fresh(x)
     assert fresh.step.item() == 0.25
     assert copy.deepcopy(fresh).step.item() == 0.25
+    # A checkpoint without a step (a float model's, strict=False) leaves it to the data.
+    model = nn.Sequential(nn.Linear(8, 8), R.lsq(bits=4).module())
+    model.load_state_dict(nn.Sequential(nn.Linear(8, 8)).state_dict(), strict=False)
+    y = model[0](x)
+    model(x)
+    torch.testing.assert_close(model[1].step.detach(), 2 * y.detach().abs().mean() / math.sqrt(7))
 
 
 # ---- all recipes: dtypes, extremes, module form, repr ----------------------------------------

@@ -1089,9 +1089,14 @@ class LearnedStepQuantizer(nn.Module):
             self._needs_init = False
         return self.recipe(x, self.step)
 
-    def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
-        super()._load_from_state_dict(*args, **kwargs)
-        self._needs_init = False  # a loaded step is kept, not re-initialised
+    def _load_from_state_dict(
+        self, state_dict: Any, prefix: str, *args: Any, **kwargs: Any
+    ) -> None:
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        if prefix + "step" in state_dict:
+            # A loaded step is kept, not re-initialised; a checkpoint without one (a float
+            # model's, loaded with strict=False) leaves it to the first input.
+            self._needs_init = False
 
     def extra_repr(self) -> str:
         return repr(self.recipe)
