@@ -11,6 +11,7 @@ gradoverride._support_matrix docs/support-matrix.md`; a test fails when the page
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 
 __all__ = [
@@ -422,9 +423,28 @@ def _cell(kind: str, context: str) -> str:
     return "yes *" if (kind, context) in NOTES else "yes"
 
 
+def _grid(
+    kinds: tuple[tuple[str, str], ...],
+    contexts: tuple[tuple[str, str], ...],
+    cell: Callable[[str, str], str],
+    kinds_title: str,
+    contexts_title: str,
+) -> list[str]:
+    """A table of kinds by contexts, then what each kind and context is."""
+    keys = [key for key, _ in contexts]
+    lines = ["| op kind | " + " | ".join(keys) + " |",
+             "| --- | " + " | ".join("---" for _ in keys) + " |"]
+    lines += [f"| {kind} | " + " | ".join(cell(kind, key) for key in keys) + " |"
+              for kind, _ in kinds]
+    lines += ["", kinds_title, ""]
+    lines += [f"- **{kind}**: {text}." for kind, text in kinds]
+    lines += ["", contexts_title, ""]
+    lines += [f"- **{key}**: {text}." for key, text in contexts]
+    return lines
+
+
 def markdown() -> str:
     """The support matrix as a Markdown page."""
-    contexts = [key for key, _ in CONTEXTS]
     lines = [
         "# Support matrix",
         "",
@@ -437,16 +457,8 @@ def markdown() -> str:
         "its message; nothing is silently wrong. The test suite runs one test per cell "
         "(`tests/test_support_matrix.py`).",
         "",
-        "| op kind | " + " | ".join(contexts) + " |",
-        "| --- | " + " | ".join("---" for _ in contexts) + " |",
     ]
-    for kind, _ in KINDS:
-        cells = [_cell(kind, context) for context in contexts]
-        lines.append(f"| {kind} | " + " | ".join(cells) + " |")
-    lines += ["", "## Op kinds", ""]
-    lines += [f"- **{kind}**: {text}." for kind, text in KINDS]
-    lines += ["", "## Contexts", ""]
-    lines += [f"- **{key}**: {text}." for key, text in CONTEXTS]
+    lines += _grid(KINDS, CONTEXTS, _cell, "## Op kinds", "## Contexts")
     lines += ["", "## Refused cells", ""]
     seen: dict[Refusal, list[str]] = {}
     for (kind, context), refusal in REFUSED.items():
@@ -497,7 +509,6 @@ def _tf_cell(kind: str, context: str) -> str:
 
 def _tensorflow_markdown() -> list[str]:
     """The TensorFlow and Keras section of the page."""
-    contexts = [key for key, _ in TF_CONTEXTS]
     lines = [
         "## TensorFlow and Keras",
         "",
@@ -511,16 +522,9 @@ def _tensorflow_markdown() -> list[str]:
         "without an error (see below). The test suite runs one test per cell "
         "(`tests/test_support_matrix_tensorflow.py`).",
         "",
-        "| op kind | " + " | ".join(contexts) + " |",
-        "| --- | " + " | ".join("---" for _ in contexts) + " |",
     ]
-    for kind, _ in TF_KINDS:
-        cells = [_tf_cell(kind, context) for context in contexts]
-        lines.append(f"| {kind} | " + " | ".join(cells) + " |")
-    lines += ["", "### Op kinds (TensorFlow)", ""]
-    lines += [f"- **{kind}**: {text}." for kind, text in TF_KINDS]
-    lines += ["", "### Contexts (TensorFlow)", ""]
-    lines += [f"- **{key}**: {text}." for key, text in TF_CONTEXTS]
+    lines += _grid(TF_KINDS, TF_CONTEXTS, _tf_cell, "### Op kinds (TensorFlow)",
+                   "### Contexts (TensorFlow)")
     for title, table in (("Refused cells (TensorFlow)", TF_REFUSED),
                          ("Cells that warn (TensorFlow)", TF_WARNS)):
         lines += ["", f"### {title}", ""]
