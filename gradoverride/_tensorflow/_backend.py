@@ -576,6 +576,13 @@ def _control_flow_graph() -> Any:
     return module.ControlFlowFuncGraph
 
 
+@functools.cache
+def _while_body_graph() -> Any:
+    """The class of TensorFlow's while-loop bodies (a Keras RNN's step, a `tf.range` loop)."""
+    module = importlib.import_module("tensorflow.python.ops.control_flow_v2_func_graphs")
+    return module.WhileBodyFuncGraph
+
+
 def _eager(value: Any) -> bool:
     """Whether `value` is an eager tensor (one with no graph)."""
     return isinstance(value, tf.Tensor) and getattr(value, "graph", None) is None

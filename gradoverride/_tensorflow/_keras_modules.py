@@ -26,7 +26,6 @@ under it as a plain pass-through, since taking it out would drop the outer wrapp
 from __future__ import annotations
 
 import functools
-import importlib
 import inspect
 import warnings
 import weakref
@@ -42,7 +41,14 @@ from .._decorators import CustomBackward, custom_backward
 from .._errors import GradOverrideError, GradOverrideTypeError, GradOverrideWarning
 from .._frameworks import autograph_artifact
 from ..diagnostics._recorder import describe_transform
-from ._backend import _control_flow_graph, _Meta, check_gradient
+from ._backend import (
+    _control_flow_graph,
+    _dense,
+    _Meta,
+    _variable_name,
+    _while_body_graph,
+    check_gradient,
+)
 from ._layer import Layer, _relative_names, autocast_scope, frozen_in, with_layer_slot
 from ._tracing import refuse_vectorized_map
 
@@ -166,13 +172,6 @@ class LayerCall:
 def _call_with(through: Callable[..., Any], hooks: tuple[Any, ...], *args: Any,
                **kwargs: Any) -> Any:
     return through(hooks, args, kwargs)
-
-
-@functools.cache
-def _while_body_graph() -> Any:
-    """The class of TensorFlow's while-loop bodies (a Keras RNN's step, a `tf.range` loop)."""
-    module = importlib.import_module("tensorflow.python.ops.control_flow_v2_func_graphs")
-    return module.WhileBodyFuncGraph
 
 
 def _keras_scratch() -> bool:
@@ -344,8 +343,11 @@ class _Hook:
         self.at = at
         self.fn = fn  # what the user gave, which `go.overrides` names
         self.layer_name = _layer_name(layer)
-        self.warned_replicas = False
-        self.warned_calls = False
+        # A recipe known not to be linear in the gradient (a clip): a scale gives the same
+        # total however the gradient is split (over replicas, over calls); decided once.
+        self.nonlinear = _nonlinear(fn)
+        self.warned_replicas = not self.nonlinear
+        self.warned_calls = not self.nonlinear or at != "variables"
         # The traced graphs it ran in, with the replicas (of a strategy) it ran for.
         self.graphs: weakref.WeakKeyDictionary[Any, set[Any]] = weakref.WeakKeyDictionary()
         self.description = f"grad_hook({type(layer).__name__} `{layer.name}`, " \
@@ -355,7 +357,7 @@ class _Hook:
             kwargs: dict[str, Any]) -> Any:
         if not self.warned_replicas:
             self._warn_per_replica()
-        if self.at == "variables" and not self.warned_calls and not tf.executing_eagerly():
+        if not self.warned_calls and not tf.executing_eagerly():
             self._warn_per_call()
         if self.at == "inputs":
             names = _argument_names(args, kwargs)
@@ -374,16 +376,6 @@ class _Hook:
             )
         return self._variables(layer, inner, args, kwargs)
 
-    def _nonlinear(self) -> bool:
-        """Whether the transform is a recipe known not to be linear in the gradient (a
-        clip): a scale gives the same total however the gradient is split."""
-        from ..recipes import GradientTransform
-        from ..recipes._flow import _ScaledGradient
-
-        return isinstance(self.fn, GradientTransform) and not isinstance(
-            self.fn, _ScaledGradient
-        )
-
     def _warn_per_call(self) -> None:
         """At the variables, the transform applies to each call's share of a variable's
         gradient; a layer called twice in a traced step, or in a loop (an RNN cell), has
@@ -401,7 +393,7 @@ class _Hook:
         while isinstance(graph, _control_flow_graph()):
             in_loop = in_loop or isinstance(graph, _while_body_graph())
             graph = graph.outer_graph
-        if not (again or in_loop) or not self._nonlinear():
+        if not (again or in_loop):
             return
         self.warned_calls = True
         where = "in a loop" if in_loop else "more than once in one traced step"
@@ -423,7 +415,7 @@ class _Hook:
         context = tf.distribute.get_replica_context()
         replicas = 1 if context is None else int(context.num_replicas_in_sync)
         fn = self.fn
-        if replicas < 2 or not self._nonlinear():
+        if replicas < 2:
             return
         self.warned_replicas = True
         strategy = type(tf.distribute.get_strategy()).__name__
@@ -539,7 +531,8 @@ class _Hook:
 
         def on_variable(grad: Any, variable: Any) -> Any:
             owner = layer_ref()
-            name = _variable_name(owner, variable) if owner is not None else str(variable.name)
+            name = _relative_name(owner, variable) if owner is not None else (
+                _variable_name(variable))
             return self.checked(fn, _dense(grad), _Meta(variable), name)
 
         return on_variable
@@ -564,6 +557,14 @@ def hook_layer(layer: Any, fn: Any, at: str) -> LayerHandle:
     assert layer_call is not None
     layer_call.attach(hook)
     return LayerHandle(layer_call, hook)
+
+
+def _nonlinear(fn: Any) -> bool:
+    """Whether `fn` is a recipe known not to be linear in the gradient (a clip)."""
+    from ..recipes import GradientTransform
+    from ..recipes._flow import _ScaledGradient
+
+    return isinstance(fn, GradientTransform) and not isinstance(fn, _ScaledGradient)
 
 
 def _refuse_scheduled(layer: Any, fn: Any) -> None:
@@ -594,17 +595,10 @@ def _argument_names(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     return positional, keywords
 
 
-def _variable_name(layer: Any, variable: Any) -> str:
+def _relative_name(layer: Any, variable: Any) -> str:
     """The variable's name relative to the layer (`"kernel"`), as a rule names it."""
     relative = _relative_names(layer).get(id(variable))
-    if relative is not None:
-        return relative
-    name = str(variable.name)
-    return name[:-2] if name.endswith(":0") else name
-
-
-def _dense(grad: Any) -> Any:
-    return tf.convert_to_tensor(grad) if isinstance(grad, tf.IndexedSlices) else grad
+    return relative if relative is not None else _variable_name(variable)
 
 
 def _is_float_tensor(value: Any) -> bool:
