@@ -7,12 +7,10 @@ the user's rule wrapped the same way, or a finite-difference / SPSA estimator th
 function again on perturbed inputs. So the rule contract, the gradient checks and the error
 messages are those of `custom_backward`.
 
-By nature the call leaves PyTorch's graph: under `torch.compile` a bridge call is a graph
-break (it runs eagerly between compiled pieces), and under `fullgraph=True` compiling fails
-with an error that names the bridge and says so. For the same reason a bridge cannot run on
-the wrapped tensors of a `torch.func` transform (vmap's batched tensors at the call, grad's
-and jacrev's in the backward): each is a `GradOverrideError` that names the bridged function
-and says what works instead. On TensorFlow tensors the same bridge runs through
+The numpy code runs inside one opaque operator (`gradoverride/_outside.py`), both in the
+forward and in the rule: torch.compile and torch.export trace the call as one node (its
+output shapes from `outputs=`), and torch.func transforms reach real tensors through it (a
+vmap calls it per batch entry). On TensorFlow tensors the same bridge runs through
 `tf.numpy_function` (`gradoverride/_tensorflow/_bridge.py`).
 """
 
@@ -32,12 +30,15 @@ from torch import Tensor
 from torch.utils import _pytree as pytree
 from typing_extensions import ParamSpec
 
+from . import _outside as outside
 from ._backends import backend
 from ._decorators import CustomBackward, custom_backward
 from ._errors import GradOverrideError, GradOverrideTypeError
 from ._frameworks import any_tensorflow, autograph_artifact
-from ._internals import is_batched as _is_batched
-from ._internals import is_transformed, transforms_active
+from ._function import flatten_inputs
+from ._gradients import SKIP, flat_gradients, slot_ranges, takes_gradient
+from ._internals import is_transformed
+from ._rule import RuleSpec, normalize_names
 from ._signature import describe
 
 try:
@@ -661,9 +662,11 @@ class _Problem:
 
 
 def _rebuild_bridge(
-    fn: Callable[..., Any], backward: Any, check_finite: bool, outputs: Any = None
+    fn: Callable[..., Any], backward: Any, check_finite: bool, outputs: Any = None,
+    residuals: tuple[str, ...] = (),
 ) -> Bridge[...]:
-    return Bridge(fn, backward, check_finite=check_finite, outputs=outputs)
+    return Bridge(fn, backward, check_finite=check_finite, outputs=outputs,
+                  residuals=residuals)
 
 
 def _read_signature(fn: Callable[..., Any]) -> inspect.Signature:
@@ -679,11 +682,31 @@ def _read_signature(fn: Callable[..., Any]) -> inspect.Signature:
 
 
 _COMPILE_REASON = (
-    "go.bridge of `{name}` calls a function outside PyTorch (on numpy arrays), which "
-    "torch.compile cannot trace: the call runs eagerly between compiled graphs (a graph "
-    "break), so it cannot be inside a fullgraph=True region; compile the parts before and "
-    "after it instead"
+    "go.bridge of `{name}` has no `outputs=`, so torch.compile cannot know what its "
+    "function (numpy code, which it cannot trace) returns: the call runs eagerly between "
+    "compiled graphs (a graph break), which a fullgraph=True region cannot hold. Pass "
+    "`outputs=` to go.bridge (a function of the same arguments returning empty tensors of "
+    "the outputs' shapes and dtypes, e.g. `outputs=lambda x: torch.empty_like(x)`) to "
+    "compile the call as one operator"
 )
+
+
+def _rule_key(backward: Any) -> str:
+    if isinstance(backward, Estimator):
+        return repr(backward)
+    module = getattr(backward, "__module__", None) or ""
+    return f"{module}.{describe(backward)}" if module else describe(backward)
+
+
+def _through_operator(key: str, role: str, value: Any) -> Any:
+    """The bridge `key`'s `outside_run(role, value)` as one opaque operator, which
+    torch.compile, torch.export and torch.func see as such; directly when `value` holds a
+    value the operator cannot carry (see `Bridge._direct`)."""
+    try:
+        return outside.call(key, role, value)
+    except outside.NotLiteral as exc:
+        bridge: Bridge[...] = outside.owner(key)
+        return bridge._direct(role, value, exc)
 
 
 class Bridge(Generic[P]):
@@ -707,6 +730,7 @@ class Bridge(Generic[P]):
         *,
         check_finite: bool = True,
         outputs: Any = None,
+        residuals: str | Sequence[str] | None = None,
     ) -> None:
         if np is None:  # pragma: no cover - numpy is installed wherever the tests run
             msg = "go.bridge passes numpy arrays to the function it bridges; install numpy."
@@ -742,21 +766,25 @@ class Bridge(Generic[P]):
             )
             raise GradOverrideTypeError(msg)
         self.backward = backward
-        forward = self._make_forward()
-        rule = (
-            self._make_estimator_rule(backward)
-            if isinstance(backward, Estimator)
-            else self._make_user_rule(backward)
+        self.residuals = normalize_names(residuals, "residuals", f"bridge of `{self._name}`")
+        if self.residuals and isinstance(backward, Estimator):
+            msg = (
+                f"bridge of `{self._name}` got residuals={self.residuals!r} with the "
+                f"{type(backward).__name__} estimator, which calls `{self._name}` again and "
+                "reads no residuals; drop `residuals=`, or pass a rule that names them."
+            )
+            raise GradOverrideError(msg)
+        # Keyed by the function and the rule (an exported program names its bridge so, and a
+        # fresh process that imports the module defining it makes the same key).
+        self._key = outside.register(self, f"{self._name} by {_rule_key(backward)}")
+        op: CustomBackward[..., Any] = custom_backward(
+            self._make_forward(), residuals=self.residuals
         )
         # A numpy rule or an estimator has no graph to differentiate again.
-        op: CustomBackward[..., Any] = custom_backward(
-            forward, backward=rule, once_differentiable=True
-        )
+        op.backward(self._make_rule(op), once_differentiable=True)
         self.op = op
 
         def run(*args: Any, **kwargs: Any) -> Any:
-            if transforms_active():
-                self._refuse_batched(args, kwargs)
             if any_tensorflow(args, kwargs):
                 return backend("tensorflow").bridge_call(self, args, kwargs, self.outputs)
             if "keras" in sys.modules:
@@ -764,10 +792,11 @@ class Bridge(Generic[P]):
             return op(*args, **kwargs)
 
         run.__name__ = run.__qualname__ = f"bridge({self._name})"
-
-        # Dynamo cannot trace `fn` (it leaves PyTorch): make the call an explicit graph break
-        # whose reason, shown by fullgraph=True's error, names the function.
-        self._run = graph_break(run, _COMPILE_REASON.format(name=self._name))
+        # With `outputs=`, the compiler traces the call as one operator; without, it cannot
+        # know what comes out, so the call is an explicit graph break whose reason, shown by
+        # fullgraph=True's error, names the bridge and the fix.
+        self._run = run if callable(outputs) else graph_break(
+            run, _COMPILE_REASON.format(name=self._name))
 
     def __reduce__(self) -> tuple[Any, ...]:
         # Pickled as the call that makes it (the function and the rule by reference), so a
@@ -777,7 +806,10 @@ class Bridge(Generic[P]):
         require_importable(self._fn, f"`bridge({self._name})`", "the bridged function")
         if not isinstance(self.backward, Estimator):
             require_importable(self.backward, f"`bridge({self._name})`", "its backward rule")
-        return (_rebuild_bridge, (self._fn, self.backward, self.check_finite, self.outputs))
+        if callable(self.outputs):
+            require_importable(self.outputs, f"`bridge({self._name})`", "its `outputs=`")
+        return (_rebuild_bridge, (self._fn, self.backward, self.check_finite, self.outputs,
+                                  self.residuals))
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Bridge[P]:
         return self  # shared, as a function is: a bridge holds no per-copy state
@@ -815,48 +847,146 @@ class Bridge(Generic[P]):
 
     def _make_forward(self) -> Callable[..., Any]:
         signature = self._signature
-        name = self._name
-        check_finite = self.check_finite
-
         defaults = {
             p.name: p.default
             for p in signature.parameters.values()
             if p.kind is inspect.Parameter.KEYWORD_ONLY
         }
 
+        positional_defaults = [
+            p.default for p in signature.parameters.values() if p.kind in _POSITIONAL
+        ]
+
         def forward(*args: Any, **kwargs: Any) -> Any:
-            device, dtype = _target((args, kwargs))
             # custom_backward passes every keyword-only default explicitly; some functions
             # (numpy ufuncs: `signature=None, dtype=None`) reject that, so leave them out.
             kwargs = {
                 k: v for k, v in kwargs.items() if k not in defaults or v is not defaults[k]
             }
-            arrays, named_arrays = _tree_to_numpy(args), _tree_to_numpy(kwargs)
-            try:
-                result = self._fn(*arrays, **named_arrays)
-            except ValueError as exc:
-                if not _wrote_read_only(exc):
-                    raise
-                bound = _bind(signature, arrays, named_arrays)
-                raise _read_only_error(
-                    f"`{name}`", _holding(bound, _is_read_only_array)
-                ) from exc
-            outs = []
-            for k, out in enumerate(_outputs(result)):
-                array = as_array(out, f"`{name}` (output {k})")
-                if check_finite and array.dtype.kind == "f" and not np.isfinite(array).all():
-                    msg = (
-                        f"`{name}` returned non-finite values in output {k} "
-                        f"({_count_nonfinite(array)}). Check `{name}` at this input, or "
-                        "pass `check_finite=False` to bridge if they are expected."
-                    )
-                    raise GradOverrideError(msg)
-                outs.append(_to_tensor(array, device, dtype))
-            return tuple(outs) if type(result) is tuple else outs[0]
+            # And trailing positional defaults (np.sin's `out=None`): `fn` and `outputs=`
+            # get the arguments the caller gave.
+            while args and len(args) <= len(positional_defaults) and (
+                args[-1] is positional_defaults[len(args) - 1]
+            ):
+                args = args[:-1]
+            return _through_operator(key, "forward", (args, kwargs))
 
+        key = self._key  # (not `self`: dynamo can trace a string in a Function's forward)
         functools.update_wrapper(forward, self._fn)
         forward.__signature__ = signature  # type: ignore[attr-defined]
         return forward
+
+    def _direct(self, role: str, value: Any, reason: outside.NotLiteral | None) -> Any:
+        """Run `fn` (or the rule) right here. Only eagerly: a compiler or a transform
+        needs the operator, and the operator carries tensors and Python literals only."""
+        if reason is not None and (
+            torch.compiler.is_compiling() or any(
+                map(is_transformed, pytree.tree_leaves(value))
+            )
+        ):
+            where = f"`{self._parameter_of(reason.path)}`"
+            msg = (
+                f"`{self._name}` is a go.bridge, called here under torch.compile, "
+                "torch.export or a torch.func transform, which need it as one operator "
+                f"holding tensors and Python literals only; its argument {where} holds a "
+                f"{type(reason.value).__name__}, which is neither. Pass it as a tensor, or "
+                f"bind it into the function (`functools.partial({self._name}, ...)`) "
+                "before bridging."
+            )
+            raise GradOverrideError(msg)
+        return self.outside_run(role, value)
+
+    def _parameter_of(self, path: str) -> str:
+        """The parameter a path into `(args, kwargs)` (or `(grads, named)`) starts at."""
+        return path.split("]")[1].strip("[]'") if path.count("]") > 1 else path
+
+    def outside_run(self, role: str, value: Any) -> Any:
+        """The real computation of `role` on real tensors (see `gradoverride._outside`)."""
+        if role == "forward":
+            args, kwargs = value
+            return self._forward_numpy(args, kwargs)
+        grads, named = value
+        return self._backward_numpy(grads, named)
+
+    def outside_fake(self, role: str, value: Any) -> Any:
+        """What `role` returns, in shapes and dtypes, without running it."""
+        if role == "forward":
+            args, kwargs = value
+            return self._fake_forward(args, kwargs)
+        _, named = value
+        return self._per_input(named, named["needs_grad"], None, fill=torch.empty_like)
+
+    def outside_describe(self, role: str) -> str:
+        what = "function" if role == "forward" else "backward"
+        return f"the {what} of the go.bridge of `{self._name}`"
+
+    def outside_promise(self, role: str) -> str:
+        if role == "forward":
+            return "its `outputs=`"
+        return "the inputs' shapes (a gradient per input, in its shape)"
+
+    def _fake_forward(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if not callable(self.outputs):
+            msg = (
+                f"`{self._name}` is a go.bridge traced by torch.compile or torch.export, "
+                "which need its outputs' shapes and dtypes without running it; pass "
+                "`outputs=` to go.bridge, a function of the same arguments returning empty "
+                "tensors of those shapes and dtypes, e.g. `outputs=lambda x: "
+                "x.new_empty(x.shape[:-1])` (with `residuals=`: `(output, {name: tensor})`)."
+                + ("" if self.outputs is None else
+                   f" Got {type(self.outputs).__name__} {self.outputs!r}, which describes "
+                   "TensorFlow outputs only.")
+            )
+            raise GradOverrideError(msg)
+        return self.outputs(*args, **kwargs)
+
+    def _forward_numpy(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """`fn` on numpy views of the arguments, its outputs (and residuals) as tensors."""
+        name = self._name
+        device, dtype = _target((args, kwargs))
+        arrays, named_arrays = _tree_to_numpy(args), _tree_to_numpy(kwargs)
+        try:
+            result = self._fn(*arrays, **named_arrays)
+        except ValueError as exc:
+            if not _wrote_read_only(exc):
+                raise
+            bound = _bind(self._signature, arrays, named_arrays)
+            raise _read_only_error(f"`{name}`", _holding(bound, _is_read_only_array)) from exc
+        residuals: dict[str, Any] | None = None
+        if self.residuals:
+            result, residuals = self._split_residuals(result)
+        outs = []
+        for k, out in enumerate(_outputs(result)):
+            array = as_array(out, f"`{name}` (output {k})")
+            if self.check_finite and array.dtype.kind == "f" and not np.isfinite(array).all():
+                msg = (
+                    f"`{name}` returned non-finite values in output {k} "
+                    f"({_count_nonfinite(array)}). Check `{name}` at this input, or "
+                    "pass `check_finite=False` to bridge if they are expected."
+                )
+                raise GradOverrideError(msg)
+            outs.append(_to_tensor(array, device, dtype))
+        output = tuple(outs) if type(result) is tuple else outs[0]
+        if residuals is None:
+            return output
+        kept = {
+            k: torch.as_tensor(as_array(v, f"`{name}` (residual `{k}`)"), device=device)
+            for k, v in residuals.items()
+        }
+        return output, kept
+
+    def _split_residuals(self, result: Any) -> tuple[Any, dict[str, Any]]:
+        names = self.residuals
+        if not (type(result) is tuple and len(result) == 2 and isinstance(result[1], dict)
+                and set(result[1]) == set(names)):
+            msg = (
+                f"`{self._name}` is bridged with residuals={names!r}, so it must return "
+                f"`(output, {{{', '.join(repr(n) + ': ...' for n in names)}}})`: its output "
+                "and a dict of the values its backward rule reads; got "
+                f"{type(result).__name__}."
+            )
+            raise GradOverrideError(msg)
+        return result[0], {n: result[1][n] for n in names}
 
     # -- backward -----------------------------------------------------------------------------
 
@@ -868,50 +998,116 @@ class Bridge(Generic[P]):
         ]
         return inspect.Signature(params)
 
-    def _make_estimator_rule(self, estimator: Estimator) -> Callable[..., Any]:
-        names = self._parameters
+    def _make_rule(self, op: CustomBackward[..., Any]) -> Callable[..., Any]:
+        """The op's rule: the user's rule or the estimator, run through the operator.
 
-        def rule(*grads: Any, **named: Any) -> dict[str, Any]:
-            self._refuse_transformed(f"the {type(estimator).__name__} estimator", (grads, named))
-            values = tuple(named[n] for n in names)
-            problem = _Problem(self, values, named["needs_grad"], grads, self.check_finite)
-            estimates = estimator.vjp(problem)
-            leaves: list[Any] = []
-            for i, estimate in enumerate(estimates):
-                original = problem.originals[i]
-                if estimate is None or not isinstance(original, Tensor):
-                    leaves.append(None)
-                    continue
-                self._check_gradient(estimate, problem.slot_of[i])
-                leaves.append(torch.as_tensor(estimate, device=original.device).to(
-                    original.dtype))
-            tree = pytree.tree_unflatten(leaves, problem.spec)
-            return dict(zip(names, tree, strict=True))
+        It names every parameter (so every tensor input is saved: the backward runs
+        outside PyTorch and returns one gradient per input, whose shape the operator must
+        know before it runs), what the user's rule names beyond them (`output`, residuals),
+        and `needs_grad`."""
+        extra: tuple[str, ...] = ()
+        if not isinstance(self.backward, Estimator):
+            # The user's rule is checked here against the forward (unknown names, a missing
+            # gradient parameter), with custom_backward's own messages.
+            self._user_rule = RuleSpec(
+                self.backward, op._signature, owns=None, residuals=self.residuals,
+                once_differentiable=True, materialize_grads=True,
+            )
+            extra = tuple(
+                n for n in self._user_rule.requested
+                if n not in self._parameters and n != "needs_grad"
+            )
 
-        rule.__name__ = rule.__qualname__ = f"{type(estimator).__name__}"
-        rule.__signature__ = self._rule_signature(("needs_grad",))  # type: ignore[attr-defined]
-        return rule
-
-    def _make_user_rule(self, user_rule: Callable[..., Any]) -> Callable[..., Any]:
-        rule_name = describe(user_rule)
-        rule_signature = _read_signature(user_rule)
+        key = self._key
 
         def rule(*grads: Any, **named: Any) -> Any:
-            self._refuse_transformed(f"the rule `{rule_name}`", (grads, named))
+            return _through_operator(key, "backward", (grads, named))
+
+        name = (
+            type(self.backward).__name__ if isinstance(self.backward, Estimator)
+            else describe(self.backward)
+        )
+        rule.__name__ = rule.__qualname__ = name
+        rule.__signature__ = self._rule_signature((*extra, "needs_grad"))  # type: ignore[attr-defined]
+        return rule
+
+    def _backward_numpy(self, grads: tuple[Any, ...], named: dict[str, Any]) -> Any:
+        """The rule or the estimator on numpy arrays: one gradient per input that needs one
+        (zeros where the rule gives None), by parameter name."""
+        needs = named["needs_grad"]
+        if isinstance(self.backward, Estimator):
+            result = self._estimate(self.backward, grads, named)
+        else:
+            spec = self._user_rule
+            rule_name = spec.name
+            if spec.n_grads is not None and spec.n_grads != len(grads):
+                msg = (
+                    f"the backward rule `{rule_name}` of `{self._name}` takes {spec.n_grads} "
+                    f"upstream gradient(s) but `{self._name}` has {len(grads)} output(s); "
+                    "give the rule one positional parameter per output."
+                )
+                raise GradOverrideTypeError(msg)
             device = next((g.device for g in grads if isinstance(g, Tensor)), None)
-            arrays, named_arrays = _tree_to_numpy(grads), _tree_to_numpy(named)
+            wanted = {n: named[n] for n in spec.requested}
+            arrays, named_arrays = _tree_to_numpy(grads), _tree_to_numpy(wanted)
             try:
-                result = user_rule(*arrays, **named_arrays)
+                result = spec.rule(*arrays, **named_arrays)
             except ValueError as exc:
                 if not _wrote_read_only(exc):
                     raise
-                bound = _bind(rule_signature, arrays, named_arrays)
+                bound = _bind(_read_signature(spec.rule), arrays, named_arrays)
                 who = f"the backward rule `{rule_name}` of `{self._name}`"
                 raise _read_only_error(who, _holding(bound, _is_read_only_array)) from exc
-            return self._convert_rule_result(result, device, rule_name)
+            result = self._convert_rule_result(result, device, rule_name)
+        return self._per_input(named, needs, result, fill=torch.zeros_like)
 
-        functools.update_wrapper(rule, user_rule)
-        return rule
+    def _estimate(self, estimator: Estimator, grads: tuple[Any, ...], named: dict[str, Any]
+                  ) -> dict[str, Any]:
+        names = self._parameters
+        values = tuple(named[n] for n in names)
+        problem = _Problem(self, values, named["needs_grad"], grads, self.check_finite)
+        estimates = estimator.vjp(problem)
+        leaves: list[Any] = []
+        for i, estimate in enumerate(estimates):
+            original = problem.originals[i]
+            if estimate is None or not isinstance(original, Tensor):
+                leaves.append(None)
+                continue
+            self._check_gradient(estimate, problem.slot_of[i])
+            leaves.append(torch.as_tensor(estimate, device=original.device).to(original.dtype))
+        tree = pytree.tree_unflatten(leaves, problem.spec)
+        return dict(zip(names, tree, strict=True))
+
+    def _per_input(self, named: dict[str, Any], needs: dict[str, bool], result: Any,
+                   fill: Callable[[Tensor], Tensor]) -> dict[str, Any]:
+        """Per parameter, a gradient for each tensor leaf that needs one (the rule's, read
+        as custom_backward reads it, or `fill` of the input), None elsewhere: the same
+        structure whatever the rule returned, as the operator needs."""
+        names = self._parameters
+        values = tuple(named[n] for n in names)
+        flat, layout = flatten_inputs(values)
+        ranges = slot_ranges(layout, len(names))
+        slot_of = [slot for slot, (start, stop, _) in enumerate(ranges)
+                   for _ in range(start, stop)]
+        meta: list[Any] = [
+            (leaf.shape, leaf.dtype, leaf.device)
+            if takes_gradient(leaf) and needs.get(names[slot_of[i]], False)
+            else (SKIP if isinstance(leaf, Tensor) else None)
+            for i, leaf in enumerate(flat)
+        ]
+        given: list[Any] = [None] * len(flat)
+        if result is not None:
+            given = flat_gradients(result, op=self._name, names=names,
+                                   owned=(True,) * len(names), layout=layout, meta=meta)
+        grads = [
+            (fill(flat[i]) if given[i] is None else given[i]) if isinstance(m, tuple) else None
+            for i, m in enumerate(meta)
+        ]
+        return {
+            names[slot]: grads[start] if spec is None else pytree.tree_unflatten(
+                grads[start:stop], spec)
+            for slot, (start, stop, spec) in enumerate(ranges)
+        }
 
     def _convert_rule_result(self, result: Any, device: torch.device | None, rule: str) -> Any:
         """Arrays in a rule's result become tensors on the bridge's device, checked finite.
@@ -962,27 +1158,6 @@ class Bridge(Generic[P]):
 
     # -- arguments a bridge refuses -----------------------------------------------------------
 
-    def _refuse_batched(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """Under vmap, a GradOverrideError if an argument is batched: `fn` would get a tensor
-        without data. (Under grad and jacrev the forward runs on real tensors, and so does
-        a closure's tensor under vmap; only the backward can fail, see `_refuse_transformed`.)
-        """
-        if not any(map(_is_batched, pytree.tree_leaves((args, kwargs)))):
-            return
-        where = _naming(
-            _holding(_bind(self._signature, args, kwargs), _is_batched),
-            "its argument {names} is a tensor", "its arguments {names} are tensors",
-            "an argument is a tensor",
-        )
-        msg = (
-            f"`{self._name}` is a go.bridge, which runs its function on numpy arrays, so it "
-            f"cannot run under torch.func.vmap: {where} batched by vmap, which numpy cannot "
-            "read (no data of its own). Call it outside vmap (in a loop over the batch, or on "
-            "the whole batch with a function written for a leading batch axis), or write "
-            f"`{self._name}` in torch ops, which vmap can transform."
-        )
-        raise GradOverrideError(msg)
-
     def _refuse_keras_tensors(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """A GradOverrideError if an argument is a symbolic KerasTensor (a functional Keras
         model being built): `fn` cannot run on it, and the bridge is no Keras layer."""
@@ -1010,22 +1185,6 @@ class Bridge(Generic[P]):
         )
         raise GradOverrideError(msg)
 
-    def _refuse_transformed(self, rule: str, values: Any) -> None:
-        """In the backward, a GradOverrideError if torch.func hands it wrapped tensors: the
-        transform (grad, jacrev, hessian, ...) differentiates the bridge inside itself."""
-        if not (transforms_active() and any(map(is_transformed, pytree.tree_leaves(values)))):
-            return
-        msg = (
-            f"`{self._name}` is a go.bridge, whose backward ({rule}) runs on numpy arrays, "
-            "so it cannot be differentiated inside a torch.func transform (grad, jacrev, "
-            "...): the transform gives the backward tensors it wraps, which have no data "
-            "numpy can read. Differentiate it outside the transform (torch.autograd.grad or "
-            ".backward() instead of torch.func.grad; the function torch.func.vjp returns "
-            "works when called outside any transform), or write "
-            f"`{self._name}` in torch ops, which torch.func can transform."
-        )
-        raise GradOverrideError(msg)
-
     # -- calling ------------------------------------------------------------------------------
 
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> Any:
@@ -1045,6 +1204,7 @@ def bridge(
     backward: Callable[..., Any] | Estimator | str,
     check_finite: bool = ...,
     outputs: Any = ...,
+    residuals: str | Sequence[str] | None = ...,
 ) -> Bridge[P]: ...
 
 
@@ -1056,6 +1216,7 @@ def bridge(
     backward: Callable[..., Any] | Estimator | str,
     check_finite: bool = ...,
     outputs: Any = ...,
+    residuals: str | Sequence[str] | None = ...,
 ) -> Callable[[Callable[P, Any]], Bridge[P]]: ...
 
 
@@ -1067,6 +1228,7 @@ def bridge(
     backward: Callable[..., Any] | Estimator | str,
     check_finite: bool = True,
     outputs: Any = None,
+    residuals: str | Sequence[str] | None = None,
 ) -> Any:
     """Run a function outside PyTorch (numpy, scipy, a simulator) in a differentiable graph.
 
@@ -1118,20 +1280,23 @@ def bridge(
     estimated or returned gradients, and the outputs, must be finite unless
     ``check_finite=False``. The backward is once-differentiable.
 
-    `torch.compile`: a bridge call cannot be traced (it leaves PyTorch), so it is a graph
-    break: the code before and after it is compiled, the call runs eagerly. Under
-    ``fullgraph=True`` compiling raises an error whose message says that a bridge call
-    cannot be part of a fullgraph region.
+    Compiling, exporting, transforming: a call is one operator, `gradoverride::outside`,
+    which `torch.compile` (also ``fullgraph=True``), `torch.export` and `torch.func`
+    (`grad`, `jacrev`, `vmap`) treat as opaque: its kernel runs `fn` (or the rule) on real
+    tensors, and `outputs=` tells the compiler and the exporter what comes out. Without
+    `outputs=`, a compiled call is a graph break (the code around it is compiled), and
+    ``fullgraph=True`` fails with a message saying to pass it. Under `vmap` (and `jacrev`,
+    a `vmap` of the backward), `fn` or the rule is called once per batch entry. An
+    exported program calls the bridge by name: load it in a process that has made the
+    same bridge (import the module defining it). An argument that is neither a tensor nor
+    a Python literal (a numpy array, an object) runs eagerly only: under a compiler or a
+    transform it is a `GradOverrideError` naming it.
 
-    `torch.func`: numpy needs tensors with data, and a transform's wrapped tensors have
-    none. Under `vmap`, a batched argument is a `GradOverrideError` at the call: loop over
-    the batch, or give the whole batch to a function written for a leading batch axis.
-    Under `grad`, `jacrev` and the like, the forward runs (torch hands a custom op's
-    forward real tensors) but the backward would get wrapped tensors, so differentiating a
-    bridge inside the transform is a `GradOverrideError`: use `torch.autograd.grad` or
-    ``.backward()`` instead, or call the function `torch.func.vjp` returns outside any
-    transform. Tensors the transform does not track (a closure's, a detached one) are
-    fine. To transform the computation itself, write it in torch ops.
+    The backward keeps every tensor input (it returns one gradient per input, in the
+    input's shape, known before it runs), and a rule's None for an input that needs a
+    gradient is a zero gradient. With `residuals=`, `fn` returns ``(output, {name:
+    value})``: callers get the output, and the rule names the values, which are kept
+    rather than computed again (a solver runs once).
 
     TensorFlow: the same bridge takes TensorFlow tensors, eagerly and inside a
     `tf.function` (through `tf.numpy_function`; give `outputs=` there when `fn` returns
@@ -1149,19 +1314,25 @@ def bridge(
         backward: a rule, an estimator name, or an estimator object.
         check_finite: raise `GradOverrideError` on non-finite outputs and gradients
             (default True).
-        outputs: on TensorFlow tensors inside a `tf.function`, what `fn` returns: a
-            `tf.TensorSpec`, a dtype, or a tuple of them, one per output (the function is
-            traced before `fn` runs). Default: one output in the floating arguments'
-            promoted dtype. Not needed eagerly, nor on torch tensors. In a layer of a
-            functional Keras model, give the shapes too (None for the batch axis): Keras
-            infers the layer's output from them.
+        outputs: what `fn` returns, for code that is traced before `fn` runs. On torch
+            tensors (for `torch.compile` and `torch.export`), a function of the same
+            arguments returning empty tensors of the outputs' shapes and dtypes, e.g.
+            ``lambda x: torch.empty_like(x)``, with the residuals as ``(output, {name:
+            tensor})``; it runs on fake tensors. On TensorFlow tensors inside a
+            `tf.function`, a `tf.TensorSpec`, a dtype, or a tuple of them, one per output.
+            Default: none; eagerly none is needed (on TensorFlow: one output in the floating
+            arguments' promoted dtype). In a layer of a functional Keras model, give the
+            shapes too (None for the batch axis): Keras infers the layer's output from them.
+        residuals: names of values `fn` computes for the rule, which `fn` then returns as
+            ``(output, {name: value})``; the rule names them as keyword-only parameters.
 
     Returns:
         A `Bridge`, callable like `fn` on tensors; usable as a decorator with options.
     """
 
     def make(f: Callable[P, Any]) -> Bridge[P]:
-        return Bridge(f, backward, check_finite=check_finite, outputs=outputs)
+        return Bridge(f, backward, check_finite=check_finite, outputs=outputs,
+                      residuals=residuals)
 
     if fn is None:
         return autograph_artifact(make)

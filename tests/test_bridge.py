@@ -402,9 +402,9 @@ def test_compile_runs_a_bridge_call_as_a_graph_break() -> None:
 def test_compile_fullgraph_says_a_bridge_cannot_be_inside() -> None:
     torch._dynamo.reset()
     with pytest.raises(RuntimeError, match=(
-        r"(?s)torch.compiler.disable.*go.bridge of `sin` calls a function outside PyTorch "
-        r"\(on numpy arrays\), which torch.compile cannot trace.*cannot be inside a "
-        r"fullgraph=True region"
+        r"(?s)torch.compiler.disable.*go.bridge of `sin` has no `outputs=`, so "
+        r"torch.compile cannot know what its function \(numpy code, which it cannot trace\) "
+        r"returns.*a fullgraph=True region cannot hold\. Pass `outputs=` to go.bridge"
     )):
         torch.compile(_model, backend="eager", fullgraph=True)(torch.ones(3))
     torch._dynamo.reset()
@@ -580,51 +580,36 @@ def test_spsa_memory_is_that_of_a_chunk_not_of_all_samples(
 
 # ---- torch.func ----------------------------------------------------------------------------
 
-_SINE_SPSA = go.bridge(np.sin, backward="spsa")
+_SINE_FD = go.bridge(np.sin, backward="finite_differences")
 
 
-def test_vmap_of_a_bridge_is_an_error_at_the_call() -> None:
-    with pytest.raises(go.GradOverrideError, match=(
-        r"^`sin` is a go.bridge, which runs its function on numpy arrays, so it cannot run "
-        r"under torch.func.vmap: its argument `x` is a tensor batched by vmap, which numpy "
-        r"cannot read \(no data of its own\)\. Call it outside vmap \(in a loop over the "
-        r"batch, or on the whole batch with a function written for a leading batch axis\), "
-        r"or write `sin` in torch ops, which vmap can transform\.$"
-    )):
-        torch.func.vmap(_SINE)(torch.ones(2, 3))
+def test_vmap_of_a_bridge_calls_it_once_per_batch_entry() -> None:
+    calls: list[tuple[int, ...]] = []
 
     def pair(x: Any, w: Any) -> Any:
+        calls.append(np.shape(x))
         return x * w
 
-    with pytest.raises(go.GradOverrideError,
-                       match=r"its arguments `x`, `w` are tensors batched "):
-        torch.func.vmap(go.bridge(pair, backward="spsa"))(torch.ones(2, 3), torch.ones(2, 3))
+    x, w = torch.randn(2, 3), torch.randn(2, 3)
+    torch.testing.assert_close(torch.func.vmap(_SINE)(x), torch.sin(x))
+    out = torch.func.vmap(go.bridge(pair, backward="spsa"))(x, w)
+    torch.testing.assert_close(out, x * w)
+    assert calls == [(3,), (3,)]
 
 
 @pytest.mark.parametrize("transform", ["grad", "jacrev"])
-@pytest.mark.parametrize(("op", "backward"), [
-    (_SINE, r"the rule `[^`]*<lambda>`"), (_SINE_SPSA, r"the spsa estimator"),
-])
-def test_differentiating_a_bridge_inside_torch_func_is_an_error(
-    transform: str, op: Any, backward: str
-) -> None:
-    x = torch.ones(3, dtype=torch.float64)
-    call = torch.func.grad(lambda x: op(x).sum()) if transform == "grad" else (
-        torch.func.jacrev(op))
-    with pytest.raises(go.GradOverrideError, match=(
-        rf"^`sin` is a go.bridge, whose backward \({backward}\) runs on numpy arrays, so it "
-        r"cannot be differentiated inside a torch.func transform \(grad, jacrev, \.\.\.\): "
-        r"the transform gives the backward tensors it wraps, which have no data numpy can "
-        r"read\. Differentiate it outside the transform \(torch.autograd.grad or "
-        r"\.backward\(\) instead of torch.func.grad; the function torch.func.vjp returns "
-        r"works when called outside any transform\), or write `sin` in torch ops"
-    )):
-        call(x)
+@pytest.mark.parametrize("op", [_SINE, _SINE_FD], ids=["rule", "estimator"])
+def test_a_bridge_differentiates_inside_torch_func(transform: str, op: Any) -> None:
+    x = torch.linspace(-1, 1, 3, dtype=torch.float64)
+    if transform == "grad":
+        got = torch.func.grad(lambda x: op(x).sum())(x)
+    else:
+        got = torch.func.jacrev(op)(x).sum(0)
+    torch.testing.assert_close(got, torch.cos(x), atol=1e-9, rtol=0)
 
 
-def test_a_bridge_under_torch_func_where_it_can_run() -> None:
-    """What the errors above leave working: tensors the transform does not track, and the
-    function torch.func.vjp returns, called outside any transform."""
+def test_a_bridge_under_torch_func_on_untracked_tensors() -> None:
+    """Tensors the transform does not track, and the function torch.func.vjp returns."""
     x = torch.linspace(-1, 1, 3, dtype=torch.float64)
     c = torch.linspace(0, 2, 3, dtype=torch.float64)
     g = torch.func.grad(lambda y: (y * _SINE(c)).sum())(x)  # a closure's tensor

@@ -4,8 +4,10 @@ on a small grid, each checked against the paper's formula computed here from the
 
 from __future__ import annotations
 
+import copy
 import heapq
 import math
+import pickle
 
 import numpy as np
 import pytest
@@ -307,23 +309,69 @@ def _ranked_loss(w: torch.Tensor) -> torch.Tensor:
 _RANKING = blackbox_solver(rank, lambda_=2.0, numpy=True)
 
 
+def _ranked_by_hand(w: torch.Tensor) -> torch.Tensor:
+    """The gradient of `_ranked_loss` by Vlastelica et al.'s formula, with torch's argsort:
+    (rank(2w + lambda * g) - rank(2w)) / lambda, times 2 (the chain rule through w * 2)."""
+    g = torch.arange(3.0)
+
+    def ranks(v: torch.Tensor) -> torch.Tensor:  # 1 for the largest, as `rank`
+        return (len(v) - torch.argsort(torch.argsort(v))).to(v.dtype)
+
+    shifted = ranks(w * 2 + 2.0 * g)
+    return 2 * (shifted - ranks(w * 2)) / 2.0
+
+
 @pytest.mark.compile
-@pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf")
-def test_compile_runs_a_solver_call_as_a_graph_break() -> None:
-    """See test_bridge.py for the filtered warning (dynamo's own, at any graph break)."""
+@pytest.mark.filterwarnings("ignore:.*should not be instantiated:DeprecationWarning")
+def test_a_numpy_solver_compiles_exports_and_transforms() -> None:
+    """One operator: fullgraph compile (forward and the rule's second solver call), export
+    as one node, torch.func.grad and per-sample gradients by vmap."""
     torch._dynamo.reset()
     w = torch.tensor([0.3, 1.0, -0.5], requires_grad=True)
     (eager,) = torch.autograd.grad(_ranked_loss(w), w)
-    (compiled,) = torch.autograd.grad(torch.compile(_ranked_loss, backend="aot_eager")(w), w)
-    torch.testing.assert_close(compiled, eager)
+    torch.testing.assert_close(eager, _ranked_by_hand(w.detach()))
     assert eager.abs().sum() > 0
+    compiled = torch.compile(_ranked_loss, backend="aot_eager", fullgraph=True)
+    (got,) = torch.autograd.grad(compiled(w), w)
+    torch.testing.assert_close(got, eager)
+    torch.testing.assert_close(torch.func.grad(_ranked_loss)(w.detach()), eager)
+    batch = torch.stack([w.detach(), -w.detach()])
+    per_sample = torch.func.vmap(torch.func.grad(_ranked_loss))(batch)
+    torch.testing.assert_close(per_sample, torch.stack([_ranked_by_hand(v) for v in batch]))
+
+    class Ranks(torch.nn.Module):
+        def forward(self, v: torch.Tensor) -> torch.Tensor:
+            return _RANKING(v * 2)
+
+    program = torch.export.export(Ranks(), (w.detach(),))
+    nodes = [str(n.target) for n in program.graph.nodes if n.op == "call_function"]
+    assert "gradoverride.outside.default" in nodes, nodes
+    torch.testing.assert_close(program.module()(w.detach()), torch.tensor([2.0, 1.0, 3.0]))
     torch._dynamo.reset()
-    with pytest.raises(RuntimeError, match=(
-        r"(?s)gradoverride's blackbox_solver calls a black-box solver \(Python or numpy code\), "
-        r"which torch.compile cannot trace.*cannot be inside a fullgraph=True region"
+
+
+@pytest.mark.compile
+@pytest.mark.filterwarnings("ignore:.*should not be instantiated:DeprecationWarning")
+def test_a_compiled_solver_returning_another_shape_is_named() -> None:
+    torch._dynamo.reset()
+    top2 = perturbed_optimizer(lambda t: np.stack([t, t]), samples=2, sigma=0.5,
+                               numpy=True)
+    with pytest.raises(go.GradOverrideError, match=(
+        r"the solver `[^`]*<lambda>` of perturbed_optimizer\(.*\) returned \(2, 2, 3\) "
+        r"float32, but the compiled or exported graph was traced with \(2, 3\) float32, what "
+        r"the instances' shape \(traced by torch.compile or torch.export, a numpy solver is "
+        r"taken to return one solution of its instance's shape per instance\) said"
     )):
-        torch.compile(_ranked_loss, backend="aot_eager", fullgraph=True)(w)
+        torch.compile(top2, backend="aot_eager", fullgraph=True)(torch.ones(3))
     torch._dynamo.reset()
+
+
+def test_a_copied_or_unpickled_solver_recipe_runs() -> None:
+    w = torch.tensor([0.3, 1.0, -0.5], requires_grad=True)
+    for twin in (copy.deepcopy(_RANKING), pickle.loads(pickle.dumps(_RANKING))):
+        assert twin == _RANKING
+        (got,) = torch.autograd.grad((twin(w * 2) * torch.arange(3.0)).sum(), w)
+        torch.testing.assert_close(got, _ranked_by_hand(w.detach()))
 
 
 def test_booleans_are_not_counts_or_strengths() -> None:

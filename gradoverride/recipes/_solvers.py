@@ -17,10 +17,14 @@ of instances at once. With `numpy=True` it gets numpy arrays instead of tensors.
 (a tensor, a numpy array, or anything array-like) is converted to the input's dtype and
 device.
 
-A solver is arbitrary Python (loops, heaps, numpy, a C library), which `torch.compile` cannot
-trace, so under `torch.compile` a call of either recipe is a graph break: the code around it
-is compiled and the recipe runs eagerly. Under `fullgraph=True` compiling fails with an error
-that says so.
+A numpy solver (`numpy=True`) is arbitrary Python (loops, heaps, a C library), which
+`torch.compile` cannot trace: it runs inside one opaque operator, so a compiled model
+(`fullgraph=True` too) or an exported program holds the call as one node, and `torch.func`
+transforms work (under `vmap` the solver is called once per batch entry). Traced so, the
+solver must return one solution of its instance's shape per instance (what the compiler is
+told); another shape is an error naming the solver. A solver written in torch ops
+(`numpy=False`) is traced like any torch code. `perturbed_optimizer` with `seed=` or
+`generator=` makes a generator, which a compiled function cannot: pass `noise=` there.
 """
 
 from __future__ import annotations
@@ -33,11 +37,11 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from .._bridge import as_array, graph_break, to_numpy
+from .. import _outside as outside
+from .._bridge import as_array, to_numpy
 from .._decorators import custom_backward
 from .._errors import GradOverrideError, GradOverrideTypeError
 from .._frameworks import is_tensorflow
-from .._internals import is_transformed
 from .._signature import describe
 from ._base import Recipe, finite, tensorflow_call
 
@@ -45,35 +49,46 @@ __all__ = ["blackbox_solver", "perturbed_optimizer"]
 
 Solver = Callable[[Any], Any]
 
-_COMPILE_REASON = (
-    "gradoverride's {name} calls a black-box solver (Python or numpy code), which "
-    "torch.compile cannot trace: the call runs eagerly between compiled graphs (a graph "
-    "break), so it cannot be inside a fullgraph=True region"
-)
-
-
-#: Per recipe name, its solver call wrapped as an explicit graph break. Filled when the first
-#: recipe of that kind is made (`__post_init__`), not at import: `torch.compiler.disable`
-#: imports dynamo, over a second, and `import gradoverride.recipes` has no such budget to
-#: spend on users who never call a solver. A recipe is normally made before compiling; one
-#: made inside a compiled function still works (a graph break), with dynamo's own message.
-_EAGER: dict[str, Callable[..., Tensor]] = {}
-
-
-def _eager(fn: Callable[..., Tensor], name: str) -> None:
-    """Wrap `fn` as an explicit graph break under torch.compile, with a reason naming
-    `name`, once."""
-    if name not in _EAGER:
-        _EAGER[name] = graph_break(fn, _COMPILE_REASON.format(name=name))
-
-
 class _SolverRecipe(Recipe):
-    """Calling a user's solver on each instance (or on the stack) and converting back."""
+    """Calling a user's solver on each instance (or on the stack) and converting back.
+
+    A numpy solver runs inside one opaque operator (`gradoverride/_outside.py`), so that
+    torch.compile and torch.export trace the call as one node, whose solutions they take
+    to have the instances' shape, and torch.func transforms reach it with real tensors (a
+    vmap calls it per batch entry). A solver in torch ops is called as it is (traced like
+    any torch code)."""
 
     solver: Solver
     instance_dims: int
     batched: bool
     numpy: bool
+    _key: str  # (not a field: set by `_register`)
+
+    def _register(self) -> None:
+        """A key naming this recipe to the operator (again for a copy or an unpickled one)."""
+        name = f"{type(self).__name__}({describe(self.solver)})"
+        object.__setattr__(self, "_key", outside.register(self, name))
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._register()
+
+    def outside_run(self, role: str, value: Any) -> Tensor:
+        (flat,) = value
+        return self._solve_flat(flat)
+
+    def outside_fake(self, role: str, value: Any) -> Tensor:
+        (flat,) = value
+        return torch.empty_like(flat)
+
+    def outside_describe(self, role: str) -> str:
+        return f"the solver `{describe(self.solver)}` of {self!r}"
+
+    def outside_promise(self, role: str) -> str:
+        return (
+            "the instances' shape (traced by torch.compile or torch.export, a numpy solver "
+            "is taken to return one solution of its instance's shape per instance)"
+        )
 
     def _check_common(self) -> None:
         name = type(self).__name__
@@ -109,25 +124,24 @@ class _SolverRecipe(Recipe):
         Returns a tensor of shape ``(*batch, *solution)``.
         """
         batch, instance = self._split(w)
-        if self.numpy and is_transformed(w):
-            msg = (
-                f"{self!r} calls its numpy solver `{describe(self.solver)}`, which cannot run "
-                "under a torch.func transform (grad, vmap, jacrev): numpy needs real tensors, "
-                "and the transform's wrapped ones have no data of their own. Differentiate "
-                "with `loss.backward()` or `torch.autograd.grad` outside the transform, or "
-                "give a solver written in torch ops (`numpy=False`)."
-            )
-            raise GradOverrideError(msg)
         flat = w.detach().reshape(-1, *instance)
+        if self.numpy:
+            solutions: Tensor = outside.call(self._key, "solve", (flat,))
+        else:
+            solutions = self._solve_flat(flat)
+        return solutions.reshape(*batch, *solutions.shape[1:])
+
+    def _solve_flat(self, flat: Tensor) -> Tensor:
+        """The solutions of the instances stacked in `flat`, in its dtype and device."""
         n = flat.shape[0]
         inputs: Any = to_numpy(flat) if self.numpy else flat
         name = describe(self.solver)
 
         def convert(value: Any, what: str) -> Tensor:
             if isinstance(value, Tensor):
-                return value.detach().to(device=w.device, dtype=w.dtype)
+                return value.detach().to(device=flat.device, dtype=flat.dtype)
             array = as_array(value, f"the solver `{name}` ({what})")
-            return torch.tensor(array, device=w.device, dtype=w.dtype)  # a copy
+            return torch.tensor(array, device=flat.device, dtype=flat.dtype)  # a copy
 
         if self.batched:
             solutions = convert(self.solver(inputs), f"on a batch of {n}")
@@ -138,17 +152,16 @@ class _SolverRecipe(Recipe):
                     f"return one solution per instance, stacked along the first axis."
                 )
                 raise GradOverrideError(msg)
-        elif n == 0:
+            return solutions
+        if n == 0:
             msg = (
-                f"{self!r} got an empty batch (input shape {tuple(w.shape)}); with "
+                f"{self!r} got an empty batch (input shape {tuple(flat.shape)}); with "
                 "batched=False the solution shape is unknown without a solver call."
             )
             raise GradOverrideError(msg)
-        else:
-            solutions = torch.stack(
-                [convert(self.solver(inputs[i]), f"instance {i}") for i in range(n)]
-            )
-        return solutions.reshape(*batch, *solutions.shape[1:])
+        return torch.stack(
+            [convert(self.solver(inputs[i]), f"instance {i}") for i in range(n)]
+        )
 
     def _solver_repr(self) -> str:
         return describe(self.solver)
@@ -235,7 +248,7 @@ class blackbox_solver(_SolverRecipe):
 
     def __post_init__(self) -> None:
         self._check_common()
-        _eager(_interpolated, "blackbox_solver")
+        self._register()
         if not (
             isinstance(self.lambda_, int | float)
             and not isinstance(self.lambda_, bool)
@@ -273,7 +286,7 @@ class blackbox_solver(_SolverRecipe):
     def __call__(self, w: Tensor, /) -> Tensor:
         if not isinstance(w, Tensor) and is_tensorflow(w):
             return tensorflow_call(self, w)
-        return _EAGER["blackbox_solver"](w, self)
+        return _interpolated(w, self)
 
     def __repr__(self) -> str:
         return (
@@ -429,7 +442,7 @@ class perturbed_optimizer(_SolverRecipe):
 
     def __post_init__(self) -> None:
         self._check_common()
-        _eager(_perturbed, "perturbed_optimizer")
+        self._register()
         if self.jacobian not in _JACOBIANS:
             msg = (
                 f"perturbed_optimizer got jacobian={self.jacobian!r}; pass 'full' (the whole "
@@ -602,7 +615,8 @@ class perturbed_optimizer(_SolverRecipe):
                 "describes given draws: pass them as `noise=`, or drop `noise_layout`."
             )
             raise GradOverrideError(msg)
-        return _EAGER["perturbed_optimizer"](theta, self, given)
+        out: Tensor = _perturbed(theta, self, given)
+        return out
 
     def __repr__(self) -> str:
         generator = "" if self.generator is None else ", generator=<torch.Generator>"

@@ -24,6 +24,7 @@ from torch import Tensor, nn
 from .._decorators import custom_backward
 from .._errors import GradOverrideError, GradOverrideTypeError
 from .._frameworks import is_tensorflow
+from .._internals import is_tracing
 from .._jit import refuse_scripting
 from .._straight_through import (
     DEFAULT_KEEP,
@@ -40,6 +41,7 @@ from .._straight_through import (
     window_mask,
 )
 from ._base import Recipe, finite, positive_number, tensorflow_call
+from ._int8_export import exporting, fake_quantize, int8_range
 
 __all__ = [
     "BINARIZE_PRESETS",
@@ -849,6 +851,18 @@ class quantize(Recipe):
     A range taken from x is a constant for the gradient. Codes are computed in float32 for
     float16/bfloat16 inputs (which cannot hold every code: 65535 > float16's max), otherwise
     in the input's dtype; the output has the input's dtype.
+
+    Export: `torch.export` and `torch.onnx.export` (either exporter) record a float32 input
+    on a grid of 8 bits or fewer as torch's `fake_quantize_per_tensor_affine`, written to
+    ONNX as QuantizeLinear -> DequantizeLinear (int8 for `symmetric=True`, uint8 for
+    `symmetric=False`), which int8 runtimes run on integers; a grid narrower than its 8-bit
+    type (the symmetric [-127, 127], fewer bits) first clips the input to the grid's ends
+    (a Clip node). onnxruntime then gives the eager values exactly. 9 to 16 bits, and other
+    dtypes, export as the formula above (Div, Round, Clip, Mul). Eager calls,
+    `torch.compile` and `torch.jit.trace` keep the formula, bit for bit: torch's
+    fake-quantize kernel rounds x * (1/s), which differs from round(x / s) at a few inputs
+    within some ulps of a tie, so an `ExportedProgram` run in torch can differ there by one
+    step s.
     """
 
     bits: int = 8
@@ -895,7 +909,7 @@ class quantize(Recipe):
         if self.symmetric:
             if self.bound is not None:
                 return float(self.bound) / qmax, 0.0  # type: ignore[arg-type]
-            top = x.detach().abs().amax()
+            top = x.detach().abs().max()
             return torch.where(top > 0, top, 1) / qmax, 0.0
         if self.bound is not None:
             low, high = self.bound  # type: ignore[misc]
@@ -905,8 +919,8 @@ class quantize(Recipe):
             s = (high - low) / qmax
             return s, float(min(max(round(-low / s), qmin), qmax))
         xd = x.detach()
-        lo = xd.amin().clamp_max(0)
-        hi = xd.amax().clamp_min(0)
+        lo = xd.min().clamp_max(0)
+        hi = xd.max().clamp_min(0)
         span = hi - lo
         s_t = torch.where(span > 0, span, 1) / qmax
         return s_t, torch.round(-lo / s_t).clamp(qmin, qmax)
@@ -930,6 +944,16 @@ class quantize(Recipe):
     def _forward(self, x: Tensor, *, mask: bool = False) -> tuple[Tensor, Tensor | None]:
         """(y, outside): the quantized value, and where the code was clamped (if `mask`)."""
         qmin, qmax = self._codes
+        if x.dtype == torch.float32 and int8_range(qmin, qmax) is not None and exporting():
+            # The exporter's view: QuantizeLinear/DequantizeLinear where the grid fits int8
+            # or uint8 (see `_int8_export`). Before the size check, which the TorchScript-based
+            # exporter would trace and warn about; the mask is for backward, which no export
+            # keeps.
+            s, z = self.scale_and_zero_point(x)
+            y8 = fake_quantize(x, s, z, qmin, qmax)
+            if y8 is not None:
+                q = self._codes_of(x)[0] if mask else None
+                return y8, None if q is None else (q < qmin) | (q > qmax)
         if x.numel() == 0:
             return x.clone(), torch.zeros_like(x, dtype=torch.bool) if mask else None
         q, s, z = self._codes_of(x)
@@ -967,6 +991,10 @@ def _lsq_outside(v: Tensor, window: str, low: int, high: int) -> tuple[Tensor, T
 @custom_backward
 def _lsq(x: Tensor, step: Tensor, recipe: lsq) -> Tensor:
     qn, qp = recipe.code_range
+    if exporting() and step.dtype == x.dtype:
+        y8 = fake_quantize(x, step, 0.0, -qn, qp)  # QuantizeLinear/DequantizeLinear
+        if y8 is not None:
+            return y8
     return (torch.round(torch.clamp(x / step, -qn, qp)) * step).to(x.dtype)
 
 
@@ -1016,6 +1044,15 @@ class lsq(Recipe):
     `lsq(bits).module()` is an `nn.Module` holding `step` as a parameter, initialised from
     the first input as 2 * mean(|x|) / sqrt(Qp) (the paper's initialisation; floored at the
     dtype's smallest normal number, so an all-zero first input does not give step 0).
+    Exporting or tracing that module before its first call is refused (the graph would
+    compute the step from every input): call it once on representative data, load a
+    trained state_dict, or give `module(step=...)`.
+
+    Export: as `quantize`'s, a float32 input with a float32 step on a grid of 8 bits or
+    fewer exports as torch's fake-quantize op, QuantizeLinear -> DequantizeLinear in ONNX
+    (int8 for `signed=True`, uint8 otherwise; per channel where `step` has one axis of
+    x's size, as `step` of shape (C, 1) for a (C, K) weight); fewer than 8 bits first clip
+    the input to the grid's ends; 9 to 16 bits export as the formula.
     """
 
     bits: int = 8
@@ -1083,11 +1120,25 @@ class LearnedStepQuantizer(nn.Module):
         if not isinstance(x, Tensor) and is_tensorflow(x):
             return tensorflow_call(self, x)
         _check_input(self.recipe, x)
+        if self._needs_init and (exporting() or is_tracing()):
+            self._refuse_uninitialised_export()
         if self._needs_init:
             with torch.no_grad():
                 self.step.copy_(self.recipe.init_step(x))
             self._needs_init = False
         return self.recipe(x, self.step)
+
+    def _refuse_uninitialised_export(self) -> None:
+        # Recorded now, the first-call initialisation would become part of the graph: the
+        # step worked out again from every input the exported model is given.
+        msg = (
+            f"{self.recipe!r}.module(): `step` is not initialised yet (it is set from the "
+            "first input, 2 * mean(|x|) / sqrt(Qp)), so an export or trace now would record "
+            "that initialisation into the graph. Call the module once on representative data "
+            "before exporting, load a trained state_dict, or give the initial step: "
+            f"`{self.recipe!r}.module(step=...)`."
+        )
+        raise GradOverrideError(msg)
 
     def _load_from_state_dict(
         self, state_dict: Any, prefix: str, *args: Any, **kwargs: Any
