@@ -12,6 +12,7 @@ import ast
 import importlib.util
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -95,6 +96,10 @@ def test_example_runs_and_prints_what_the_page_shows(
         if (marker in example.source and not _REQUIRE_EXPORT
                 and importlib.util.find_spec(package) is None):
             pytest.skip(f"{package} is not installed (pip install 'gradoverride[export]')")
+    if "aoti_compile_and_package" in example.source and not any(
+        map(shutil.which, ("c++", "g++", "clang++"))
+    ):
+        pytest.skip("AOTInductor needs a C++ compiler, and this machine has none")
     for marker, package in _PEERS.items():
         if marker in example.source and importlib.util.find_spec(package) is None:
             pytest.skip(f"{package} is not installed (pip install 'gradoverride[peers]')")
