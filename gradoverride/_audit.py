@@ -37,7 +37,9 @@ if TYPE_CHECKING:
     from ._function import CallState
     from ._module_op import ModuleOp
 
-__all__ = ["ModuleAudit", "audit_call", "audit_module_call", "watching_grads"]
+__all__ = [
+    "ModuleAudit", "RuleResultCheck", "audit_call", "audit_module_call", "watching_grads",
+]
 
 # Calls whose result carries no gradient of their tensor arguments, so reading a captured
 # tensor through them loses nothing: metadata (`.shape` and other property reads, `size()`),
@@ -375,7 +377,14 @@ def audit_call(op: CustomBackward[..., Any], args: tuple[Any, ...], kwargs: dict
         op._name, sig.names, values, getattr(op, "__wrapped__", None), rule.owns_all,
         op._tracks_inplace, rule.requested, op._labels,
     )
-    return check.run(lambda: op._run(args, kwargs))
+    route = op._route
+    if route is None:
+        return check.run(lambda: op._run(args, kwargs))
+    from ._function import CallState
+
+    state = CallState()
+    state.rule_check = RuleResultCheck()
+    return check.run(lambda: route.run_bound(values, state))
 
 
 def _module_check(op: ModuleOp, values: tuple[Any, ...]) -> _Check:
@@ -453,3 +462,81 @@ def watching_grads(op: str, tensors: dict[str, Tensor]) -> Iterator[None]:
     """While a checked call's rule runs: a `.grad` it writes raises (see `_GradWrites`)."""
     with _GradWrites(op, tensors):
         yield
+
+
+# ---- a checked call's rule: a mask returned instead of `grad * mask` --------------------------
+
+
+class _Upstream(TorchFunctionMode):
+    """Follows which tensors a rule computes from the upstream gradients: a call with one of
+    them among its arguments makes its results such tensors too. Holds them, so that no
+    followed tensor's id is reused while the rule runs."""
+
+    def __init__(self, grads: Any) -> None:
+        super().__init__()
+        self.held = [g for g in pytree.tree_leaves(grads) if isinstance(g, Tensor)]
+        self.ids = {id(g) for g in self.held}
+
+    def __torch_function__(
+        self, func: Callable[..., Any], types: Any, args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        result = func(*args, **kwargs)
+        if any(id(a) in self.ids for a in pytree.tree_leaves((args, kwargs))
+               if isinstance(a, Tensor)):
+            for t in pytree.tree_leaves(result):
+                if isinstance(t, Tensor):
+                    self.held.append(t)
+                    self.ids.add(id(t))
+        return result
+
+
+class RuleResultCheck:
+    """The first checked call of an op looks at what its rule returns: a gradient of 0s and
+    1s computed without the upstream gradient is, almost always, a mask returned instead of
+    `grad * mask` (a float mask passes every dtype and shape check, and trains with the
+    mask as the gradient). It is a `GradOverrideWarning`, not an error: a rule may mean to
+    inject a constant."""
+
+    def __init__(self) -> None:
+        self.mode: _Upstream | None = None
+
+    @contextmanager
+    def watching(self, grads: Any) -> Iterator[None]:
+        self.mode = _Upstream(grads)
+        with self.mode:
+            yield
+
+    def inspect(self, op: str, names: tuple[str, ...], result: Any) -> None:
+        mode, self.mode = self.mode, None
+        if mode is None:
+            return
+        if isinstance(result, dict):
+            entries = list(result.items())
+        elif type(result) is tuple:
+            entries = list(zip(names, result, strict=False))
+        else:
+            entries = [(names[0] if len(names) == 1 else "its input", result)]
+        for name, value in entries:
+            for leaf in pytree.tree_leaves(value):
+                if not (isinstance(leaf, Tensor) and leaf.is_floating_point()
+                        and leaf.numel() > 0 and leaf.device.type != "meta"
+                        and id(leaf) not in mode.ids):
+                    continue
+                with torch.no_grad():
+                    mask = bool(((leaf == 0) | (leaf == 1)).all()) and bool((leaf == 1).any())
+                if mask:
+                    import warnings
+
+                    from ._errors import GradOverrideWarning
+
+                    warnings.warn(
+                        f"the backward of `{op}` returned a gradient for `{name}` made of 0s "
+                        "and 1s and computed without the upstream gradient: a mask returned "
+                        "instead of `grad * mask`? Multiply the upstream gradient by the mask "
+                        "(`return grad * mask`). If a constant gradient is meant, silence "
+                        "this with `warnings.filterwarnings('ignore', 'the backward of')`.",
+                        GradOverrideWarning, stacklevel=2,
+                    )
+                    return

@@ -130,6 +130,8 @@ class CallState:
     # A checked call's watch on its rule (see `_audit`): `watch(op, parameters)` is a
     # context manager under which writing a parameter's `.grad` raises.
     watch: Callable[[str, dict[str, Tensor]], Any] | None = None
+    # A checked call's look at what its op's rule returns (see `_audit.RuleResultCheck`).
+    rule_check: Any = None
 
     def __repr__(self) -> str:
         # The same text for every call: torch.jit.trace compares the graphs of two calls,
@@ -616,7 +618,10 @@ def build_route(plan: OpPlan) -> Route:
             tree = pytree.tree_unflatten(list(upstream), state.out_spec)
             rule_grads = tuple(tree) if state.n_top > 1 or type(tree) is tuple else (tree,)
 
-        if held is None:
+        if held is None and state.rule_check is not None and not is_dynamo_compiling():
+            with state.rule_check.watching(rule_grads):
+                result = call_rule(user_rule, rule_grads, kwargs, autocast, once, note)
+        elif held is None:
             result = call_rule(user_rule, rule_grads, kwargs, autocast, once, note)
         else:
             module, params, versions = held
@@ -629,6 +634,8 @@ def build_route(plan: OpPlan) -> Route:
             result, op=op, names=names, owned=owned, layout=state.layout, meta=meta,
             module=form,
         )
+        if held is None and state.rule_check is not None:  # (after the refusals above)
+            state.rule_check.inspect(op, names, result)
         if once and torch.is_grad_enabled():
             flat_grads = _guard(op, flat_grads, rule_grads, saved)
         return flat_grads
@@ -858,7 +865,8 @@ def _build_owning(plan: OpPlan, common: _Common) -> Route:
         if (
             twin_raw is not None and FAST_APPLY and not is_dynamo_compiling()
             and torch.is_grad_enabled() and not transforms_active() and tracing_state() is None
-            and (state is None or (state.buffers is None and state.watch is None))
+            and (state is None or (state.buffers is None and state.watch is None
+                                   and state.rule_check is None))
         ):
             # Eager, no torch.func transform: the generated twin, without Function.apply's
             # per-call signature binding (see _internals). Dynamo folds `is_dynamo_compiling`

@@ -3,8 +3,9 @@
 Two tables, torch's (`KINDS` x `CONTEXTS`) and TensorFlow's (`TF_KINDS` x `TF_CONTEXTS`),
 are the one source of truth: `tests/test_support_matrix.py` and
 `tests/test_support_matrix_tensorflow.py` run one test per cell (a supported cell must give
-the expected gradients; a refused cell must raise the error named here; a warning cell must
-warn), and `docs/support-matrix.md` is generated from them (`python -m
+the expected gradients, or on a deployment path the expected outputs; a refused cell must
+raise the error named here; a warning cell must warn; a known defect is an expected failure
+until fixed), and `docs/support-matrix.md` is generated from them (`python -m
 gradoverride._support_matrix docs/support-matrix.md`; a test fails when the page is stale).
 """
 
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 
 __all__ = [
     "CONTEXTS",
+    "DEFECTS",
     "KINDS",
     "NOTES",
     "REFUSED",
@@ -78,6 +80,18 @@ CONTEXTS: tuple[tuple[str, str], ...] = (
     ("threads", "two threads calling the same module at once"),
     ("torch.export", "`torch.export.export` of the module: an inference graph of the forward, "
      "with the same outputs (no rule applies in it)"),
+    ("AOTInductor", "`torch._inductor.aoti_compile_and_package` of the `torch.export` program, "
+     "loaded with `torch._inductor.aoti_load_package`: eager mode's outputs on the exported "
+     "input and on other values of its shape (the test compiles one model holding every "
+     "kind's case side by side, as each build compiles C++ for seconds)"),
+    ("ONNX (dynamo)", "`torch.onnx.export(module, (x,), dynamo=True)`, the graph run by "
+     "onnxruntime: eager mode's outputs on the exported input and on other values of its "
+     "shape, within `torch.testing.assert_close`'s float32 tolerances"),
+    ("ONNX (TorchScript)", "`torch.onnx.export(module, (x,), dynamo=False)` with grad enabled, "
+     "the graph run by onnxruntime: eager mode's outputs on the exported input and on other "
+     "values of its shape, within `torch.testing.assert_close`'s float32 tolerances"),
+    ("torch.jit.trace", "`torch.jit.trace` of the module under `torch.no_grad()`: the traced "
+     "module gives eager mode's outputs on the traced input and on other values of its shape"),
     ("go.monitor", "forward and backward in eager mode inside `with go.monitor(module)`: the "
      "same gradients, and the override's gradients recorded"),
     ("no_grad", "the forward under `torch.no_grad()`: eager mode's outputs"),
@@ -114,32 +128,12 @@ _SCRIPT = Refusal(
     "with its ordinary gradient. Use `torch.compile`.",
     match=r"torch\.jit\.script cannot keep the backward",
 )
-_NUMPY_COMPILE = Refusal(
-    "A call into numpy leaves the graph: it is a graph break, so `fullgraph=True` fails "
-    "(without `fullgraph` the call runs eagerly between compiled pieces).",
-    error="Unsupported",
-    match=r"numpy|cannot be compiled|graph break",
-)
-_NUMPY_TRANSFORM = Refusal(
-    "numpy needs real tensors: under `torch.func` a bridge or a numpy solver cannot run on "
-    "the transform's wrapped tensors. Call it outside the transform, or write the "
-    "computation in torch ops.",
-    match=r"torch\.func",
-)
-
 _SCRIPT_BRIDGE = Refusal(
     "A bridge is Python and numpy code, which TorchScript cannot convert to its types: "
     "TorchScript raises its own error (it \"failed to convert Python type\" `Bridge`). Keep "
     "the module in Python.",
     error="RuntimeError",
     match=r"Bridge",
-)
-_NUMPY_EXPORT = Refusal(
-    "`torch.export` traces the forward with fake tensors, which numpy cannot read: PyTorch "
-    "raises its own error (\".numpy() is not supported for tensor subclasses\"). Export the "
-    "parts around the numpy call.",
-    error="RuntimeError",
-    match=r"numpy\(\) is not supported",
 )
 _SOLVER_OUTPUT = Refusal(
     "The solver's rule reads the solver's output (the interpolation of Vlastelica et al. "
@@ -148,28 +142,52 @@ _SOLVER_OUTPUT = Refusal(
     match=r"changed in place after the forward",
 )
 
+# ---- numpy on the deployment paths (bridges, the black-box solver) ------------------------
+#
+# A bridge and the black-box solver run numpy inside one opaque operator,
+# `gradoverride::outside`: torch.compile, torch.export, AOTInductor and torch.jit.trace hold
+# it as one node that calls the Python function; the ONNX exporters have no translation
+# for it. Their refusals live here alone.
+
+_NUMPY_KINDS = ("recipe: black-box solver", "bridge")
+_NUMPY_ONNX_DYNAMO = Refusal(
+    "ONNX cannot call a Python function: the dynamo-based exporter finds no ONNX function "
+    "for the `gradoverride::outside` operator the numpy call runs in and raises its "
+    "`ConversionError`. Write that computation in ONNX ops and pass it as "
+    "`custom_translation_table`, or export the parts around the numpy call.",
+    error="ConversionError",
+    match=r"gradoverride\.outside",
+)
+_NUMPY_ONNX_SCRIPT = Refusal(
+    "ONNX cannot call a Python function: the TorchScript-based exporter stops at the "
+    "`gradoverride::outside` operator the numpy call runs in (`UnsupportedOperatorError`, "
+    "\"unrecognized namespace gradoverride::outside\"). Export the parts around the numpy "
+    "call.",
+    error="UnsupportedOperatorError",
+    match=r"gradoverride::outside",
+)
+_NUMPY_DEPLOY_REFUSED: dict[str, Refusal] = {
+    "ONNX (dynamo)": _NUMPY_ONNX_DYNAMO,
+    "ONNX (TorchScript)": _NUMPY_ONNX_SCRIPT,
+}
+_NUMPY_DEPLOYED = (
+    "The exported program (and the package AOTInductor compiles from it) calls the Python "
+    "function through the `gradoverride::outside` operator: load or run it in a process "
+    "that has made the same bridge or recipe (import the module defining it)."
+)
+
 #: The refused cells, by (kind, context). Every other cell is supported.
 REFUSED: dict[tuple[str, str], Refusal] = {
     **{(kind, "torch.jit.script"): _SCRIPT for kind, _ in KINDS if kind != "bridge"},
     ("bridge", "torch.jit.script"): _SCRIPT_BRIDGE,
     ("recipe: black-box solver", "in-place after"): _SOLVER_OUTPUT,
-    **{
-        (kind, context): refusal
-        for kind in ("recipe: black-box solver", "bridge")
-        for context, refusal in (
-            ("compile", _NUMPY_COMPILE),
-            ("compile dynamic", _NUMPY_COMPILE),
-            ("compile no_grad", _NUMPY_COMPILE),
-            ("compile inference_mode", _NUMPY_COMPILE),
-            ("compile frozen", _NUMPY_COMPILE),
-            ("torch.func.grad", _NUMPY_TRANSFORM),
-            ("vmap", _NUMPY_TRANSFORM),
-            ("compile torch.func.grad", _NUMPY_TRANSFORM),
-            ("compile vmap", _NUMPY_TRANSFORM),
-            ("torch.export", _NUMPY_EXPORT),
-        )
-    },
+    **{(kind, context): refusal for kind in _NUMPY_KINDS
+       for context, refusal in _NUMPY_DEPLOY_REFUSED.items()},
 }
+
+#: Cells that give wrong outputs without an error today (known defects, marked as expected
+#: failures in the tests until fixed), by (kind, context).
+DEFECTS: dict[tuple[str, str], str] = {}
 
 _COMPILED_TRANSFORM = (
     "torch.compile cannot keep a custom backward inside a `torch.func` transform it traces "
@@ -179,13 +197,41 @@ _COMPILED_TRANSFORM = (
     "compiled model with `loss.backward()` or `torch.autograd.grad` instead."
 )
 
+_TRACE_UNDER_NO_GRAD = (
+    "Traced under `torch.no_grad()` (or `torch.inference_mode()`): with grad enabled the "
+    "trace raises a `GradOverrideError` saying to wrap it, because a traced module keeps the "
+    "forward alone and would train with its ordinary gradient."
+)
+_TRACE_HOOKED_PARAMETERS = (
+    "With grad enabled the trace is not refused: the hooks are on the parameters "
+    "themselves, which the traced module uses, so their gradients are transformed there too."
+)
+_TRACER_SHAPE_CHECK = (
+    "torch warns while tracing (`TracerWarning`: \"Converting a tensor to a Python boolean "
+    "might cause the trace to be incorrect\"): the recipe checks its inputs' shapes in "
+    "Python, and the trace keeps the check's outcome. The outputs are eager mode's."
+)
+#: Kinds whose recipe checks shapes in Python (a `TracerWarning` in `torch.jit.trace` and the
+#: TorchScript-based ONNX exporter).
+_SHAPE_CHECKED = ("recipe: stochastic spike", "recipe: discrete choice",
+                  "recipe: rotation trick")
+
 #: Supported cells with something to know, by (kind, context).
 NOTES: dict[tuple[str, str], str] = {
+    **{
+        (kind, "torch.jit.trace"): (
+            _TRACE_HOOKED_PARAMETERS if kind == "grad_hook parameters" else _TRACE_UNDER_NO_GRAD
+        ) + (" " + _TRACER_SHAPE_CHECK if kind in _SHAPE_CHECKED else "")
+        for kind, _ in KINDS
+    },
+    **{(kind, "ONNX (TorchScript)"): _TRACER_SHAPE_CHECK for kind in _SHAPE_CHECKED},
+    **{(kind, context): _NUMPY_DEPLOYED for kind in _NUMPY_KINDS
+       for context in ("torch.export", "AOTInductor")},
     **{
         (kind, context): _COMPILED_TRANSFORM
         for kind, _ in KINDS
         for context in ("compile torch.func.grad", "compile vmap")
-        if kind not in ("bridge", "recipe: black-box solver", "grad_hook parameters")
+        if kind != "grad_hook parameters"
     },
     ("custom_backward residuals", "eager"): (
         "First-order gradients; a second differentiation that reaches a residual raises "
@@ -420,6 +466,8 @@ def _cell(kind: str, context: str) -> str:
     refusal = REFUSED.get((kind, context))
     if refusal is not None:
         return "refused ¹" if context == "torch.jit.script" else "refused"
+    if (kind, context) in DEFECTS:
+        return "**wrong** †"
     return "yes *" if (kind, context) in NOTES else "yes"
 
 
@@ -454,8 +502,8 @@ def markdown() -> str:
         "Every op kind under every context. **yes**: supported, and tested to give the same "
         "gradients as eager mode (itself tested against an independent computation). "
         "**refused**: the call raises the error given below, with the reason and the fix in "
-        "its message; nothing is silently wrong. The test suite runs one test per cell "
-        "(`tests/test_support_matrix.py`).",
+        "its message. **wrong** †: a known defect, a wrong result without an error (see "
+        "below). The test suite runs one test per cell (`tests/test_support_matrix.py`).",
         "",
     ]
     lines += _grid(KINDS, CONTEXTS, _cell, "## Op kinds", "## Contexts")
@@ -466,8 +514,12 @@ def markdown() -> str:
     for refusal, cells in seen.items():
         where = "every kind in torch.jit.script (¹)" if refusal is _SCRIPT else "; ".join(cells)
         lines.append(f"- {where}: `{refusal.error}`. {refusal.reason}")
-    lines += ["", "## Notes (*)", ""]
-    lines += [f"- {kind} in {context}: {text}" for (kind, context), text in NOTES.items()]
+    for title, texts in (("Known defects (†)", DEFECTS), ("Notes (*)", NOTES)):
+        lines += ["", f"## {title}", ""]
+        grouped: dict[str, list[str]] = {}
+        for (kind, context), text in texts.items():
+            grouped.setdefault(text, []).append(f"{kind} in {context}")
+        lines += [f"- {'; '.join(cells)}: {text}" for text, cells in grouped.items()]
     lines += [
         "",
         "## go.monitor in other contexts",
@@ -480,14 +532,20 @@ def markdown() -> str:
         "records its own replica's gradients. Saving or copying a model while it is "
         "monitored carries nothing of the monitor. See the Diagnostics page.",
         "",
-        "## torch.export and ONNX",
+        "## Deployment paths",
         "",
-        "`torch.export` and ONNX export record the forward for inference: the graph they "
-        "produce has no backward, so no rule applies there, and the exported forward is the "
-        "op's forward (a straight-through round exports as a round); the `torch.export` "
-        "column checks that it gives the module's outputs. Export a trained model for "
-        "inference; train with eager mode or `torch.compile`. (ONNX export goes through "
-        "`torch.export` and needs the `onnx` package, which the tests do not install.)",
+        "`torch.export`, AOTInductor, both ONNX exporters and `torch.jit.trace` record the "
+        "forward for inference: the graph they produce has no backward, so no rule applies "
+        "there, and the exported forward is the op's forward (a straight-through round "
+        "exports as a round); each column checks that the deployed model gives the module's "
+        "outputs, on the input it was exported with and on other values of that shape. "
+        "Each deploys the module in eval mode (`module.eval()`), as a trained model is "
+        "shipped. Export a trained model for inference; train with eager mode or "
+        "`torch.compile`. The "
+        "ONNX columns need the `onnx`, `onnxruntime` and (for `dynamo=True`) `onnxscript` "
+        "packages (`pip install 'gradoverride[export]'`), and AOTInductor a C++ compiler; "
+        "the tests skip those cells, saying why, where one is missing. See the Deploying "
+        "page.",
         "",
         *_tensorflow_markdown(),
     ]

@@ -314,6 +314,11 @@ class Quantize(_RecipeLayer):
     gradient where the code was not clamped, else 0. With ``bound=None`` the range is the
     whole batch tensor's (max|x|, or its min and max), a constant for the gradient.
 
+    The outputs are the torch recipe's, bit for bit, eagerly, under `tf.function` and XLA,
+    and in a SavedModel (`model.export`) converted to TFLite with builtin ops only
+    (`tf.lite.OpsSet.TFLITE_BUILTINS`), where x / s stays a float32 division (TFLite may
+    give -0 where torch gives +0).
+
     Args:
         bits: the number of bits (2..16 symmetric, 1..16 asymmetric; default 8).
         symmetric: codes -(2^(b-1) - 1) .. 2^(b-1) - 1 around 0 (default), or 0 .. 2^b - 1.

@@ -314,7 +314,9 @@ NOISY = spike("leaky_relu", leak=0.1, spread=0.4)
 def _noise_for(h: Tensor) -> Tensor:
     """Noise in [0, 1) that is a function of the input, so that every context (dynamic
     shapes, checkpoint's recomputation, per-sample vmap) sees the same numbers."""
-    return torch.frac(h.detach().abs() * 7.31 + 0.137)
+    # (v - floor(v), not torch.frac: the TorchScript-based ONNX exporter has no frac.)
+    v = h.detach().abs() * 7.31 + 0.137
+    return v - torch.floor(v)
 
 
 class StochasticSpikes(nn.Module):
@@ -446,7 +448,12 @@ def sine_rule(grad: np.ndarray, *, x: np.ndarray) -> np.ndarray:
     return grad * np.cos(x)
 
 
-SINE = go.bridge(_sine, backward=sine_rule)
+def sine_outputs(x: Tensor) -> Tensor:
+    """What `_sine` returns, for the compiler and the exporter (`outputs=`)."""
+    return torch.empty_like(x)
+
+
+SINE = go.bridge(_sine, backward=sine_rule, outputs=sine_outputs)
 
 
 def _ref_sine(m: nn.Module, x: Tensor, up: Tensor) -> Grads:
@@ -508,6 +515,7 @@ CASES: dict[str, Case] = {
         Case("recipe: black-box solver",
              _op(blackbox_solver(cheapest_per_row, lambda_=2.0, numpy=True)),
              OpModule(SOLVER), _ref_solver),
-        Case("bridge", _op(go.bridge(_sine, backward=sine_rule)), OpModule(SINE), _ref_sine),
+        Case("bridge", _op(go.bridge(_sine, backward=sine_rule, outputs=sine_outputs)),
+             OpModule(SINE), _ref_sine),
     )
 }

@@ -82,6 +82,8 @@ def test_the_pages_have_examples() -> None:
     "ignore:You are using the legacy TorchScript-based ONNX export:DeprecationWarning"
 )
 @pytest.mark.filterwarnings("ignore:The feature will be removed:DeprecationWarning")
+# TensorFlow 2.21 deprecates `tf.lite.Interpreter` (for LiteRT) on every use.
+@pytest.mark.filterwarnings("ignore:\\s*Warning. tf.lite.Interpreter is deprecated:UserWarning")
 @pytest.mark.parametrize("example", EXAMPLES, ids=_id)
 def test_example_runs_and_prints_what_the_page_shows(
     example: CodeExample, eval_example: EvalExample

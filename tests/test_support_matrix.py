@@ -7,7 +7,12 @@ published page (`docs/support-matrix.md`) must be the table's own rendering.
 Each cell runs on a fresh module (`first`: the context makes the first call, as a model
 compiled before it ever ran) and on a warm one (`warm`: the module was called once already,
 forward and backward with other inputs, so its first call's check is behind it); for
-save/load and deepcopy, the copy of a warm module is called twice.
+save/load and deepcopy, the copy of a warm module is called twice. Scripting and the
+deployment paths (torch.export, AOTInductor, both ONNX exporters, jit.trace) record a forward
+and run on a fresh module only; AOTInductor and the dynamo ONNX exporter deploy one model
+holding every kind's case side by side (`shared_deployments`), as each of their builds takes
+seconds. The ONNX cells skip where onnx, onnxruntime or onnxscript is missing, and the
+AOTInductor cells where no C++ compiler is, unless GRADOVERRIDE_REQUIRE_EXPORT=1 (CI).
 """
 
 from __future__ import annotations
@@ -16,10 +21,14 @@ import copy
 import dataclasses
 import io
 import math
+import os
 import re
+import shutil
 import threading
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import matrix_cases
@@ -36,8 +45,13 @@ from gradoverride import _support_matrix as matrix
 pytestmark = pytest.mark.filterwarnings(
     # torch's own warnings while compiling and scripting, not gradoverride's.
     "ignore:.*should not be instantiated:DeprecationWarning",
-    "ignore:`torch.jit.script` is deprecated:DeprecationWarning",
+    "ignore:`torch.jit.[a-z_]*` is deprecated:DeprecationWarning",  # (AOTInductor's too)
     "ignore:The .grad attribute of a Tensor that is not a leaf",
+    # torch deprecates its TorchScript-based ONNX exporter, and says so on every call.
+    "ignore:You are using the legacy TorchScript-based ONNX export:DeprecationWarning",
+    "ignore:The feature will be removed:DeprecationWarning",
+    # torch's own, while AOTInductor compiles.
+    "ignore:`isinstance\\(treespec, LeafSpec\\)`:FutureWarning",
 )
 
 _gen = torch.Generator().manual_seed(0)
@@ -45,6 +59,9 @@ _gen = torch.Generator().manual_seed(0)
 X = (torch.rand(4, 3, generator=_gen) * 2.6 - 1.3).clamp(-1.3, 1.3)
 X = torch.where((X * 8).frac().abs() < 0.1, X + 0.03, X)
 UP = torch.randn(4, 3, generator=_gen)
+# Other values of X's shape, for a deployed model (rows reversed, so that each row's argmin and
+# argmax move: a numpy result recorded as a constant cannot pass for the right one).
+X_OTHER = X.flip(0) * 0.5
 
 CONTEXTS = [key for key, _ in matrix.CONTEXTS]
 KINDS = [key for key, _ in matrix.KINDS]
@@ -228,6 +245,201 @@ def run_export(kind: str) -> None:
     torch.testing.assert_close(exported(X), module(X))
 
 
+# ---- the deployment paths ------------------------------------------------------------------
+#
+# Each records the forward for inference, of a module in eval mode, as a trained model is
+# shipped. A deployed model (`Deployed`: a callable of X's shape) must give eager mode's
+# outputs on X, the input it was exported with, and on X_OTHER.
+
+_REQUIRE_EXPORT = os.environ.get("GRADOVERRIDE_REQUIRE_EXPORT") == "1"
+Deployed = Callable[[Tensor], Any]
+
+
+def _onnxruntime(*, dynamo: bool) -> ModuleType:
+    """onnxruntime, after onnx (the exporters write through it) and, for `dynamo=True`,
+    onnxscript; a skip with the reason where one is missing, unless CI requires them (then
+    the ImportError fails the test)."""
+    if not _REQUIRE_EXPORT:
+        for package in ("onnx", "onnxruntime", *(("onnxscript",) if dynamo else ())):
+            pytest.importorskip(
+                package, reason=f"{package} is not installed (pip install 'gradoverride[export]')"
+            )
+    import onnx  # noqa: F401
+    import onnxruntime
+
+    return onnxruntime
+
+
+def _onnx_session(data: bytes, *, dynamo: bool) -> Deployed:
+    ort = _onnxruntime(dynamo=dynamo)
+    session = ort.InferenceSession(data, providers=["CPUExecutionProvider"])
+    inputs = session.get_inputs()
+    # A graph without an input computes a constant (a numpy result recorded while tracing).
+    assert len(inputs) == 1, f"the ONNX graph takes {len(inputs)} inputs, not x"
+
+    def run(x: Tensor) -> Any:
+        outs = [torch.from_numpy(o) for o in session.run(None, {inputs[0].name: x.numpy()})]
+        return outs[0] if len(outs) == 1 else tuple(outs)
+
+    return run
+
+
+def deploy_aoti(module: nn.Module, directory: Path) -> Deployed:
+    compiler = torch._inductor.config.cpp.cxx[-1] or "g++"  # Inductor's (CXX, else g++)
+    if not _REQUIRE_EXPORT and shutil.which(compiler) is None:
+        pytest.skip(f"AOTInductor compiles C++, and the compiler {compiler!r} is not installed")
+    program = torch.export.export(module, (X,))
+    package = torch._inductor.aoti_compile_and_package(
+        program, package_path=str(directory / "model.pt2"))
+    loaded: Deployed = torch._inductor.aoti_load_package(package)
+    return loaded
+
+
+def deploy_onnx_dynamo(module: nn.Module, directory: Path) -> Deployed:
+    _onnxruntime(dynamo=True)
+    program = torch.onnx.export(module, (X,), dynamo=True, verbose=False)
+    assert program is not None
+    return _onnx_session(program.model_proto.SerializeToString(), dynamo=True)
+
+
+def deploy_onnx_torchscript(module: nn.Module, directory: Path) -> Deployed:
+    _onnxruntime(dynamo=False)
+    buffer = io.BytesIO()
+    # With grad enabled, as a user (or a toolchain built on this exporter) calls it.
+    torch.onnx.export(module, (X,), buffer, dynamo=False)
+    return _onnx_session(buffer.getvalue(), dynamo=False)
+
+
+def deploy_jit_trace(module: nn.Module, directory: Path) -> Deployed:
+    # Under no_grad: with grad enabled the trace is refused (tests/test_deploying.py).
+    with torch.no_grad():
+        traced = torch.jit.trace(module, (X,))
+
+    def run(x: Tensor) -> Any:
+        with torch.no_grad():
+            return traced(x)
+
+    return run
+
+
+DEPLOY: dict[str, Callable[[nn.Module, Path], Deployed]] = {
+    "AOTInductor": deploy_aoti,
+    "ONNX (dynamo)": deploy_onnx_dynamo,
+    "ONNX (TorchScript)": deploy_onnx_torchscript,
+    "torch.jit.trace": deploy_jit_trace,
+}
+#: The columns whose test deploys one model holding every kind's case side by side: each
+#: AOTInductor build compiles and links C++ (about 9 s on a 2-core machine, the first one of
+#: a run 20 s more), each dynamo ONNX export takes about a second; the others take
+#: milliseconds per kind and deploy each case alone.
+SHARED = ("AOTInductor", "ONNX (dynamo)")
+
+
+def _deploy(context: str, module: nn.Module, directory: Path) -> tuple[Deployed, list[str]]:
+    """`module` deployed by `context`, and torch's tracer warnings on the way (recorded for
+    the notes' check; every other warning meets the suite's filters, which make it an error)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", torch.jit.TracerWarning)
+        deployed = DEPLOY[context](module, directory)
+    return deployed, [str(w.message) for w in caught
+                      if issubclass(w.category, torch.jit.TracerWarning)]
+
+
+def _check_outputs(kind: str, got: tuple[Tensor, Tensor], expected: tuple[Tensor, Tensor]) -> None:
+    assert not torch.equal(*expected), f"{kind}: X_OTHER gives the same outputs as X"
+    for name, g, e in zip(("X", "X_OTHER"), got, expected, strict=True):
+        torch.testing.assert_close(g, e, msg=lambda m, n=name: f"{kind} on {n}: {m}")
+
+
+def _check_tracer_warnings(kind: str, context: str, tracer: list[str]) -> None:
+    # A supported cell where torch warns says so in its note (and only there).
+    if (kind, context) in matrix.DEFECTS:
+        return
+    noted = "TracerWarning" in matrix.NOTES.get((kind, context), "")
+    assert bool(tracer) == noted, (kind, context, tracer)
+
+
+class SideBySide(nn.Module):
+    """Every given kind's case on the same input, its outputs in that order."""
+
+    def __init__(self, kinds: list[str]) -> None:
+        super().__init__()
+        self.cases = nn.ModuleList(CASES[kind].build() for kind in kinds)
+
+    def forward(self, x: Tensor) -> tuple[Tensor, ...]:
+        return tuple(case(x) for case in self.cases)
+
+
+SharedOutputs = dict[str, tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor]]]
+
+
+@pytest.fixture(scope="module")
+def shared_deployments(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[Callable[[str], SharedOutputs]]:
+    """For a column in SHARED: one model holding every kind's case that the table does not
+    refuse there, deployed once; each kind's deployed outputs on X and X_OTHER, and eager
+    mode's (computed before the export). A failure (or a skip) is kept and raised again in
+    every cell of the column, which would otherwise deploy the model again each time."""
+    done: dict[str, SharedOutputs | BaseException] = {}
+
+    def deploy(context: str) -> SharedOutputs:
+        kinds = [k for k in KINDS if (k, context) not in matrix.REFUSED]
+        model = SideBySide(kinds).eval()
+        with torch.no_grad():
+            expected = [model(X), model(X_OTHER)]
+        deployed, tracer = _deploy(context, model, tmp_path_factory.mktemp("deployed"))
+        assert not tracer, tracer
+        got = [deployed(X), deployed(X_OTHER)]
+        return {kind: ((got[0][i], got[1][i]), (expected[0][i], expected[1][i]))
+                for i, kind in enumerate(kinds)}
+
+    def outputs(context: str) -> SharedOutputs:
+        if context not in done:
+            try:
+                done[context] = deploy(context)
+            except BaseException as exc:  # a skip too (pytest's is a BaseException)
+                done[context] = exc
+        result = done[context]
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
+    yield outputs
+
+
+def run_deployed(kind: str, context: str, request: pytest.FixtureRequest) -> None:
+    if context in SHARED and (kind, context) not in matrix.REFUSED:
+        got, expected = request.getfixturevalue("shared_deployments")(context)[kind]
+        _check_outputs(kind, got, expected)
+        return
+    # A cell deployed alone (a refused one must raise in its own export).
+    module = CASES[kind].build().eval()
+    with torch.no_grad():
+        expected = (module(X), module(X_OTHER))
+    deployed, tracer = _deploy(context, module, request.getfixturevalue("tmp_path"))
+    _check_outputs(kind, (deployed(X), deployed(X_OTHER)), expected)
+    _check_tracer_warnings(kind, context, tracer)
+    if context == "torch.jit.trace":
+        _check_trace_with_grad(kind)
+
+
+def _check_trace_with_grad(kind: str) -> None:
+    """What the jit.trace note says of a trace with grad enabled: refused, saying to wrap it,
+    or (hooked parameters) traced, the traced module's gradients those of eager mode."""
+    module = CASES[kind].build()
+    with warnings.catch_warnings():
+        # (the shape checks' warnings, which the cell itself checks against the notes)
+        warnings.simplefilter("ignore", torch.jit.TracerWarning)
+        if "is not refused" not in matrix.NOTES.get((kind, "torch.jit.trace"), ""):
+            with pytest.raises(go.GradOverrideError, match=r"torch\.jit\.trace cannot keep "
+                               r"the backward rule of .*trace under `torch\.no_grad\(\)`"):
+                torch.jit.trace(module, (X,))
+            return
+        traced = torch.jit.trace(module, (X,))
+    assert_same(gradients(module, X, UP, call=traced), eager(kind))
+
+
 def run_monitor(kind: str) -> None:
     module = CASES[kind].build()
     expected = eager(kind)
@@ -384,8 +596,16 @@ RUN: dict[str, Callable[[str], None]] = {
 }
 
 
-def _marks(context: str) -> list[Any]:
-    return [pytest.mark.compile] if context.startswith("compile") else []
+def _marks(kind: str, context: str) -> list[Any]:
+    # AOTInductor compiles with Inductor, as slow as the compiled columns.
+    marks = [pytest.mark.compile] if context.startswith("compile") or context == "AOTInductor" \
+        else []
+    defect = matrix.DEFECTS.get((kind, context))
+    if defect is not None:
+        # A wrong result fails an assertion; should the cell start raising instead (a
+        # refusal) or pass, the test fails, so that the table is brought up to date.
+        marks.append(pytest.mark.xfail(strict=True, raises=AssertionError, reason=defect))
+    return marks
 
 
 def warm(module: nn.Module) -> nn.Module:
@@ -413,20 +633,25 @@ def run_warm_copy(kind: str, how: str) -> None:
     assert_same(gradients(saved, X, UP), expected)
 
 
-# Scripting and export record a forward: a warm module is no different there.
-_WARM = [c for c in CONTEXTS if c not in ("torch.jit.script", "torch.export")]
+# Scripting and the deployment paths record a forward: a warm module is no different there.
+_WARM = [c for c in CONTEXTS if c not in ("torch.jit.script", "torch.export", *DEPLOY)]
 
 
 @pytest.mark.parametrize(
     ("kind", "context", "state"),
     [
-        pytest.param(k, c, state, id=f"{k} | {c} | {state}", marks=_marks(c))
+        pytest.param(k, c, state, id=f"{k} | {c} | {state}", marks=_marks(k, c))
         for k in KINDS for c in CONTEXTS for state in ("first", "warm")
         if state == "first" or c in _WARM
     ],
 )
-def test_cell(kind: str, context: str, state: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    run = RUN[context]
+def test_cell(kind: str, context: str, state: str, monkeypatch: pytest.MonkeyPatch,
+              request: pytest.FixtureRequest) -> None:
+    if context in DEPLOY:
+        run: Callable[[str], None] = lambda kind: run_deployed(  # noqa: E731
+            kind, context, request)
+    else:
+        run = RUN[context]
     if state == "warm":
         if context in ("save/load", "deepcopy"):
             run = lambda kind: run_warm_copy(kind, context)  # noqa: E731
@@ -448,9 +673,13 @@ def test_cell(kind: str, context: str, state: str, monkeypatch: pytest.MonkeyPat
 
 def test_the_table_covers_every_case_and_context() -> None:
     assert set(KINDS) == set(CASES), "every kind has a case in tests/matrix_cases.py"
-    assert set(CONTEXTS) == set(RUN), "every context has a runner here"
-    for kind, context in (*matrix.REFUSED, *matrix.NOTES):
+    assert set(CONTEXTS) == {*RUN, *DEPLOY}, "every context has a runner here"
+    assert not set(RUN) & set(DEPLOY)
+    for kind, context in (*matrix.REFUSED, *matrix.NOTES, *matrix.DEFECTS):
         assert kind in KINDS and context in CONTEXTS, (kind, context)
+    # A cell is supported (with or without a note), refused, or a known defect.
+    assert not set(matrix.REFUSED) & {*matrix.NOTES, *matrix.DEFECTS}
+    assert not set(matrix.NOTES) & set(matrix.DEFECTS)
 
 
 def test_the_published_page_is_generated_from_the_table() -> None:

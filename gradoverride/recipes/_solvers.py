@@ -42,6 +42,7 @@ from .._bridge import as_array, to_numpy
 from .._decorators import custom_backward
 from .._errors import GradOverrideError, GradOverrideTypeError
 from .._frameworks import is_tensorflow
+from .._internals import is_tracing
 from .._signature import describe
 from ._base import Recipe, finite, tensorflow_call
 
@@ -272,7 +273,9 @@ class blackbox_solver(_SolverRecipe):
 
     def _solve_same_shape(self, w: Tensor) -> Tensor:
         y = self._solve(w)
-        if y.shape != w.shape:
+        # (Not while torch.jit.trace records: its sizes are tensors, and comparing them
+        # warns; an eager call checks it.)
+        if not is_tracing() and y.shape != w.shape:
             _, instance = self._split(w)
             msg = (
                 f"the solver `{self._solver_repr()}` of {self!r} returned solutions of shape "

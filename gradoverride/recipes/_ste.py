@@ -785,7 +785,7 @@ class ternarize(Recipe):
             raise GradOverrideError(msg)
 
     def _forward(self, x: Tensor) -> Tensor:
-        if not torch.jit.is_tracing() and x.numel() == 0:  # (see quantize's)
+        if not is_tracing() and x.numel() == 0:  # (see quantize's)
             return x.clone()
         # The threshold and the scale are reductions: in float32 for float16/bfloat16 inputs,
         # where a sum over many elements overflows or loses its low digits.
@@ -956,7 +956,7 @@ class quantize(Recipe):
                 return y8, None if q is None else (q < qmin) | (q > qmax)
         # (Not while tracing: a traced size is a tensor, and a graph is recorded for the
         # non-empty input it was traced with.)
-        if not torch.jit.is_tracing() and x.numel() == 0:
+        if not is_tracing() and x.numel() == 0:
             return x.clone(), torch.zeros_like(x, dtype=torch.bool) if mask else None
         q, s, z = self._codes_of(x)
         outside = (q < qmin) | (q > qmax) if mask else None
