@@ -1,19 +1,20 @@
 """The frameworks besides torch, each found through this one registry by name.
 
 A framework's implementation of gradoverride lives in its own package
-(`gradoverride._tensorflow` for TensorFlow and Keras), which imports the torch side freely.
-The torch side never imports it: once a value of that framework reaches a gradoverride
-function (`_frameworks.is_tensorflow` tells, without importing anything), the function asks
-this registry for the framework's package and calls one of its entry points. So `import
-gradoverride` imports no other framework, the package's import graph has no cycle, and a
-new framework, or a new entry point of one, grows its own package only (the way einops
-finds its backends).
+(`gradoverride._tensorflow` for TensorFlow and Keras, `gradoverride._jax` for JAX), which
+imports the torch side freely. The torch side never imports it: once a value of that
+framework reaches a gradoverride function (`_frameworks.is_tensorflow` and `is_jax` tell,
+without importing anything), the function asks this registry for the framework's package
+and calls one of its entry points. So `import gradoverride` imports no other framework,
+the package's import graph has no cycle, and a new framework, or a new entry point of one,
+grows its own package only (the way einops finds its backends).
 
 The entry points a backend package provides (`ENTRY_POINTS`), each loaded on first use:
 the `custom_backward` call (`TensorFlowCall`) and its `tf.function` trace type
 (`OpTraceType`), the recipes (`call_recipe`, `transform_gradient`), the straight-through
 rule (`straight_through_gradient`, `window_mask`), `bridge_call`, and the module side
-(`override_layer`, `hook_layer`).
+(`override_layer`, `hook_layer`). JAX, so far, provides the ops only: its `custom_backward`
+call (`JaxCall`) and the straight-through rule (`straight_through_gradient`, `window_mask`).
 """
 
 from __future__ import annotations
@@ -26,9 +27,10 @@ from ._frameworks import autograph_artifact
 __all__ = ["BACKENDS", "ENTRY_POINTS", "backend"]
 
 #: Framework name -> the package that implements gradoverride on it.
-BACKENDS: dict[str, str] = {"tensorflow": "gradoverride._tensorflow"}
+BACKENDS: dict[str, str] = {"tensorflow": "gradoverride._tensorflow", "jax": "gradoverride._jax"}
 
-#: What every backend package provides (as module attributes, loaded on first use).
+#: What a full backend package provides (as module attributes, loaded on first use); JAX
+#: provides `JaxCall`, `straight_through_gradient` and `window_mask` so far.
 ENTRY_POINTS: tuple[str, ...] = (
     "TensorFlowCall", "OpTraceType", "call_recipe", "transform_gradient",
     "straight_through_gradient", "window_mask", "bridge_call", "override_layer", "hook_layer",

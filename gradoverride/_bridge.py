@@ -20,6 +20,7 @@ import copy
 import functools
 import inspect
 import math
+import re
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -37,7 +38,7 @@ from ._errors import GradOverrideError, GradOverrideTypeError
 from ._frameworks import any_tensorflow, autograph_artifact
 from ._function import flatten_inputs
 from ._gradients import SKIP, flat_gradients, slot_ranges, takes_gradient
-from ._internals import is_transformed
+from ._internals import transforms_active
 from ._rule import RuleSpec, normalize_names
 from ._signature import describe
 
@@ -693,20 +694,51 @@ _COMPILE_REASON = (
 
 def _rule_key(backward: Any) -> str:
     if isinstance(backward, Estimator):
-        return repr(backward)
+        # (Not its repr: a generator in it would put a memory address into the key.)
+        return type(backward).__name__
     module = getattr(backward, "__module__", None) or ""
     return f"{module}.{describe(backward)}" if module else describe(backward)
 
 
 def _through_operator(key: str, role: str, value: Any) -> Any:
     """The bridge `key`'s `outside_run(role, value)` as one opaque operator, which
-    torch.compile, torch.export and torch.func see as such; directly when `value` holds a
-    value the operator cannot carry (see `Bridge._direct`)."""
+    torch.compile, torch.export and torch.func see as such (eagerly, it runs right here).
+    A value the operator cannot carry (neither a tensor nor a Python literal) is an error
+    there; eagerly (tensor subclasses, say) the bridge runs it right here."""
     try:
         return outside.call(key, role, value)
     except outside.NotLiteral as exc:
-        bridge: Bridge[...] = outside.owner(key)
-        return bridge._direct(role, value, exc)
+        if torch.compiler.is_compiling() or transforms_active():
+            raise _not_carried(key, role, exc) from None
+        return _run_here(key, role, value)
+
+
+@torch.compiler.disable  # type: ignore[untyped-decorator]
+def _run_here(key: str, role: str, value: Any) -> Any:
+    # Never traced: where dynamo resumes after the graph break the error above makes (no
+    # fullgraph), this runs eagerly, numpy included.
+    bridge: Bridge[...] = outside.owner(key)
+    return bridge.outside_run(role, value)
+
+
+def _not_carried(key: str, role: str, reason: outside.NotLiteral) -> GradOverrideError:
+    # (Named from the key, "<function> by <rule>": the bridge itself is not looked up while
+    # dynamo traces.)
+    name = key.split(" by ")[0]
+    parts = re.findall(r"\[([^\]]+)\]", reason.path)
+    where = parts[1].strip("'") if len(parts) > 1 else "?"
+    if parts and parts[0] == "0" and role == "forward":
+        where = f"at position {where}"
+    else:
+        where = f"`{where}`"
+    msg = (
+        f"`{name}` is a go.bridge, called here under torch.compile, torch.export or a "
+        "torch.func transform, which need it as one operator holding tensors and Python "
+        f"literals only; its argument {where} holds a {reason.kind}, which is neither. Pass "
+        f"it as a tensor, or bind it into the function (`functools.partial({name}, ...)`) "
+        "before bridging."
+    )
+    return GradOverrideError(msg)
 
 
 class Bridge(Generic[P]):
@@ -875,30 +907,6 @@ class Bridge(Generic[P]):
         functools.update_wrapper(forward, self._fn)
         forward.__signature__ = signature  # type: ignore[attr-defined]
         return forward
-
-    def _direct(self, role: str, value: Any, reason: outside.NotLiteral | None) -> Any:
-        """Run `fn` (or the rule) right here. Only eagerly: a compiler or a transform
-        needs the operator, and the operator carries tensors and Python literals only."""
-        if reason is not None and (
-            torch.compiler.is_compiling() or any(
-                map(is_transformed, pytree.tree_leaves(value))
-            )
-        ):
-            where = f"`{self._parameter_of(reason.path)}`"
-            msg = (
-                f"`{self._name}` is a go.bridge, called here under torch.compile, "
-                "torch.export or a torch.func transform, which need it as one operator "
-                f"holding tensors and Python literals only; its argument {where} holds a "
-                f"{type(reason.value).__name__}, which is neither. Pass it as a tensor, or "
-                f"bind it into the function (`functools.partial({self._name}, ...)`) "
-                "before bridging."
-            )
-            raise GradOverrideError(msg)
-        return self.outside_run(role, value)
-
-    def _parameter_of(self, path: str) -> str:
-        """The parameter a path into `(args, kwargs)` (or `(grads, named)`) starts at."""
-        return path.split("]")[1].strip("[]'") if path.count("]") > 1 else path
 
     def outside_run(self, role: str, value: Any) -> Any:
         """The real computation of `role` on real tensors (see `gradoverride._outside`)."""
@@ -1318,7 +1326,8 @@ def bridge(
             tensors (for `torch.compile` and `torch.export`), a function of the same
             arguments returning empty tensors of the outputs' shapes and dtypes, e.g.
             ``lambda x: torch.empty_like(x)``, with the residuals as ``(output, {name:
-            tensor})``; it runs on fake tensors. On TensorFlow tensors inside a
+            tensor})``; it runs on fake tensors, and gets a number argument (a float, an
+            int) as a 0-d tensor. On TensorFlow tensors inside a
             `tf.function`, a `tf.TensorSpec`, a dtype, or a tuple of them, one per output.
             Default: none; eagerly none is needed (on TensorFlow: one output in the floating
             arguments' promoted dtype). In a layer of a functional Keras model, give the

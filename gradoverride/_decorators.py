@@ -14,7 +14,7 @@ from typing_extensions import ParamSpec
 
 from ._backends import backend
 from ._errors import GradOverrideError, GradOverrideTypeError
-from ._frameworks import any_tensorflow, autograph_artifact
+from ._frameworks import any_jax, any_tensorflow, autograph_artifact
 from ._function import RECORDERS, OpPlan, Route, build_route
 from ._internals import transforms_active
 from ._jit import refuse_scripting
@@ -137,6 +137,10 @@ class CustomBackward(Generic[P, R]):
         # rule names (gradoverride.keras.Layer names them relative to the layer).
         self._tensorflow_variable_names: Callable[[dict[str, Any], Any], str | None] | None = None
         self._tensorflow_variable_frozen: Callable[[dict[str, Any], Any], bool] | None = None
+        # The JAX side, built when the first JAX array arrives; straight_through's rule has a
+        # JAX twin here, as it has a TensorFlow one.
+        self._jax_call: Callable[[tuple[Any, ...], dict[str, Any]], Any] | None = None
+        self._jax_rule: Callable[..., Any] | None = None
 
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
         if self._check_next or RECORDERS:
@@ -157,7 +161,7 @@ class CustomBackward(Generic[P, R]):
     def _watched_call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """A call to check (the first eager call with grad enabled: captured tensors, inputs
         changed in place; see `_audit`) or to record (see `_recorder`)."""
-        if is_dynamo_compiling() or any_tensorflow(args, kwargs):
+        if is_dynamo_compiling() or any_tensorflow(args, kwargs) or any_jax(args, kwargs):
             return self._run(args, kwargs)
         run: Callable[[], Any]
         if not self._check_next or transforms_active() or not torch.is_grad_enabled():
@@ -282,7 +286,7 @@ class CustomBackward(Generic[P, R]):
             op=self._name, module=module, names=sig.names, labels=self._labels,
             bind=sig.bind, call=sig.caller(), plain=sig.fn if sig.is_plain else None, rule=spec,
             residuals=self._residuals, track_inplace=self._tracks_inplace, form=None,
-            run_tensorflow=self._run_tensorflow,
+            run_tensorflow=self._run_tensorflow, run_jax=self._run_jax,
             plain_signature=sig.fn if sig.is_plain else None, defaults=sig.defaults,
         ))
         # (AutoGraph converts the functions a callable object calls unless they are marked.)
@@ -313,6 +317,17 @@ class CustomBackward(Generic[P, R]):
                 # gradient and nothing else: variables the forward reads (or writes, as
                 # `x.assign` does) get none, as `tf.grad_pass_through` gives them.
                 variables_get_none=self._tensorflow_rule is not None,
+            )
+        return call(args, kwargs)
+
+    def _run_jax(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """A call with JAX arrays: the same rule contract on `jax.custom_vjp`."""
+        call = self._jax_call
+        if call is None:
+            assert self._rule is not None  # calls reach here only after registration
+            call = self._jax_call = backend("jax").JaxCall(
+                self._name, self._signature, self._rule, self._residuals,
+                rule=self._jax_rule or self._rule.rule,
             )
         return call(args, kwargs)
 

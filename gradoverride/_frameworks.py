@@ -1,9 +1,10 @@
 """Which framework a value belongs to, without importing any framework.
 
-`import gradoverride` never imports TensorFlow: a TensorFlow value can only
-exist once the user has imported TensorFlow, so `sys.modules` is asked first and nothing is
-imported here. The TensorFlow backend (`gradoverride._tensorflow`) is imported the first
-time one of its tensors reaches a gradoverride function.
+`import gradoverride` never imports TensorFlow or JAX: a TensorFlow tensor or a JAX array
+can only exist once the user has imported its framework, so `sys.modules` is asked first
+and nothing is imported here. A framework's backend (`gradoverride._tensorflow`,
+`gradoverride._jax`) is imported the first time one of its values reaches a gradoverride
+function.
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ from typing import Any, TypeVar
 
 from torch.compiler import is_dynamo_compiling
 
-__all__ = ["any_tensorflow", "autograph_artifact", "is_keras_layer", "is_tensorflow"]
+__all__ = [
+    "any_jax", "any_tensorflow", "autograph_artifact", "is_jax", "is_keras_layer", "is_tensorflow",
+]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -80,14 +83,35 @@ def any_tensorflow(args: Sequence[Any], kwargs: dict[str, Any] | None = None) ->
     return _search(args) or (kwargs is not None and _search(kwargs.values()))
 
 
-def _search(values: Any) -> bool:
+def is_jax(value: object) -> bool:
+    """Whether `value` is a JAX array (a tracer of `jax.jit`, `jax.grad`, `jax.vmap`
+    included)."""
+    jax: Any = sys.modules.get("jax")
+    # The module name first: a torch tensor is told apart without JAX's isinstance check.
+    if jax is None or not type(value).__module__.startswith(("jax", "jaxlib")):
+        return False
+    return isinstance(value, jax.Array)
+
+
+def any_jax(args: Sequence[Any], kwargs: dict[str, Any] | None = None) -> bool:
+    """Whether any argument (tuples, lists and dicts are searched) is a JAX array.
+
+    Free when JAX was never imported: one lookup in `sys.modules`. False while dynamo
+    traces (a JAX array cannot reach a compiled torch function).
+    """
+    if is_dynamo_compiling() or "jax" not in sys.modules:
+        return False
+    return _search(args, is_jax) or (kwargs is not None and _search(kwargs.values(), is_jax))
+
+
+def _search(values: Any, found: Callable[[object], bool] = is_tensorflow) -> bool:
     for value in values:
         if isinstance(value, (tuple, list)):
-            if _search(value):
+            if _search(value, found):
                 return True
         elif isinstance(value, dict):
-            if _search(value.values()):
+            if _search(value.values(), found):
                 return True
-        elif is_tensorflow(value):
+        elif found(value):
             return True
     return False

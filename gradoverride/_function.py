@@ -53,7 +53,7 @@ from torch.compiler import is_dynamo_compiling
 from torch.utils import _pytree as pytree
 
 from ._errors import GradOverrideError, GradOverrideTypeError
-from ._frameworks import any_tensorflow
+from ._frameworks import any_jax, any_tensorflow
 from ._gradients import (
     SKIP,
     ModuleForm,
@@ -162,6 +162,8 @@ class OpPlan(NamedTuple):
     # (`inspect.Parameter.empty`: none), for a user's positional call.
     plain_signature: Callable[..., Any] | None = None
     defaults: tuple[Any, ...] = ()
+    # A call with JAX arrays (a module's op has none: modules call `run_bound`).
+    run_jax: Callable[[tuple[Any, ...], dict[str, Any]], Any] = lambda args, kwargs: _no_jax()
 
 
 class Route:
@@ -769,6 +771,7 @@ def _build_owning(plan: OpPlan, common: _Common) -> Route:
     call, bind = plan.call, plan.bind
     plain = plan.plain
     run_tensorflow = plan.run_tensorflow
+    run_jax = plan.run_jax
     setup, backward_general = common.setup, common.backward_general
     module_buffers = plan.form is not None
 
@@ -904,6 +907,8 @@ def _build_owning(plan: OpPlan, common: _Common) -> Route:
     def run(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if any_tensorflow(args, kwargs):
             return run_tensorflow(args, kwargs)
+        if any_jax(args, kwargs):
+            return run_jax(args, kwargs)
         return run_bound(bind(args, kwargs), CallState())
 
     twin = _twin(plan, common, {
@@ -969,7 +974,9 @@ def _twin(plan: OpPlan, common: _Common, pieces: dict[str, Any], attach: bool = 
         "single_thread": _single_thread, "in_backward": in_backward,
         "wrote_grad": lambda name: _raise(wrote_grad_message(plan.op, name)),
         "run_general": pieces["run_general"], "run_bound": pieces["run_bound"],
-        "run_tensorflow": pieces["run_tensorflow"], "any_tensorflow": any_tensorflow,
+        # The twin looks for another framework's values only when its first value is not a
+        # torch tensor, and hands such a call to the general `run`, which tells them apart.
+        "run_tensorflow": pieces["run_general"], "any_tensorflow": _any_other_framework,
         "finish": pieces["finish"], "is_grad_enabled": torch.is_grad_enabled,
         "tracing_state": tracing_state, "is_dynamo_compiling": is_dynamo_compiling,
         "transforms_active": transforms_active, "FAST_APPLY": FAST_APPLY,
@@ -987,6 +994,15 @@ def _raise(message: str) -> None:
     raise GradOverrideError(message)
 
 
+def _any_other_framework(args: Sequence[Any], kwargs: dict[str, Any] | None = None) -> bool:
+    """Whether any argument is TensorFlow's or JAX's (free when neither was imported)."""
+    return any_tensorflow(args, kwargs) or any_jax(args, kwargs)
+
+
+def _no_jax() -> Any:
+    raise AssertionError("a module's op has no JAX call")  # pragma: no cover
+
+
 def _build_attaching(plan: OpPlan, common: _Common) -> Route:
     """The forward runs on the ordinary graph (the owned inputs detached), or, for a forward
     run outside the route that the rule owns whole, under no_grad; the Function attaches
@@ -995,6 +1011,7 @@ def _build_attaching(plan: OpPlan, common: _Common) -> Route:
     call, bind = plan.call, plan.bind
     owned_params = plan.rule.owned
     run_tensorflow = plan.run_tensorflow
+    run_jax = plan.run_jax
     setup, run_rule = common.setup, common.run_rule
     # The outputs' upstream gradients continue, unchanged, into the ordinary graph of the
     # inputs the rule does not own; a rule owning everything has no such graph (its forward
@@ -1151,6 +1168,8 @@ def _build_attaching(plan: OpPlan, common: _Common) -> Route:
     def run(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if any_tensorflow(args, kwargs):
             return run_tensorflow(args, kwargs)
+        if any_jax(args, kwargs):
+            return run_jax(args, kwargs)
         return run_bound(bind(args, kwargs), CallState())
 
     eager = None

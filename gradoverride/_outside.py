@@ -28,13 +28,16 @@ from __future__ import annotations
 
 import ast
 import functools
-import math
 import weakref
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any, Protocol
 
 import torch
 from torch import Tensor
+from torch.utils import _pytree as pytree
+
+from ._internals import tracing_state, transforms_active
 
 __all__ = ["NotLiteral", "Owner", "call", "flatten", "owner", "rebuild", "register"]
 
@@ -42,12 +45,16 @@ _LITERALS = (bool, int, str, type(None))
 
 
 class NotLiteral(Exception):
-    """A value in a call is neither a tensor nor a Python literal; `path` says where."""
+    """A value in a call is neither a tensor nor a Python literal: `args` are its path and
+    its type's name (strings only, and no `__init__` of its own: dynamo traces raising it)."""
 
-    def __init__(self, path: str, value: object) -> None:
-        super().__init__(path)
-        self.path = path
-        self.value = value
+    @property
+    def path(self) -> str:
+        return str(self.args[0])
+
+    @property
+    def kind(self) -> str:
+        return str(self.args[1])
 
 
 class Owner(Protocol):
@@ -91,11 +98,29 @@ def register(owner: Owner, name: str) -> str:
 
 def flatten(value: Any, tensors: list[Tensor], tokens: list[Any], path: str = "") -> None:
     """Append `value`'s tensors to `tensors` and its structure to `tokens`: "T" per tensor,
-    ("tuple"|"list", n) or ("dict", keys) per container, ("C", v) per literal. Plain Python,
-    so that dynamo traces it into constants."""
+    ("tuple"|"list", n) or ("dict", keys) per container, ("C", v) per literal, ("N", kind)
+    per number carried as a 0-d tensor. Plain Python, so that dynamo traces it into
+    constants.
+
+    A float (and, while compiling, an int) travels as a 0-d CPU tensor, not in the string:
+    a value that changes every call (a temperature) then neither recompiles a graph nor
+    makes a new string, and a symbolic one has no literal to write. The real kernel hands
+    the owner's code the Python number again; the fake kernel, the 0-d tensor."""
     if isinstance(value, Tensor):
         tensors.append(value)
         tokens.append("T")
+    elif isinstance(value, float | torch.SymFloat) and not isinstance(value, bool):
+        tensors.append(torch.tensor(value, dtype=torch.float64))
+        tokens.append(("N", "float"))
+    elif type(value) is bool or type(value) is str or value is None or (
+        type(value) is int and not torch.compiler.is_compiling()
+    ):
+        tokens.append(("C", value))
+    elif isinstance(value, int | torch.SymInt):
+        # Traced, an int may be symbolic (dynamo gives no way to tell it from a constant),
+        # so it travels as a number too.
+        tensors.append(torch.tensor(value, dtype=torch.int64))
+        tokens.append(("N", "int"))
     elif type(value) is tuple or type(value) is list:
         tokens.append((type(value).__name__, len(value)))
         for i, item in enumerate(value):
@@ -103,27 +128,24 @@ def flatten(value: Any, tensors: list[Tensor], tokens: list[Any], path: str = ""
     elif type(value) is dict:
         keys = tuple(value)
         if not all(isinstance(k, _LITERALS) for k in keys):
-            raise NotLiteral(path, value)
+            raise NotLiteral(path, type(value).__name__)
         tokens.append(("dict", keys))
         for k in keys:
             flatten(value[k], tensors, tokens, f"{path}[{k!r}]")
-    elif isinstance(value, _LITERALS):
-        tokens.append(("C", value))
-    elif type(value) is float:
-        # repr of a finite float reads back exactly; inf and nan are written by name.
-        tokens.append(("C", value) if math.isfinite(value) else ("F", repr(value)))
     else:
-        raise NotLiteral(path, value)
+        raise NotLiteral(path, type(value).__name__)
 
 
-def rebuild(tokens: Sequence[Any], tensors: Sequence[Any]) -> Any:
-    """The value `flatten` took apart, with `tensors` in the tensors' places."""
-    value, _, _ = _rebuild(tokens, 0, tensors, 0)
+def rebuild(tokens: Sequence[Any], tensors: Sequence[Any], numbers: bool = False) -> Any:
+    """The value `flatten` took apart, with `tensors` in the tensors' places; with
+    `numbers`, a number carried as a 0-d tensor is the Python number again (for real
+    tensors; a fake kernel leaves it a 0-d tensor)."""
+    value, _, _ = _rebuild(tokens, 0, tensors, 0, numbers)
     return value
 
 
-def _rebuild(tokens: Sequence[Any], at: int, tensors: Sequence[Any], used: int
-             ) -> tuple[Any, int, int]:
+def _rebuild(tokens: Sequence[Any], at: int, tensors: Sequence[Any], used: int,
+             numbers: bool) -> tuple[Any, int, int]:
     token = tokens[at]
     at += 1
     if token == "T":
@@ -131,16 +153,19 @@ def _rebuild(tokens: Sequence[Any], at: int, tensors: Sequence[Any], used: int
     kind, payload = token
     if kind == "C":
         return payload, at, used
-    if kind == "F":
-        return float(payload), at, used
+    if kind == "N":
+        held = tensors[used]
+        if numbers:
+            return (float(held.item()) if payload == "float" else int(held.item())), at, used + 1
+        return held, at, used + 1
     if kind == "dict":
         out: dict[Any, Any] = {}
         for key in payload:
-            out[key], at, used = _rebuild(tokens, at, tensors, used)
+            out[key], at, used = _rebuild(tokens, at, tensors, used, numbers)
         return out, at, used
     items = []
     for _ in range(payload):
-        item, at, used = _rebuild(tokens, at, tensors, used)
+        item, at, used = _rebuild(tokens, at, tensors, used, numbers)
         items.append(item)
     return (tuple(items) if kind == "tuple" else items), at, used
 
@@ -178,7 +203,17 @@ def owner(key: str) -> Any:
 # The structure of each call's result, by call string: written by whichever kernel ran (the
 # fake one while tracing, the real one eagerly), read by `call` to put the result together.
 # The owner returns the same structure from both (see `Owner`).
-_RESULTS: dict[str, tuple[Any, ...]] = {}
+# Bounded: a bridge called with a constant that changes every step (a temperature) makes a
+# new call string each time; the entry is read right after it is written, so the newest
+# few thousand are all that is ever needed.
+_RESULTS: OrderedDict[str, tuple[Any, ...]] = OrderedDict()
+_KEPT = 4096
+
+
+def _remember(table: OrderedDict[Any, Any], key: Any, value: Any) -> None:
+    table[key] = value
+    if len(table) > _KEPT:
+        table.popitem(last=False)
 
 
 def _flat_result(call_string: str, result: Any, inputs: Sequence[Tensor] | None
@@ -189,37 +224,83 @@ def _flat_result(call_string: str, result: Any, inputs: Sequence[Tensor] | None
     tensors: list[Tensor] = []
     tokens: list[Any] = []
     flatten(result, tensors, tokens)
-    _RESULTS[call_string] = tuple(tokens)
+    _remember(_RESULTS, call_string, tuple(tokens))
     if inputs is None:
         return tensors
     held = {t.untyped_storage().data_ptr() for t in inputs}
     return [t.clone() if t.untyped_storage().data_ptr() in held else t for t in tensors]
 
 
-# What the fake kernel told a compiler or an exporter, by call and input shapes (symbolic
-# sizes as None): the real kernel checks its result against it, so that a wrong `outputs=`
-# is an error rather than a compiled graph reading memory of another shape.
-_PROMISED: dict[tuple[str, tuple[Any, ...]], tuple[Any, ...]] = {}
+# What the fake kernel told a compiler or an exporter, per call: the real kernel checks its
+# result against it, so that a wrong `outputs=` is an error rather than a compiled graph
+# reading memory of another shape or dtype. A promise is (the inputs' dtypes and shapes, the
+# result's structure, per output its dtype and shape); a size is an int, a symbolic size equal to an
+# input's size is ("in", tensor, dim) (as `torch.empty_like(x)` gives), and any other
+# symbolic size is None (not checked).
+_PROMISED: OrderedDict[str, list[tuple[Any, ...]]] = OrderedDict()
 
 
-def _shapes(tensors: Sequence[Tensor]) -> tuple[Any, ...]:
-    return tuple(
-        (tuple(d if type(d) is int else None for d in t.shape), t.dtype) for t in tensors
+def _promise(tensors: Sequence[Tensor], tokens: tuple[Any, ...], outs: Sequence[Tensor]
+             ) -> tuple[Any, ...]:
+    sizes: dict[str, tuple[str, int, int]] = {}
+    inputs = []
+    for i, t in enumerate(tensors):
+        dims: list[Any] = []
+        for j, d in enumerate(t.shape):
+            if type(d) is int:
+                dims.append(d)
+            else:
+                sizes.setdefault(str(d), ("in", i, j))
+                dims.append(None)
+        inputs.append((t.dtype, tuple(dims)))
+    results = tuple(
+        (o.dtype, tuple(d if type(d) is int else sizes.get(str(d)) for d in o.shape))
+        for o in outs
     )
+    return tuple(inputs), tokens, results
 
 
-def _broken_promise(owner: Owner, role: str, promised: tuple[Any, ...], got: tuple[Any, ...]
-                    ) -> Exception:
+def _keeps(promise: tuple[Any, ...], tensors: Sequence[Tensor], tokens: tuple[Any, ...],
+           outs: Sequence[Tensor]) -> bool | None:
+    """Whether a real call keeps `promise`; None when the promise is for other inputs."""
+    inputs, promised_tokens, results = promise
+    if len(inputs) != len(tensors) or any(
+        dtype != t.dtype or len(dims) != t.dim()
+        or any(d is not None and d != n for d, n in zip(dims, t.shape, strict=True))
+        for (dtype, dims), t in zip(inputs, tensors, strict=True)
+    ):
+        return None
+    if promised_tokens != tokens or len(results) != len(outs):
+        return False
+    for (dtype, dims), o in zip(results, outs, strict=True):
+        if o.dtype != dtype or o.dim() != len(dims):
+            return False
+        for d, n in zip(dims, o.shape, strict=True):
+            expected = tensors[d[1]].shape[d[2]] if isinstance(d, tuple) else d
+            if expected is not None and expected != n:
+                return False
+    return True
+
+
+def _broken_promise(owner: Owner, role: str, promise: tuple[Any, ...],
+                    tensors: Sequence[Tensor], outs: Sequence[Tensor]) -> Exception:
     from ._errors import GradOverrideError
 
-    def shown(entry: tuple[Any, ...]) -> str:
-        return ", ".join(
-            f"{tuple(shape)} {str(dtype).removeprefix('torch.')}" for shape, dtype in entry[1]
-        ) or "no tensor"
+    def size(d: Any) -> str:
+        if isinstance(d, tuple):
+            return str(tensors[d[1]].shape[d[2]])
+        return "?" if d is None else str(d)
 
+    promised = ", ".join(
+        f"({', '.join(map(size, dims))}{',' if len(dims) == 1 else ''}) "
+        f"{str(dtype).removeprefix('torch.')}" for dtype, dims in promise[2]
+    ) or "no tensor"
+    got = ", ".join(
+        f"{tuple(o.shape)} {str(o.dtype).removeprefix('torch.')}" for o in outs
+    ) or "no tensor"
     msg = (
-        f"{owner.outside_describe(role)} returned {shown(got)}, but the compiled or exported "
-        f"graph was traced with {shown(promised)}, what {owner.outside_promise(role)} said. "
+        f"{owner.outside_describe(role)} returned {got}, but the compiled or exported "
+        f"graph was traced with {promised}, what {owner.outside_promise(role)} said. "
         "Make it describe what the code returns (the same shapes and dtypes, and the same "
         "structure)."
     )
@@ -238,23 +319,32 @@ def _define_operator() -> Any:
     @torch.library.custom_op("gradoverride::outside", mutates_args=())
     def outside(tensors: list[Tensor], call: str) -> list[Tensor]:
         owner, role, tokens = _resolve(call)
-        outs = _flat_result(call, owner.outside_run(role, rebuild(tokens, tensors)), tensors)
-        promised = _PROMISED.get((call, _shapes(tensors)))
-        if promised is not None and promised != (_RESULTS[call], _shapes(outs)):
-            raise _broken_promise(owner, role, promised, (_RESULTS[call], _shapes(outs)))
+        result = owner.outside_run(role, rebuild(tokens, tensors, numbers=True))
+        outs = _flat_result(call, result, tensors)
+        for promise in _PROMISED.get(call, ()):
+            kept = _keeps(promise, tensors, _RESULTS[call], outs)
+            if kept is False:
+                raise _broken_promise(owner, role, promise, tensors, outs)
+            if kept:
+                break
         return outs
 
     @outside.register_fake
     def _(tensors: list[Tensor], call: str) -> list[Tensor]:
         owner, role, tokens = _resolve(call)
         outs = _flat_result(call, owner.outside_fake(role, rebuild(tokens, tensors)), None)
-        _PROMISED[(call, _shapes(tensors))] = (_RESULTS[call], _shapes(outs))
+        promise = _promise(tensors, _RESULTS[call], outs)
+        promises = _PROMISED.get(call, [])
+        if promise not in promises:
+            _remember(_PROMISED, call, [promise, *promises][:8])
         return outs
 
     def batched(info: Any, in_dims: tuple[Any, ...], tensors: list[Tensor], call: str
                 ) -> tuple[list[Tensor], list[int]]:
         # One call per batch entry, stacked: the owner's code sees plain tensors.
         dims = in_dims[0]
+        if info.batch_size == 0:
+            return _empty_batch(tensors, dims, call)
         per_entry = [
             outside([t if d is None else t.select(d, b) for t, d in zip(tensors, dims,
                                                                       strict=True)], call)
@@ -267,15 +357,50 @@ def _define_operator() -> Any:
     return outside
 
 
+def _empty_batch(tensors: list[Tensor], dims: Sequence[int | None], call: str
+                 ) -> tuple[list[Tensor], list[int]]:
+    """vmap over no entries: no call to make, so the result's shapes come from the fake
+    kernel (`outputs=` for a bridge) on one entry's shapes."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    owner, role, tokens = _resolve(call)
+    with FakeTensorMode() as mode:
+        entry = [
+            mode.from_tensor(t if d is None else t.select(d, 0) if t.shape[d] else
+                             t.new_empty(t.shape[:d] + t.shape[d + 1:]))
+            for t, d in zip(tensors, dims, strict=True)
+        ]
+        fakes = _flat_result(call, owner.outside_fake(role, rebuild(tokens, entry)), None)
+    device = tensors[0].device if tensors else torch.device("cpu")
+    outs = [torch.empty((0, *f.shape), dtype=f.dtype, device=device) for f in fakes]
+    return outs, [0] * len(outs)
+
+
 def call(key: str, role: str, value: Any) -> Any:
     """`owner.outside_run(role, value)` through the operator; `value` must hold a tensor and
-    nothing but tensors and literals (else `NotLiteral`)."""
+    nothing but tensors and literals (else `NotLiteral`).
+
+    The one fast path: eagerly, with no compiler, exporter, `torch.jit.trace` or
+    `torch.func` transform at work and only plain tensors in `value`, nothing needs the
+    operator, and the owner runs right here (the operator's dispatch costs more than a
+    small bridge's numpy call)."""
+    if _plain_eager(value):
+        return owner(key).outside_run(role, value)
     tensors: list[Tensor] = []
     tokens: list[Any] = []
     flatten(value, tensors, tokens)
     call_string = f"{key}|{role}|{tuple(tokens)!r}"
     outs = _OPERATOR(tensors, call_string)
     return rebuild(_result_structure(call_string), outs)
+
+
+def _plain_eager(value: Any) -> bool:
+    if torch.compiler.is_compiling() or tracing_state() is not None or transforms_active():
+        return False
+    return all(
+        type(leaf) is Tensor or type(leaf) is torch.nn.Parameter
+        for leaf in pytree.tree_leaves(value) if isinstance(leaf, Tensor)
+    )
 
 
 @torch.compiler.assume_constant_result  # type: ignore[untyped-decorator]

@@ -37,7 +37,7 @@ from typing_extensions import ParamSpec
 from ._backends import backend
 from ._decorators import CustomBackward, custom_backward
 from ._errors import GradOverrideError, GradOverrideTypeError
-from ._frameworks import autograph_artifact
+from ._frameworks import autograph_artifact, is_jax
 from ._internals import is_tracing, transforms_active
 
 __all__ = [
@@ -564,14 +564,18 @@ def _build(
         body = _identity
         requested = ()
     op.backward(_rule(body, first, n_params, requested, name))
-    op._tensorflow_rule = _tensorflow_rule(
-        op._name, first, n_params, window=window, inclusive=ends, surrogate=surrogate,
-        derivative=derivative,
+    op._tensorflow_rule, op._jax_rule = (
+        _backend_rule(
+            framework, op._name, first, n_params, window=window, inclusive=ends,
+            surrogate=surrogate, derivative=derivative,
+        )
+        for framework in ("tensorflow", "jax")
     )
     return op
 
 
-def _tensorflow_rule(
+def _backend_rule(
+    framework: str,
     op: str,
     first: str,
     n_params: int,
@@ -581,13 +585,13 @@ def _tensorflow_rule(
     surrogate: Callable[..., Any] | None,
     derivative: Callable[..., Any] | None,
 ) -> Callable[..., Any]:
-    """The rule for TensorFlow inputs: the same backward in TensorFlow ops. It takes what
-    the torch rule names (its signature is the torch rule's) and imports TensorFlow only
-    when called, which only happens once a TensorFlow tensor has arrived."""
+    """The rule for `framework`'s inputs (TensorFlow's, JAX's): the same backward in its
+    ops. It takes what the torch rule names (its signature is the torch rule's) and imports
+    the framework only when called, which only happens once one of its values has arrived."""
     rest = (None,) * (n_params - 1)
 
     def rule(upstream: Any, /, **saved: Any) -> Any:
-        grad = backend("tensorflow").straight_through_gradient(
+        grad = backend(framework).straight_through_gradient(
             upstream, saved, first=first, window=window, inclusive=inclusive,
             surrogate=surrogate, derivative=derivative, op=op,
         )
@@ -607,8 +611,10 @@ def _build_mask(
         x = args[0]
         if isinstance(x, Tensor):
             mask = window_mask(x, bounds)
-        else:  # a TensorFlow tensor: only then is the TensorFlow side imported
-            mask = backend("tensorflow").window_mask(x, *window, inclusive)
+        else:  # TensorFlow's or JAX's: only then is that side imported
+            mask = backend("jax" if is_jax(x) else "tensorflow").window_mask(
+                x, *window, inclusive
+            )
         return fn(*args, **kwargs), {"mask": mask}
 
     op: CustomBackward[..., Any] = custom_backward(forward, residuals=("mask",))
@@ -616,9 +622,12 @@ def _build_mask(
     _first_parameter(op, "straight_through")  # the mask is taken from the first argument
 
     op.backward(_rule(masked_gradient, "mask", len(op.parameters), ("mask",), name))
-    op._tensorflow_rule = _tensorflow_rule(
-        op._name, "mask", len(op.parameters), window=window, inclusive=inclusive,
-        surrogate=None, derivative=None,
+    op._tensorflow_rule, op._jax_rule = (
+        _backend_rule(
+            framework, op._name, "mask", len(op.parameters), window=window,
+            inclusive=inclusive, surrogate=None, derivative=None,
+        )
+        for framework in ("tensorflow", "jax")
     )
     return op
 

@@ -222,3 +222,77 @@ def test_outputs_describing_another_shape_is_an_error_not_a_wrong_graph() -> Non
     )):
         torch.compile(lambda v: lying(v), fullgraph=True, backend="aot_eager")(torch.ones(2, 3))
     torch._dynamo.reset()
+
+
+def test_a_constant_changing_every_call_does_not_grow_the_operators_tables() -> None:
+    from gradoverride import _outside
+
+    def scaled(x: Any, k: float = 1.0) -> Any:
+        return x * k
+
+    op = go.bridge(scaled, backward=lambda grad, *, k: grad * k)
+    x = torch.ones(2)
+    for i in range(_outside._KEPT + 500):
+        out = op(x, k=float(i))
+    torch.testing.assert_close(out, torch.full((2,), float(_outside._KEPT + 499)))
+    assert len(_outside._RESULTS) <= _outside._KEPT
+
+
+@pytest.mark.parametrize("kind", [float, int])
+def test_a_number_changing_between_calls_compiles_once_and_is_passed_as_a_number(
+    kind: type
+) -> None:
+    torch._dynamo.reset()
+    seen: list[type] = []
+
+    def wave(x: Any, k: Any) -> Any:
+        seen.append(type(k))
+        return np.sin(k * x)
+
+    def wave_rule(grad: Any, *, x: Any, k: Any) -> Any:
+        return grad * k * np.cos(k * x)
+
+    op = go.bridge(wave, backward=wave_rule, outputs=lambda x, k: torch.empty_like(x))
+    compiled = torch.compile(lambda x, k: op(x, k).sum(), fullgraph=True, backend="aot_eager")
+    for k in (kind(1), kind(2), kind(3)):
+        x = torch.linspace(-1, 1, 4, dtype=torch.float64, requires_grad=True)
+        (g,) = torch.autograd.grad(compiled(x, k), x)
+        torch.testing.assert_close(g, k * torch.cos(k * x.detach()))
+    assert set(seen) == {kind}, "the function gets a Python number, not a tensor"
+    torch._dynamo.reset()
+
+
+def test_outputs_with_the_wrong_dtype_is_caught_under_dynamic_shapes() -> None:
+    torch._dynamo.reset()
+    lying = go.bridge(np.sin, backward=lambda grad, *, x: grad * np.cos(x),
+                      outputs=lambda x: x.new_empty(x.shape, dtype=torch.float64))
+    compiled = torch.compile(lambda v: lying(v) * 2, fullgraph=True, dynamic=True,
+                             backend="aot_eager")
+    with pytest.raises(GradOverrideError, match=(
+        r"^the function of the go.bridge of `sin` returned \(5,\) float32, but the compiled "
+        r"or exported graph was traced with \(5,\) float64, what its `outputs=` said\."
+    )):
+        compiled(torch.ones(5))
+    torch._dynamo.reset()
+
+
+def test_vmap_over_an_empty_batch_takes_the_shapes_from_outputs() -> None:
+    out = torch.func.vmap(SINE)(torch.ones(0, 3))
+    assert out.shape == (0, 3)
+
+
+def test_an_array_argument_breaks_the_graph_and_fullgraph_names_it() -> None:
+    torch._dynamo.reset()
+    weights = np.array([1.0, 2.0, 3.0])
+    op = go.bridge(lambda x, w: x * w, backward=lambda grad, *, w: (grad * w, None),
+                   outputs=lambda x, w: torch.empty_like(x))
+    out = torch.compile(lambda v: op(v, weights), backend="eager")(torch.ones(3))
+    torch.testing.assert_close(out, torch.tensor([1.0, 2.0, 3.0]))
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match=(  # (dynamo's error, holding ours)
+        r"`[^`]*<lambda>` is a go.bridge, called here under torch.compile, torch.export or a "
+        r"torch.func transform, which need it as one operator holding tensors and Python "
+        r"literals only; its argument at position 1 holds a ndarray, which is neither"
+    )):
+        torch.compile(lambda v: op(v, weights), fullgraph=True, backend="eager")(torch.ones(3))
+    torch._dynamo.reset()

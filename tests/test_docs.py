@@ -34,6 +34,12 @@ _NO_TENSORFLOW = (
     and os.environ.get("GRADOVERRIDE_REQUIRE_TENSORFLOW") != "1"
 )
 _TENSORFLOW_MARKERS = ("import tensorflow", "gradoverride.keras", "import keras")
+# The JAX page's blocks (the `jax` extra): they skip without JAX, unless CI requires it.
+_NO_JAX = (
+    importlib.util.find_spec("jax") is None
+    and os.environ.get("GRADOVERRIDE_REQUIRE_JAX") != "1"
+)
+_JAX_MARKERS = ("import jax",)
 # The trainers and loggers the diagnostics page hooks the monitor into (the `integrations`
 # extra): their blocks skip where the package is missing, unless CI requires them.
 _INTEGRATIONS = {
@@ -90,6 +96,8 @@ def test_example_runs_and_prints_what_the_page_shows(
 ) -> None:
     if _NO_TENSORFLOW and any(marker in example.source for marker in _TENSORFLOW_MARKERS):
         pytest.skip("TensorFlow is not installed (pip install 'gradoverride[tensorflow]')")
+    if _NO_JAX and any(marker in example.source for marker in _JAX_MARKERS):
+        pytest.skip("JAX is not installed (pip install 'gradoverride[jax]')")
     for marker, package in _INTEGRATIONS.items():
         if (marker in example.source and not _REQUIRE_INTEGRATIONS
                 and importlib.util.find_spec(package) is None):

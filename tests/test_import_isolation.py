@@ -1,5 +1,6 @@
-"""`import gradoverride` never imports TensorFlow or Keras (DESIGN §2.8); only
-`import gradoverride.keras` does.
+"""`import gradoverride` never imports TensorFlow, Keras or JAX (DESIGN §2.8, §2.11); only
+`import gradoverride.keras` imports TensorFlow and Keras, and only a JAX array reaching an
+op loads gradoverride's JAX backend.
 
 Each check runs in a fresh interpreter, since this pytest process may already hold
 TensorFlow (imported by the TensorFlow tests). The first test needs no TensorFlow at all;
@@ -21,15 +22,15 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 #: The top-level packages that must stay out of `sys.modules` (tf_keras: Keras 2, which
-#: TensorFlow loads for `TF_USE_LEGACY_KERAS=1`).
-FRAMEWORKS = ("tensorflow", "keras", "tf_keras")
+#: TensorFlow loads for `TF_USE_LEGACY_KERAS=1`; jaxlib: JAX's compiled half).
+FRAMEWORKS = ("tensorflow", "keras", "tf_keras", "jax", "jaxlib")
 
 _REPORT = """
 import json, sys
 frameworks = {frameworks!r}
 loaded = sorted(
     {{m.split(".")[0] for m in sys.modules if m.split(".")[0] in frameworks}}
-    | ({{"gradoverride._tensorflow"}} & set(sys.modules))
+    | ({{"gradoverride._tensorflow", "gradoverride._jax"}} & set(sys.modules))
 )
 print("REPORT " + json.dumps(loaded))
 """
@@ -71,8 +72,8 @@ assert gradoverride.testing.saved_bytes(quantize, x) > 0
 
 
 def _loaded_after(*codes: str) -> list[list[str]]:
-    """The frameworks (top-level packages) and gradoverride's TensorFlow backend that one
-    fresh interpreter holds after running each of `codes`, in turn."""
+    """The frameworks (top-level packages) and gradoverride's TensorFlow and JAX backends
+    that one fresh interpreter holds after running each of `codes`, in turn."""
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
     report = _REPORT.format(frameworks=FRAMEWORKS)
     result = subprocess.run(
@@ -112,7 +113,7 @@ def test_gradoverride_and_torch_ops_do_not_import_tensorflow(
 ) -> None:
     # The imports alone, and then every kind of call on torch tensors: a custom_backward op,
     # recipes (forward and backward) and gradoverride.testing. None may reach for TensorFlow,
-    # Keras or gradoverride's TensorFlow backend, installed or not.
+    # Keras, JAX or gradoverride's TensorFlow and JAX backends, installed or not.
     assert loaded["imports"] == []
     assert loaded["torch calls"] == []
 
@@ -129,7 +130,7 @@ def test_gradoverride_keras_imports_tensorflow_and_keras(loaded: dict[str, list[
 _SUBPACKAGES_AS_ATTRIBUTES = """
 import json, sys
 import gradoverride as go
-seen = {"after import": sorted(m for m in ("torch._dynamo", "tensorflow", "keras",
+seen = {"after import": sorted(m for m in ("torch._dynamo", "tensorflow", "keras", "jax",
                                             "gradoverride.recipes", "gradoverride.testing")
                                if m in sys.modules)}
 seen["in dir"] = [name for name in ("recipes", "testing", "keras") if name in dir(go)]

@@ -47,7 +47,9 @@ from .recipes import _in_xla
 
 
 def _specs(outputs: Any) -> list[Any] | None:
-    if outputs is None:
+    # A function is torch's `outputs=` (shapes for torch.compile): TensorFlow takes the
+    # default, one output in the floating arguments' dtype.
+    if outputs is None or callable(outputs):
         return None
     items = list(outputs) if isinstance(outputs, (tuple, list)) else [outputs]
     return [s if isinstance(s, tf.TensorSpec) else tf.TensorSpec(None, tf.as_dtype(s))

@@ -33,6 +33,7 @@ from ._ste import (
     ternarize,
 )
 from ._surrogate import SPIKE_PRESETS, SURROGATES, spike
+from ._surrogate_width import LearnedAlphaSpike
 
 __all__ = [
     "BINARIZE_PRESETS",
@@ -40,6 +41,7 @@ __all__ = [
     "SPIKE_PRESETS",
     "SURROGATES",
     "GradientTransform",
+    "LearnedAlphaSpike",
     "LearnedStepQuantizer",
     "Recipe",
     "RecipeModule",

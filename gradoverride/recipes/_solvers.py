@@ -489,13 +489,21 @@ class perturbed_optimizer(_SolverRecipe):
         device = generator.device if generator is not None else torch.device("cpu")
         kind = torch.float64 if theta.dtype == torch.float64 else torch.float32
         shape = (self.samples, *theta.shape)
+        # (`generator=` only when there is one: a compiled graph with symbolic sizes cannot
+        # take `generator=None` in `randn`.)
         if self.noise == "normal":
-            noise = torch.randn(shape, generator=generator, device=device, dtype=kind)
+            noise = (
+                torch.randn(shape, device=device, dtype=kind) if generator is None
+                else torch.randn(shape, generator=generator, device=device, dtype=kind)
+            )
             score = noise
         else:
             # -log(E) with E ~ Exp(1) is a standard Gumbel variable.
             exponential = torch.empty(shape, device=device, dtype=kind)
-            exponential.exponential_(generator=generator)
+            if generator is None:
+                exponential.exponential_()
+            else:
+                exponential.exponential_(generator=generator)
             noise = -torch.log(exponential)
             score = 1.0 - exponential  # 1 - exp(-Z)
         return (

@@ -42,7 +42,15 @@ from .._decorators import custom_backward
 from .._errors import GradOverrideError, GradOverrideTypeError
 from .._frameworks import is_tensorflow
 from .._internals import tracing_state, transforms_active
-from ._base import Recipe, finite, positive_number, tensorflow_call
+from ._base import Recipe, RecipeModule, finite, positive_number, tensorflow_call
+from ._surrogate_width import (
+    LearnedAlphaSpike,
+    alpha_repr,
+    check_learned_alpha,
+    learned_gradient,
+    learned_spike,
+    refuse_on_tensorflow,
+)
 
 __all__ = ["SPIKE_PRESETS", "SURROGATES", "spike"]
 
@@ -121,11 +129,13 @@ def _minus(k: float, t: Tensor, alpha: float) -> Tensor:
     return torch.sub(_scalar(t, k), t, alpha=alpha)
 
 
-def _set(value: float | None) -> float:
+def _set(value: float | Tensor | None) -> float:
     """A surrogate parameter `spike` has resolved (it is None only for the surrogates that do
-    not take it)."""
+    not take it). A tensor alpha (a learned width) reaches only the proxies and
+    probabilities, whose ops take a tensor as well as a float; the derivatives here are never
+    called with one (`_surrogate_width` has its own)."""
     assert value is not None
-    return value
+    return value  # type: ignore[return-value]
 
 
 def _arctan(g: Tensor, x: Tensor, r: spike) -> Tensor:
@@ -754,6 +764,27 @@ class spike(Recipe):
     sparse_fast_sigmoid, snnTorch `SFS` (after Perez-Nieves & Goodman 2021, whose window
     is |x| < bound instead).
 
+    A learned width: `alpha` may be a floating torch tensor, typically an `nn.Parameter`:
+    one value (shape ()) or one per channel (broadcastable to x without enlarging it, as
+    (C, 1, 1) for an (N, C, H, W) input). Or let the module hold it:
+    `spike("arctan", alpha=2.0).module(learn_alpha=True)` (a shape instead of True for one
+    alpha per element of it) has `module.alpha`, an `nn.Parameter` initialised to 2.0 and
+    saved in its `state_dict`. The forward is still the step, which does not depend on
+    alpha (its true gradient is 0); as in the Learnable Surrogate Gradient (Lian et al.,
+    IJCAI 2023), the backward treats the smooth step sigma = `proxy` as the forward for
+    both inputs: dL/dx is the surrogate gradient above, unchanged, and dL/dalpha =
+    sum(dL/dy * scale * d sigma/dalpha) over the elements alpha was broadcast to (x sg / a
+    for the surrogates where sigma is a function of a x), computed in float32 at least and
+    returned in alpha's dtype. Every surrogate with an alpha in its formula takes one
+    (sparse_fast_sigmoid's sigma is 0 up to `bound`, so its width derivative subtracts
+    that of its value at the bound); straight_through, log_tailed_relu and leaky_relu have
+    no width and refuse a tensor, as does `sample=True`. Its values are used as given, not
+    checked (a check would make every call wait for the GPU): keep alpha > 0 (> 1 for
+    q_pseudo_spike), e.g. by `alpha.clamp_(min=...)` under `torch.no_grad()` after each
+    step. Presets whose parameter is alpha unchanged take a tensor too
+    (`spike.preset("spikingjelly.ATan", alpha=param)`). A tensor alpha runs on torch
+    tensors only; the float-alpha path is unchanged.
+
     `spike.preset(name, **params)` gives each library's convention (see `SPIKE_PRESETS`).
     `recipe.gradient(x)` is scale * sg(x - center); `recipe.proxy(x)` is the function whose
     derivative (times `scale`) it is: a smooth step from 0 to 1 for the top rows.
@@ -779,7 +810,7 @@ class spike(Recipe):
     """
 
     surrogate: str = "arctan"
-    alpha: float | None = None
+    alpha: float | Tensor | None = None
     scale: float = 1.0
     at_zero: float = 0.0
     _: KW_ONLY
@@ -804,14 +835,18 @@ class spike(Recipe):
         owner = f"spike(surrogate={self.surrogate!r})"
         default = shape.alpha if shape.alpha is not None else 1.0
         alpha = default if self.alpha is None else self.alpha
-        for arg, value in (("alpha", alpha), ("scale", self.scale)):
-            positive_number(owner, arg, value)
-        if alpha <= shape.alpha_above:
-            msg = (
-                f"{owner}: `alpha` must be greater than {shape.alpha_above:g} (the formula "
-                f"divides by a - {shape.alpha_above:g}); got {alpha!r}."
-            )
-            raise GradOverrideError(msg)
+        if isinstance(alpha, Tensor):  # a learned width: its values are not read (see above)
+            check_learned_alpha(owner, name, alpha, self.sample)
+        else:
+            positive_number(owner, "alpha", alpha, "(Or a floating torch tensor, to learn "
+                            "the width: see `spike`.)")
+            if alpha <= shape.alpha_above:
+                msg = (
+                    f"{owner}: `alpha` must be greater than {shape.alpha_above:g} (the "
+                    f"formula divides by a - {shape.alpha_above:g}); got {alpha!r}."
+                )
+                raise GradOverrideError(msg)
+        positive_number(owner, "scale", self.scale)
         at_zero = self.at_zero
         if (
             not isinstance(at_zero, (int, float))
@@ -823,7 +858,7 @@ class spike(Recipe):
                 f"(0: spike when x > 0; 1: when x >= 0); got {at_zero!r}."
             )
             raise GradOverrideError(msg)
-        object.__setattr__(self, "alpha", float(alpha))
+        object.__setattr__(self, "alpha", alpha if isinstance(alpha, Tensor) else float(alpha))
         object.__setattr__(self, "scale", float(self.scale))
         object.__setattr__(self, "at_zero", float(at_zero))
         object.__setattr__(self, "center", _number(owner, "center", self.center, "finite"))
@@ -865,7 +900,8 @@ class spike(Recipe):
             raise GradOverrideError(msg)
 
     def __repr__(self) -> str:
-        fields = [f"surrogate={self.surrogate!r}", f"alpha={self.alpha!r}",
+        alpha = alpha_repr(self.alpha) if isinstance(self.alpha, Tensor) else repr(self.alpha)
+        fields = [f"surrogate={self.surrogate!r}", f"alpha={alpha}",
                   f"scale={self.scale!r}", f"at_zero={self.at_zero!r}"]
         fields += [
             f"{p}={getattr(self, p)!r}"
@@ -924,6 +960,8 @@ class spike(Recipe):
         if self.spread:
             u = _uniform(x, generator, x.dtype) if noise is None else _check_noise(self, x, noise)
             return _leaky_relu(ones, xc, self, u)
+        if isinstance(self.alpha, Tensor):
+            return learned_gradient(x, self.alpha, self, _canonical(self.surrogate))
         return _shape(self).derivative(ones, xc, self)
 
     def proxy(self, x: Tensor) -> Tensor:
@@ -935,10 +973,14 @@ class spike(Recipe):
     def __call__(self, x: Tensor, *, noise: Tensor | None = None,
                  generator: torch.Generator | None = None) -> Tensor:
         if not isinstance(x, Tensor) and is_tensorflow(x):
+            if isinstance(self.alpha, Tensor):
+                refuse_on_tensorflow(self)
             return tensorflow_call(self, x, noise=noise, generator=generator)
         if not (self.sample or self.spread):
             if noise is not None or generator is not None:
                 _refuse_noise(self)
+            if isinstance(self.alpha, Tensor):  # a learned width (never sampled or spread)
+                return learned_spike(x, self.alpha, self, _canonical(self.surrogate))
             return _spike(x, self)
         if noise is not None:
             noise = _check_noise(self, x, noise)
@@ -954,10 +996,52 @@ class spike(Recipe):
             result = _spike_noisy_gradient(x, self, noise, generator)
         return result
 
+    def module(  # type: ignore[override]
+        self, learn_alpha: bool | tuple[int, ...] = False
+    ) -> RecipeModule | LearnedAlphaSpike:
+        """This spike as an `nn.Module`. With `learn_alpha=True` the module holds alpha as
+        its own `nn.Parameter` (`module.alpha`, in its `state_dict`), initialised to this
+        recipe's alpha; a shape (`learn_alpha=(C, 1, 1)`) gives one alpha per element of
+        it, broadcast against the input (per channel of an (N, C, H, W) input)."""
+        owner = f"{self!r}.module"
+        if isinstance(self.alpha, Tensor):
+            msg = (
+                f"{owner}(): this spike's `alpha` is a tensor, which a module would not own "
+                "(not in its parameters() nor its state_dict). Let the module hold it: "
+                f"`spike({self.surrogate!r}, alpha=<initial float>, ...)"
+                ".module(learn_alpha=True)`."
+            )
+            raise GradOverrideError(msg)
+        if learn_alpha is False:
+            return RecipeModule(self)
+        shape: tuple[int, ...] = ()
+        if learn_alpha is not True:
+            if not (
+                isinstance(learn_alpha, tuple)
+                and all(isinstance(n, int) and not isinstance(n, bool) and n >= 1
+                        for n in learn_alpha)
+            ):
+                msg = (
+                    f"{owner}: `learn_alpha` must be True (one alpha), False, or the shape "
+                    f"of the alphas, a tuple of positive ints like (C, 1, 1); got "
+                    f"{learn_alpha!r}."
+                )
+                raise GradOverrideTypeError(msg)
+            shape = learn_alpha
+        name = _canonical(self.surrogate)
+        check_learned_alpha(f"{owner}(learn_alpha=...)", name, torch.empty(()), self.sample)
+        return LearnedAlphaSpike(self, name, shape)
+
     @classmethod
-    def preset(cls, name: str, /, **params: float) -> spike:
+    def preset(cls, name: str, /, **params: float | Tensor) -> spike:
         """The `spike` that reproduces a library's surrogate, in that library's parameter
         names and defaults: `spike.preset("snntorch.atan", alpha=2.0)`. See `SPIKE_PRESETS`.
+
+        A parameter may be a tensor (a learned width, see `spike`) where the preset passes
+        it unchanged to spike's alpha, as `spike.preset("spikingjelly.ATan", alpha=param)`
+        and `spike.preset("snntorch.sigmoid", slope=param)` do; a preset whose parameter
+        also sets the scale (snnTorch's `fast_sigmoid`, SpikingJelly's `SuperSpike`, norse's
+        functions) or is not the width refuses one.
         """
         entry = _PRESETS.get(name)
         if entry is None:
@@ -975,16 +1059,62 @@ class spike(Recipe):
                 takes = "takes no parameter"
             msg = f"spike.preset({name!r}) {takes}; got {', '.join(unknown)}."
             raise GradOverrideTypeError(msg)
-        values = {
+        tensors = [p for p, v in params.items() if isinstance(v, Tensor)]
+        values: dict[str, float | Tensor] = {
             p: _number(f"spike.preset({name!r})", p, params.get(p, default), kind)
-            for p, (default, kind) in entry.params.items()
+            for p, (default, kind) in entry.params.items() if p not in tensors
         }
+        if tensors:
+            return cls(**_preset_with_tensor(name, entry, values, tensors, params))
         try:
             return cls(**entry.build(*values.values()))
         except GradOverrideError as error:
             given = ", ".join(f"{p}={v!r}" for p, v in values.items())
             msg = f"spike.preset({name!r}, {given}) has no spike equal to it: {error}"
             raise GradOverrideError(msg) from None
+
+
+def _preset_with_tensor(name: str, entry: _Preset, values: dict[str, float | Tensor],
+                        tensors: list[str], params: Mapping[str, float | Tensor]
+                        ) -> dict[str, Any]:
+    """The preset's spike fields with the tensor parameter as alpha, if the preset passes
+    that parameter unchanged to alpha and to nothing else."""
+    first = tensors[0]
+    fields, follow = _following(entry, values, first)
+    problem = None
+    if follow != ["alpha"]:
+        problem = f"it sets {', '.join(follow) or 'no width'} from it"
+    elif len(tensors) > 1:
+        first, problem = tensors[1], f"only alpha can be a tensor, and `{first}` is alpha"
+    if problem is not None:
+        learnable = [n for n, e in _PRESETS.items()
+                     if any(_following(e, {}, p)[1] == ["alpha"] for p in e.params)]
+        msg = (
+            f"spike.preset({name!r}): `{first}` cannot be a tensor (a learned width): this "
+            f"preset does not pass it unchanged to spike's alpha ({problem}). Give a float, "
+            "learn the width with spike(surrogate, alpha=tensor, ...), or use a preset "
+            f"that takes one: {', '.join(repr(n) for n in learnable)}."
+        )
+        raise GradOverrideError(msg)
+    return {**fields, "alpha": params[first]}
+
+
+def _following(entry: _Preset, values: Mapping[str, float | Tensor], param: str
+               ) -> tuple[dict[str, Any], list[str]]:
+    """The preset's fields with `param` at its default (the others at `values` or theirs),
+    and the fields that follow `param`: those that differ when it is 2 * default + 1
+    instead (only alpha, equal to the probe, counts as "alpha"; any other change is listed
+    by name)."""
+    default = entry.params[param][0]
+    built = []
+    for probe in (default, 2 * default + 1):
+        given = {**values, param: probe}
+        built.append(entry.build(*(given.get(p, d) for p, (d, _) in entry.params.items())))
+    first, second = built
+    follow = sorted(k for k in first.keys() | second.keys() if first.get(k) != second.get(k))
+    if follow == ["alpha"] and first["alpha"] != default:
+        follow = ["alpha by a formula"]
+    return first, follow
 
 
 def _check_noise(recipe: spike, x: Tensor, noise: object) -> Tensor:
