@@ -14,6 +14,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from .. import _straight_through_formula as formula
 from .._errors import GradOverrideError
 
 __all__ = ["gradient", "window_mask"]
@@ -21,41 +22,13 @@ __all__ = ["gradient", "window_mask"]
 
 def window_mask(x: Any, low: float, high: float, inclusive: tuple[bool, bool]) -> Any:
     """Where `x` is outside the window (a bool array, one byte per element)."""
-    return jnp.logical_not(_inside(x, low, high, inclusive))
+    return formula.window_mask(jnp, x, low, high, inclusive)
 
 
-def _inside(x: Any, low: float, high: float, inclusive: tuple[bool, bool]) -> Any:
-    above = x >= low if inclusive[0] else x > low
-    below = x <= high if inclusive[1] else x < high
-    return jnp.logical_and(above, below)
-
-
-def gradient(
-    upstream: Any,
-    saved: dict[str, Any],
-    *,
-    first: str,
-    window: tuple[float, float] | None,
-    inclusive: tuple[bool, bool],
-    surrogate: Callable[..., Any] | None,
-    derivative: Callable[..., Any] | None,
-    op: str,
-) -> Any:
-    """The gradient for the forward's first argument, as the torch rule computes it."""
-    if "mask" in saved:  # keep="mask": the forward stored where the input is outside
-        return jnp.where(saved["mask"], jnp.zeros_like(upstream), upstream)
-    if surrogate is None and derivative is None and window is None:
-        return upstream
-    x = saved[first]
-    if surrogate is not None:
-        grad = _surrogate_gradient(upstream, x, surrogate, op)
-    elif derivative is not None:
-        grad = upstream * derivative(x)
-    else:
-        grad = upstream
-    if window is None:
-        return grad
-    return jnp.where(_inside(x, *window, inclusive), grad, jnp.zeros_like(grad))
+def gradient(upstream: Any, saved: dict[str, Any], **settings: Any) -> Any:
+    """The gradient for the forward's first argument, as the torch rule computes it (the
+    one formula in `gradoverride/_straight_through_formula.py`)."""
+    return formula.gradient(jnp, _surrogate_gradient, upstream, saved, **settings)
 
 
 def _surrogate_gradient(upstream: Any, x: Any, surrogate: Callable[..., Any], op: str) -> Any:
