@@ -72,7 +72,16 @@ def to_numpy(value: Any) -> Any:
 
 
 def _tree_to_numpy(values: Any) -> Any:
-    return pytree.tree_map(to_numpy, values)
+    """`values` with every tensor in its tuples, lists and dicts as a numpy array (a plain
+    walk: torch's pytree costs more than a small bridge's numpy call)."""
+    kind = type(values)
+    if kind is tuple or kind is list:
+        return kind(_tree_to_numpy(v) for v in values)
+    if kind is dict:
+        return {k: _tree_to_numpy(v) for k, v in values.items()}
+    if isinstance(values, tuple) and hasattr(values, "_fields"):  # a namedtuple
+        return kind(*(_tree_to_numpy(v) for v in values))
+    return to_numpy(values)
 
 
 def as_array(value: Any, what: str) -> np.ndarray[Any, Any]:
@@ -110,7 +119,7 @@ def _target(tree: Any) -> tuple[torch.device, torch.dtype | None]:
     promoted dtype of the floating tensor arguments (None when there is none)."""
     device = None
     dtype: torch.dtype | None = None
-    for leaf in pytree.tree_leaves(tree):
+    for leaf in outside.tensors_in(tree):
         if isinstance(leaf, Tensor):
             if device is None:
                 device = leaf.device

@@ -30,16 +30,17 @@ import ast
 import functools
 import weakref
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, Protocol
 
 import torch
 from torch import Tensor
-from torch.utils import _pytree as pytree
 
 from ._internals import tracing_state, transforms_active
 
-__all__ = ["NotLiteral", "Owner", "call", "flatten", "owner", "rebuild", "register"]
+__all__ = [
+    "NotLiteral", "Owner", "call", "flatten", "owner", "rebuild", "register", "tensors_in",
+]
 
 _LITERALS = (bool, int, str, type(None))
 
@@ -394,12 +395,24 @@ def call(key: str, role: str, value: Any) -> Any:
     return rebuild(_result_structure(call_string), outs)
 
 
+def tensors_in(value: Any) -> Iterator[Tensor]:
+    """The tensors in `value`'s tuples, lists and dicts (a plain walk: cheaper than torch's
+    pytree, which the eager path of a small bridge would spend most of its time in)."""
+    if isinstance(value, Tensor):
+        yield value
+    elif isinstance(value, tuple | list):
+        for item in value:
+            yield from tensors_in(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from tensors_in(item)
+
+
 def _plain_eager(value: Any) -> bool:
     if torch.compiler.is_compiling() or tracing_state() is not None or transforms_active():
         return False
     return all(
-        type(leaf) is Tensor or type(leaf) is torch.nn.Parameter
-        for leaf in pytree.tree_leaves(value) if isinstance(leaf, Tensor)
+        type(t) is Tensor or type(t) is torch.nn.Parameter for t in tensors_in(value)
     )
 
 
