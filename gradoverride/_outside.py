@@ -192,8 +192,8 @@ def owner(key: str) -> Any:
             f"a graph calls gradoverride's outside operator for `{key}`, which this process "
             "has not made: a graph that calls a go.bridge or a solver (an exported program, "
             "a compiled function) runs the Python function behind it, so make that bridge "
-            "or recipe first, in the same order as where the graph was made (import the "
-            "module that defines it)."
+            "or recipe first, in the same order as where the graph was made, and keep it "
+            "(import the module that defines it at module level)."
         )
         raise GradOverrideError(msg)
     return found
