@@ -427,3 +427,14 @@ def test_a_surrogate_of_another_shape_is_refused() -> None:
     with pytest.raises(GradOverrideError, match=r"returned \(\), but the forward's output has "
                                                  r"shape \(7,\)"):
         jax.grad(lambda x: spike(x).sum())(jnp.asarray(X))
+
+
+def test_a_recipe_on_a_jax_array_says_what_jax_has_so_far() -> None:
+    from gradoverride import recipes
+
+    with pytest.raises(go.GradOverrideError, match=(
+        r"^spike\(surrogate='arctan'.*\) was called on a JAX array; on JAX, gradoverride has "
+        r"`custom_backward` and `straight_through` so far, not the recipes\. Write the "
+        r"recipe's formula as a `go.custom_backward` op in jnp ops"
+    )):
+        recipes.spike("arctan")(jnp.ones(3))

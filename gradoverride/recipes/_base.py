@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -33,7 +34,7 @@ from torch.compiler import is_dynamo_compiling
 from .._backends import backend
 from .._decorators import custom_backward
 from .._errors import GradOverrideError
-from .._frameworks import autograph_artifact, is_tensorflow
+from .._frameworks import autograph_artifact, is_jax, is_tensorflow
 from .._function import RECORDERS
 from .._internals import is_grad_scaler
 from .._jit import refuse_scripting
@@ -84,9 +85,21 @@ def _told_to_recorder(call: Callable[..., Any]) -> Callable[..., Any]:
     def __call__(self: Recipe, *args: Any, **kwargs: Any) -> Any:
         if RECORDERS and not is_dynamo_compiling():
             return recipe_call(self, call, args, kwargs)
+        if args and "jax" in sys.modules and is_jax(args[0]):
+            raise _no_jax_recipe(self)
         return call(self, *args, **kwargs)
 
     return __call__
+
+
+def _no_jax_recipe(recipe: Recipe) -> GradOverrideError:
+    msg = (
+        f"{recipe!r} was called on a JAX array; on JAX, gradoverride has `custom_backward` "
+        "and `straight_through` so far, not the recipes. Write the recipe's formula as a "
+        "`go.custom_backward` op in jnp ops (its docstring gives the formula), or call the "
+        "recipe on torch or TensorFlow tensors."
+    )
+    return GradOverrideError(msg)
 
 
 def recipe_call(recipe: Recipe, call: Callable[..., Any], args: tuple[Any, ...],
