@@ -467,6 +467,12 @@ def watching_grads(op: str, tensors: dict[str, Tensor]) -> Iterator[None]:
 # ---- a checked call's rule: a mask returned instead of `grad * mask` --------------------------
 
 
+# Calls that hand a tensor's values out of torch.
+_LEAVING_TORCH = frozenset(
+    {"numpy", "__array__", "tolist", "item", "data_ptr", "untyped_storage", "__dlpack__"}
+)
+
+
 class _Upstream(TorchFunctionMode):
     """Follows which tensors a rule computes from the upstream gradients: a call with one of
     them among its arguments makes its results such tensors too. Holds them, so that no
@@ -476,6 +482,9 @@ class _Upstream(TorchFunctionMode):
         super().__init__()
         self.held = [g for g in pytree.tree_leaves(grads) if isinstance(g, Tensor)]
         self.ids = {id(g) for g in self.held}
+        # Whether the gradient left torch (numpy, a Python number): what comes back cannot be
+        # followed, so nothing is concluded (a go.bridge's rule runs in numpy).
+        self.escaped = False
 
     def __torch_function__(
         self, func: Callable[..., Any], types: Any, args: tuple[Any, ...] = (),
@@ -485,6 +494,8 @@ class _Upstream(TorchFunctionMode):
         result = func(*args, **kwargs)
         if any(id(a) in self.ids for a in pytree.tree_leaves((args, kwargs))
                if isinstance(a, Tensor)):
+            if getattr(func, "__name__", "") in _LEAVING_TORCH:
+                self.escaped = True
             for t in pytree.tree_leaves(result):
                 if isinstance(t, Tensor):
                     self.held.append(t)
@@ -510,7 +521,7 @@ class RuleResultCheck:
 
     def inspect(self, op: str, names: tuple[str, ...], result: Any) -> None:
         mode, self.mode = self.mode, None
-        if mode is None:
+        if mode is None or mode.escaped:
             return
         if isinstance(result, dict):
             entries = list(result.items())

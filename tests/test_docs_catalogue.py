@@ -48,7 +48,7 @@ FAMILIES = {
 }
 #: In `recipes.__all__` but not recipes: base classes, module forms, constants.
 NOT_RECIPES = {
-    "GradientTransform", "LearnedStepQuantizer", "Recipe", "RecipeModule",
+    "GradientTransform", "LearnedAlphaSpike", "LearnedStepQuantizer", "Recipe", "RecipeModule",
     "ScaledGradientModule", "SPIKE_PRESETS", "SURROGATES", "BINARIZE_PRESETS", "CLAMP_PRESETS",
 }
 

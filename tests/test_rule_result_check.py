@@ -69,3 +69,12 @@ def test_the_testing_tools_check_every_call_they_make() -> None:
             op, torch.tensor([0.5, 2.0, -0.2], dtype=torch.float64),
             reference=lambda x: x.clamp(-1, 1), raise_on_mismatch=False,
         )
+
+
+def test_a_rule_computing_in_numpy_is_not_judged() -> None:
+    """The gradient left torch (a go.bridge's rule, a rule in numpy): nothing to follow."""
+    op = _clipped(lambda grad, *, x: torch.from_numpy(grad.numpy() * (x.abs() <= 1).numpy()))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = _grad(op)
+    torch.testing.assert_close(got, torch.tensor([3.0, 0.0, 3.0]))
