@@ -719,15 +719,18 @@ def _through_operator(key: str, role: str, value: Any) -> Any:
     except outside.NotLiteral as exc:
         if torch.compiler.is_compiling() or transforms_active():
             raise _not_carried(key, role, exc) from None
-        return _run_here(key, role, value)
+        return _RUN_HERE[0](key, role, value)
 
 
-@torch.compiler.disable  # type: ignore[untyped-decorator]
 def _run_here(key: str, role: str, value: Any) -> Any:
-    # Never traced: where dynamo resumes after the graph break the error above makes (no
-    # fullgraph), this runs eagerly, numpy included.
     bridge: Bridge[...] = outside.owner(key)
     return bridge.outside_run(role, value)
+
+
+# `_run_here` as dynamo never traces it: where dynamo resumes after the graph break the error
+# above makes (no fullgraph), it runs eagerly, numpy included. Wrapped when the first bridge
+# is made (not at import: `torch.compiler.disable` imports dynamo, over a second).
+_RUN_HERE: list[Callable[[str, str, Any], Any]] = []
 
 
 def _not_carried(key: str, role: str, reason: outside.NotLiteral) -> GradOverrideError:
@@ -818,6 +821,8 @@ class Bridge(Generic[P]):
         # Keyed by the function and the rule (an exported program names its bridge so, and a
         # fresh process that imports the module defining it makes the same key).
         self._key = outside.register(self, f"{self._name} by {_rule_key(backward)}")
+        if not _RUN_HERE:
+            _RUN_HERE.append(graph_break(_run_here, "a go.bridge's code runs eagerly"))
         op: CustomBackward[..., Any] = custom_backward(
             self._make_forward(), residuals=self.residuals
         )
