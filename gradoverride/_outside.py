@@ -88,9 +88,11 @@ def register(owner: Owner, name: str) -> str:
     _COUNTS[base] = count
     key = base if count == 1 else f"{base}#{count}"
     _OWNERS[key] = owner
-    global _OPERATOR
+    global _OPERATOR, _result_structure
     if _OPERATOR is None:
         _OPERATOR = _define_operator()
+        _result_structure = torch.compiler.assume_constant_result(  # type: ignore[no-untyped-call]
+            _read_structure)
     return key
 
 
@@ -416,8 +418,11 @@ def _plain_eager(value: Any) -> bool:
     )
 
 
-@torch.compiler.assume_constant_result  # type: ignore[untyped-decorator]
-def _result_structure(call_string: str) -> tuple[Any, ...]:
-    # Read when called (dynamo calls it while tracing, after the fake kernel wrote it, and
-    # keeps the answer as a constant) rather than through a dict dynamo would read once.
+def _read_structure(call_string: str) -> tuple[Any, ...]:
     return _RESULTS[call_string]
+
+
+# `_read_structure` as dynamo calls it while tracing (after the fake kernel wrote the entry)
+# and keeps its answer as a constant, rather than reading the table once; wrapped when the
+# first owner registers (`assume_constant_result` imports dynamo, over a second).
+_result_structure: Any = _read_structure

@@ -14,7 +14,9 @@ While a recorder is started:
   module calls, and the recipes push themselves on it (`recipe_call`), so the row is the
   innermost module of the model on it and the recipe that made the call, however deep
   below the module's forward the op is called; a call leaves a snapshot of the stack
-  (`_Call`), read only when a recorded pass reaches its node;
+  (`_Call`), read only when a recorded pass reaches its node, once per pass for the calls
+  of one op with the same arguments and stack (a spiking neuron's, at each time step); a
+  node reached by a pass that is not recorded returns at once;
 * each `grad_hook` transform in the model is wrapped, in place (the module hook's attribute,
   or the parameter's hook dict, which keeps its order among other hooks).
 
@@ -332,14 +334,14 @@ class Recorder:
         if site is None:
             if outer >= 0:
                 site = self._site_of(op, args)  # (inside a pass: found now, as `_last` says)
+                if site is None:
+                    return  # called outside the model
             else:
                 stack = _stack()
                 if not stack:
                     return  # called outside any module call: not the model's
-                site = _Call(op, tuple(a for a in args if not isinstance(a, Tensor)),
-                             tuple(stack), self._next_index())
-            if site is None:
-                return  # called outside the model
+                self._count += 1
+                site = _Call(op, _extras(args), tuple(stack), self._count)
         # One gradient per tensor input (None where the input needs none); an attaching
         # Function (a rule owning some inputs) then passes its outputs' gradients on into
         # the ordinary graph, which are not the rule's: only its first `span` are.
@@ -431,23 +433,30 @@ class Recorder:
         `_settings`). A call inside a backward pass with no module of the model running (a
         checkpointed function recomputing its forward) belongs to the row of the same
         override's last call in a forward."""
+        if path is None and current_pass() < 0:
+            return None
+        return self._row(op, args, path, recipes, index)[0]
+
+    def _row(self, op: CustomBackward[..., Any], args: tuple[Any, ...], path: str | None,
+             recipes: list[Any], index: int = 0) -> tuple[Site | None, Any]:
+        """`_site_from`'s row, and the key of `_last` it was kept under (None if not)."""
         subject, kind = _subject(op, args)
         if kind == "op" and recipes:  # a recipe whose call called the op
             subject, kind = recipes[0], "recipe"
         if isinstance(subject, _MeasuredTransform):
-            return None  # a grad_hook's transform, which records itself
+            return None, None  # a grad_hook's transform, which records itself
         code = _code_of(op)
         what: Any = self._settings_of(subject) if kind in ("recipe", "op") else id(subject)
         late = (code, what)
         if path is None:
-            return self._last.get(late) if current_pass() >= 0 else None
+            return self._last.get(late), None
         key = (code, path, what)
         site = self._sites.get(key)
         if site is None:
             # (sorted among the rows by `index`: the order of the call that made it)
             site = self._sites[key] = self._make_site(path, subject, kind, index=index)
         self._last[late] = site
-        return site
+        return site, late
 
     def _settings_of(self, subject: Any) -> Any:
         """What tells one recipe or op from another of the same code: a recipe's repr (a
@@ -557,61 +566,97 @@ class _NodeHook:
         recorder = self.recorder
         if not recorder.started:
             return  # a graph built while recording, run backward after
-        site = self.site
-        if type(site) is _Call and not site.in_model(recorder):
-            return  # called outside the model: not one of its passes
         task = self.task
         if task < 0:
             task = current_pass()
         # (else: a node made by a forward inside a backward pass, a reentrant checkpoint's
         # recomputation, which belongs to that outer pass)
         run = recorder._pending.get(task)
-        if run is None:
-            run = recorder._open(task)
-        if not run.recorded:
+        if run is not None and not run.recorded:
+            return  # a step not recorded, counted already: what most nodes meet with every=N
+        site = self.site
+        if site is _NOT_RECORDED:
             return
         if type(site) is _Call:
-            site = self.site = site.row(recorder)
-            if site is None:
-                return  # (a grad_hook's transform, which records itself)
+            if run is None:
+                if not site.in_model(recorder):
+                    return  # called outside the model: not one of its passes
+                run = recorder._open(task)
+                if not run.recorded:
+                    return
+            row = run.row_of(site, recorder)
+            # (None: called outside the model, or a grad_hook's transform, which records
+            # itself)
+            site = self.site = _NOT_RECORDED if row is None else row
+            if row is None:
+                return
+        elif run is None:
+            run = recorder._open(task)
+            if not run.recorded:
+                return
         returned = grad_inputs if self.span is None else grad_inputs[: self.span]
         run.entries.append((site, tuple(returned), tuple(grad_outputs)))
+
+
+# A node hook's row when its calls are not recorded (see `_NodeHook`).
+_NOT_RECORDED: Any = object()
 
 
 class _Call:
     """What an op call leaves for its row to be found when a recorded pass reaches its
     node: the op, its arguments other than tensors, and the call stack then."""
 
-    __slots__ = ("extras", "index", "op", "path", "recipes", "stack")
+    __slots__ = ("extras", "index", "op", "placed", "stack")
 
     def __init__(self, op: Any, extras: tuple[Any, ...], stack: tuple[Any, ...],
                  index: int) -> None:
         self.op = op
         self.index = index
         self.extras = extras
-        self.stack: tuple[Any, ...] | None = stack
-        self.path: str | None = None
-        self.recipes: list[Any] = []
+        self.stack = stack
+        self.placed: tuple[str | None, list[Any]] | None = None  # (path, recipes)
 
     def in_model(self, recorder: Recorder) -> bool:
-        if self.stack is not None:
-            self.path, self.recipes = recorder._place(self.stack)
-            self.stack = None  # (read once; the modules it holds let go)
-        return self.path is not None
+        if self.placed is None:
+            self.placed = recorder._place(self.stack)
+        return self.placed[0] is not None
 
-    def row(self, recorder: Recorder) -> Site | None:
-        return recorder._site_from(self.op, self.extras, self.path, self.recipes, self.index)
+    def key(self) -> tuple[int, ...]:
+        """What its row is read from, by identity: the op, the arguments, the stack."""
+        return (id(self.op), len(self.extras), *map(id, self.extras), *map(id, self.stack))
+
+    def row(self, recorder: Recorder) -> tuple[Site | None, Any]:
+        if not self.in_model(recorder):
+            return None, None
+        path, recipes = self.placed  # type: ignore[misc]
+        return recorder._row(self.op, self.extras, path, recipes, self.index)
 
 
 class _Pass:
     """A backward pass while it runs: its step, whether it is recorded, what it recorded."""
 
-    __slots__ = ("entries", "recorded", "step")
+    __slots__ = ("entries", "recorded", "rows", "step")
 
     def __init__(self, step: int, recorded: bool) -> None:
         self.step = step
         self.recorded = recorded
         self.entries: list[tuple[Any, tuple[Any, ...], tuple[Any, ...]]] = []
+        # The rows of the calls met in this pass, by `_Call.key` (many calls share one:
+        # a spiking neuron's at each time step). Each holds the call read, which keeps the
+        # objects of its key alive (their ids stay theirs) until the pass ends.
+        self.rows: dict[tuple[int, ...], tuple[Site | None, Any, _Call]] = {}
+
+    def row_of(self, call: _Call, recorder: Recorder) -> Site | None:
+        key = call.key()
+        known = self.rows.get(key)
+        if known is None:
+            site, late = call.row(recorder)
+            self.rows[key] = (site, late, call)
+            return site
+        known_site, late, _ = known
+        if late is not None and known_site is not None:
+            recorder._last[late] = known_site  # (as reading it again would)
+        return known_site
 
 
 class _PassEnd:
@@ -673,6 +718,14 @@ def _node_of(out: Any) -> Any:
         if isinstance(leaf, Tensor) and leaf.grad_fn is not None:
             return leaf.grad_fn
     return None
+
+
+def _extras(args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """A call's arguments other than tensors (what its row is read from, later): the
+    tensors are not kept."""
+    if len(args) == 1 and isinstance(args[0], Tensor):
+        return ()
+    return tuple([a for a in args if not isinstance(a, Tensor)])
 
 
 def _leaves(out: Any) -> Iterator[Any]:
@@ -800,6 +853,9 @@ def _left(module: nn.Module, args: Any, out: Any) -> None:
     if is_dynamo_compiling():
         return
     stack = _stack()
+    if stack and stack[-1] is module:
+        stack.pop()  # (what nearly every call meets: its own entry on top)
+        return
     if stack and isinstance(stack[-1], _Late) and stack[-1].module is module:
         return  # its own forward hooks run next, then its `_LeftLate`
     _pop(stack, module)

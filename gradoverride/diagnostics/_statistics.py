@@ -6,13 +6,18 @@ over memory:
 
 * the gradients of an override called many times in a step (a spiking neuron at each time
   step) are stacked into one tensor per side;
-* the reductions of all overrides of the pass go through single multi-tensor calls
-  (`torch._foreach_norm`), and the results are read back once;
-* nonzero elements are counted as the squared 2-norm of the signs (`count_nonzero` branches
-  on each element, several times slower on a CPU for gradients with many zeros);
-* on a CPU, large temporaries go to buffers kept for the monitor's lifetime: a fresh one
-  would be faulted in page by page, which costs more than the arithmetic. On an
-  accelerator the caching allocator already reuses memory.
+* each sum of squares is a dot product of the gradient with itself, and each nonzero count
+  the dot product of its signs with themselves (BLAS calls at memory speed, more precise
+  than a float32 norm; `count_nonzero` branches on each element, several times slower on a
+  CPU for gradients with many zeros, and a multi-tensor norm costs more than the dot
+  products on a CPU); the results of all overrides of the pass are read back once;
+* on a CPU, large temporaries (the signs, the stacked calls) go to buffers kept for the
+  monitor's lifetime: a fresh one would be faulted in page by page, which costs more than
+  the arithmetic. On an accelerator the caching allocator already reuses memory.
+
+A compiled (fused) reduction is not used: on a CPU, a `torch.compile`d reduction of one
+override's gradients costs more per call than these few eager calls, after seconds of
+compilation at the first recorded step.
 """
 
 from __future__ import annotations
@@ -72,34 +77,39 @@ class GradientStatistics:
 
     def _aligned(self, groups: list[tuple[K, Tensor, Tensor]]) -> list[list[float]]:
         """Each call: one gradient in, one of its shape out (flattened, one dtype)."""
-        gots = [got for _, got, _ in groups]
-        gaves = [gave for _, _, gave in groups]
-        signs = torch._foreach_sign(gots)
-        # The nonzero elements of got * gave: where neither is zero. Their count subtracted
-        # from got's is what the override zeroed. The product of the signs, not of the
-        # values: two float32 gradients of 1e-23 multiply to an exact zero.
-        both = torch._foreach_sign(gaves)
-        torch._foreach_mul_(both, signs)
-        # One multi-tensor call for every 2-norm; a count is the squared 2-norm of signs,
-        # rounded (the 1-norm is several times slower on a CPU).
-        norms = torch._foreach_norm([*gots, *gaves, *signs, *both])
-        values = torch.stack(norms).double().square().tolist()
-        n = len(groups)
+        dots: list[Tensor] = []
+        for k, (_, got, gave) in enumerate(groups):
+            # Sums of squares and counts as dot products (one BLAS call each, a few
+            # microseconds on a CPU, and more precise than a float32 norm: the BLAS keeps
+            # several partial sums). A count is the dot product of signs with themselves.
+            signs = torch.sign(got, out=self._temporary("signs", k, got))
+            # The nonzero elements of got * gave: where neither is zero. Their count
+            # subtracted from got's is what the override zeroed. The product of the signs,
+            # not of the values: two float32 gradients of 1e-23 multiply to an exact zero.
+            both = torch.sign(gave, out=self._temporary("both", k, gave)).mul_(signs)
+            dots += [torch.dot(got, got), torch.dot(gave, gave), torch.dot(signs, signs),
+                     torch.dot(both, both)]
+        values = torch.stack(dots).tolist()  # one read back for every group
         out = []
-        for k in range(n):
-            in_sq, out_sq = values[k], values[n + k]
+        for k, (_, got, gave) in enumerate(groups):
+            in_sq, out_sq, nonzero, kept = values[4 * k: 4 * k + 4]
             if math.isfinite(in_sq) and math.isfinite(out_sq):
-                in_sq = _unless_underflowed(in_sq, gots[k])
-                out_sq = _unless_underflowed(out_sq, gaves[k])
-                nonzero, kept = round(values[2 * n + k]), round(values[3 * n + k])
-                out.append([in_sq, out_sq, float(nonzero - kept), float(nonzero),
-                            0.0, 0.0, 0.0, 0.0])
+                in_sq = _unless_underflowed(in_sq, got)
+                out_sq = _unless_underflowed(out_sq, gave)
+                out.append([in_sq, out_sq, float(round(nonzero) - round(kept)),
+                            float(round(nonzero)), 0.0, 0.0, 0.0, 0.0])
             else:
                 # NaN or infinity in them: the general reduction, which counts them.
-                got, gave = gots[k], gaves[k]
                 out.append(_general(Gradients(arriving=[got], returned=[gave],
                                               pairs=[(gave, got)])))
         return out
+
+    def _temporary(self, name: str, k: int, like: Tensor) -> Tensor:
+        """A tensor of `like`'s size (flat) to write into: a kept buffer on a CPU from
+        `_SCRATCH_FROM` elements, else a new one."""
+        if like.device.type != "cpu" or like.numel() < _SCRATCH_FROM:
+            return torch.empty_like(like)
+        return self._scratch_for(f"{name}{k}", like.numel(), like)
 
     def _stack(self, name: str, tensors: list[Tensor], k: int) -> Tensor:
         if len(tensors) == 1:
