@@ -206,6 +206,19 @@ def _read_only_error(who: str, written: Sequence[str]) -> GradOverrideError:
     return GradOverrideError(msg)
 
 
+def _call_on_arrays(fn: Callable[..., Any], signature: inspect.Signature | None,
+                    args: Sequence[Any], kwargs: dict[str, Any], who: str) -> Any:
+    """`fn(*args, **kwargs)` on read-only arrays; `fn` writing into one is the error naming
+    the argument (`signature`: fn's, read from it when None)."""
+    try:
+        return fn(*args, **kwargs)
+    except ValueError as exc:
+        if not _wrote_read_only(exc):
+            raise
+        bound = _bind(signature or _read_signature(fn), args, kwargs)
+        raise _read_only_error(who, _holding(bound, _is_read_only_array)) from exc
+
+
 # ---- estimators -------------------------------------------------------------------------------
 
 
@@ -882,14 +895,8 @@ class Bridge(Generic[P]):
                     keywords[param.name] = value
             else:
                 keywords.update(value)
-        try:
-            return self._fn(*positional, **keywords)
-        except ValueError as exc:
-            if not _wrote_read_only(exc):
-                raise
-            bound = dict(zip(self._parameters, values, strict=True))
-            who = f"`{self._name}`, called by the estimator on perturbed inputs,"
-            raise _read_only_error(who, _holding(bound, _is_read_only_array)) from exc
+        who = f"`{self._name}`, called by the estimator on perturbed inputs,"
+        return _call_on_arrays(self._fn, self._signature, positional, keywords, who)
 
     def _make_forward(self) -> Callable[..., Any]:
         signature = self._signature
@@ -967,13 +974,7 @@ class Bridge(Generic[P]):
         name = self._name
         device, dtype = _target((args, kwargs))
         arrays, named_arrays = _tree_to_numpy(args), _tree_to_numpy(kwargs)
-        try:
-            result = self._fn(*arrays, **named_arrays)
-        except ValueError as exc:
-            if not _wrote_read_only(exc):
-                raise
-            bound = _bind(self._signature, arrays, named_arrays)
-            raise _read_only_error(f"`{name}`", _holding(bound, _is_read_only_array)) from exc
+        result = _call_on_arrays(self._fn, self._signature, arrays, named_arrays, f"`{name}`")
         residuals: dict[str, Any] | None = None
         if self.residuals:
             result, residuals = self._split_residuals(result)
@@ -1072,14 +1073,8 @@ class Bridge(Generic[P]):
             device = next((g.device for g in grads if isinstance(g, Tensor)), None)
             wanted = {n: named[n] for n in spec.requested}
             arrays, named_arrays = _tree_to_numpy(grads), _tree_to_numpy(wanted)
-            try:
-                result = spec.rule(*arrays, **named_arrays)
-            except ValueError as exc:
-                if not _wrote_read_only(exc):
-                    raise
-                bound = _bind(_read_signature(spec.rule), arrays, named_arrays)
-                who = f"the backward rule `{rule_name}` of `{self._name}`"
-                raise _read_only_error(who, _holding(bound, _is_read_only_array)) from exc
+            who = f"the backward rule `{rule_name}` of `{self._name}`"
+            result = _call_on_arrays(spec.rule, None, arrays, named_arrays, who)
             result = self._convert_rule_result(result, device, rule_name)
         return self._per_input(named, needs, result, fill=torch.zeros_like)
 
