@@ -10,11 +10,14 @@ the package's import graph has no cycle, and a new framework, or a new entry poi
 grows its own package only (the way einops finds its backends).
 
 The entry points a backend package provides (`ENTRY_POINTS`), each loaded on first use:
-the `custom_backward` call (`TensorFlowCall`) and its `tf.function` trace type
-(`OpTraceType`), the recipes (`call_recipe`, `transform_gradient`), the straight-through
-rule (`straight_through_gradient`, `window_mask`), `bridge_call`, and the module side
-(`override_layer`, `hook_layer`). JAX, so far, provides the ops only: its `custom_backward`
-call (`JaxCall`) and the straight-through rule (`straight_through_gradient`, `window_mask`).
+the array primitives the recipes' formulas are written with (`OPS`, a
+`gradoverride._ops.Backend`) and the recipes on its arrays (`call_recipe`,
+`transform_gradient`: `gradoverride.recipes._on_arrays`, shared by every framework), the
+`custom_backward` call (`TensorFlowCall`) and its
+`tf.function` trace type (`OpTraceType`), the straight-through rule
+(`straight_through_gradient`, `window_mask`), `bridge_call`, and the module side
+(`override_layer`, `hook_layer`). JAX provides `OPS`, the recipes, its `custom_backward` call
+(`JaxCall`) and the straight-through rule so far.
 """
 
 from __future__ import annotations
@@ -30,9 +33,10 @@ __all__ = ["BACKENDS", "ENTRY_POINTS", "backend"]
 BACKENDS: dict[str, str] = {"tensorflow": "gradoverride._tensorflow", "jax": "gradoverride._jax"}
 
 #: What a full backend package provides (as module attributes, loaded on first use); JAX
-#: provides `JaxCall`, `straight_through_gradient` and `window_mask` so far.
+#: provides `OPS`, `call_recipe`, `transform_gradient`, `JaxCall`,
+#: `straight_through_gradient` and `window_mask` so far.
 ENTRY_POINTS: tuple[str, ...] = (
-    "TensorFlowCall", "OpTraceType", "call_recipe", "transform_gradient",
+    "OPS", "call_recipe", "transform_gradient", "TensorFlowCall", "OpTraceType",
     "straight_through_gradient", "window_mask", "bridge_call", "override_layer", "hook_layer",
 )
 

@@ -14,6 +14,10 @@ from typing import Any
 
 #: Entry point -> (module of this package, attribute).
 _ENTRY_POINTS = {
+    "OPS": ("_ops", "OPS"),
+    # The recipes on this framework's arrays: written once, for every framework.
+    "call_recipe": ("gradoverride.recipes._on_arrays", "call"),
+    "transform_gradient": ("gradoverride.recipes._on_arrays", "transform"),
     "JaxCall": ("_backend", "JaxCall"),
     "straight_through_gradient": ("_straight_through", "gradient"),
     "window_mask": ("_straight_through", "window_mask"),
@@ -25,6 +29,7 @@ def __getattr__(name: str) -> Any:
         msg = f"module 'gradoverride._jax' has no attribute {name!r}"
         raise AttributeError(msg)
     module, attribute = _ENTRY_POINTS[name]
-    value = getattr(importlib.import_module(f".{module}", __name__), attribute)
+    where = module if module.startswith("gradoverride.") else f"{__name__}.{module}"
+    value = getattr(importlib.import_module(where), attribute)
     globals()[name] = value
     return value

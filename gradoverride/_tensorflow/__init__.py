@@ -12,10 +12,12 @@ from typing import Any
 
 #: Entry point -> (module of this package, attribute).
 _ENTRY_POINTS = {
+    "OPS": ("_ops", "OPS"),
+    # The recipes on this framework's arrays: written once, for every framework.
+    "call_recipe": ("gradoverride.recipes._on_arrays", "call"),
+    "transform_gradient": ("gradoverride.recipes._on_arrays", "transform"),
     "TensorFlowCall": ("_backend", "TensorFlowCall"),
     "OpTraceType": ("_tracing", "OpTraceType"),
-    "call_recipe": ("recipes", "call"),
-    "transform_gradient": ("recipes", "transform"),
     "straight_through_gradient": ("_straight_through", "gradient"),
     "window_mask": ("_straight_through", "window_mask"),
     "bridge_call": ("_bridge", "call"),
@@ -30,6 +32,7 @@ def __getattr__(name: str) -> Any:
         msg = f"module 'gradoverride._tensorflow' has no attribute {name!r}"
         raise AttributeError(msg)
     module, attribute = _ENTRY_POINTS[name]
-    value = getattr(importlib.import_module(f".{module}", __name__), attribute)
+    where = module if module.startswith("gradoverride.") else f"{__name__}.{module}"
+    value = getattr(importlib.import_module(where), attribute)
     globals()[name] = value
     return value

@@ -26,6 +26,7 @@ import functools
 import math
 import sys
 from collections.abc import Callable
+from types import ModuleType
 from typing import Any
 
 from torch import Tensor, nn
@@ -83,23 +84,13 @@ def _told_to_recorder(call: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(call)
     def __call__(self: Recipe, *args: Any, **kwargs: Any) -> Any:
+        if args and "jax" in sys.modules and is_jax(args[0]):
+            return array_call(self, *args, **kwargs)
         if RECORDERS and not is_dynamo_compiling():
             return recipe_call(self, call, args, kwargs)
-        if args and "jax" in sys.modules and is_jax(args[0]):
-            raise _no_jax_recipe(self)
         return call(self, *args, **kwargs)
 
     return __call__
-
-
-def _no_jax_recipe(recipe: Recipe) -> GradOverrideError:
-    msg = (
-        f"{recipe!r} was called on a JAX array; on JAX, gradoverride has `custom_backward` "
-        "and `straight_through` so far, not the recipes. Write the recipe's formula as a "
-        "`go.custom_backward` op in jnp ops (its docstring gives the formula), or call the "
-        "recipe on torch or TensorFlow tensors."
-    )
-    return GradOverrideError(msg)
 
 
 def recipe_call(recipe: Recipe, call: Callable[..., Any], args: tuple[Any, ...],
@@ -203,29 +194,42 @@ def keep_dtype(value: Tensor, like: Tensor) -> Tensor:
     return value if value.dtype == like.dtype else value.to(like.dtype)
 
 
-# ---- TensorFlow ---------------------------------------------------------------------------
+# ---- TensorFlow and JAX ---------------------------------------------------------------------
 #
 # Each recipe's `__call__` (and each gradient transform's `transform`) starts with
-# `if not isinstance(x, Tensor) and is_tensorflow(x): return tensorflow_call(self, x)`:
-# written inline, so a torch tensor costs one isinstance check and no extra Python frame.
-# The TensorFlow recipes are imported at the first TensorFlow tensor, so `import
-# gradoverride` never imports TensorFlow. Both helpers are typed as returning a Tensor so
-# that the recipes' torch-typed signatures hold; the value is a TensorFlow tensor.
+# `if not isinstance(x, Tensor) and is_tensorflow(x): return array_call(self, x)`: written
+# inline, so a torch tensor costs one isinstance check and no extra Python frame (a JAX array
+# is sent by the call's wrapper above). The recipes on those arrays
+# (`gradoverride.recipes._on_arrays`) import their framework's backend at the first such
+# array, so `import gradoverride` imports neither framework. Both helpers are typed as
+# returning a Tensor so that the recipes' torch-typed signatures hold; the value is the
+# framework's own.
 
 
-def tensorflow_call(recipe: object, x: Any, /, *args: Any, **kwargs: Any) -> Tensor:
-    """`recipe(x, ...)` for a TensorFlow `x` (gradoverride._tensorflow.recipes); a recipe
-    with no TensorFlow form raises GradOverrideTypeError naming those that have one."""
+def array_call(recipe: object, x: Any, /, *args: Any, **kwargs: Any) -> Tensor:
+    """`recipe(x, ...)` for a TensorFlow or JAX `x`; a recipe with no form there raises
+    GradOverrideTypeError naming those that have one."""
     _refuse_torch_scaler(recipe)
-    result: Tensor = backend("tensorflow").call_recipe(recipe, x, *args, **kwargs)
+    result: Tensor = _framework(x).call_recipe(recipe, x, *args, **kwargs)
     return result
 
 
-def tensorflow_transform(recipe: object, grad: Any, /, **kwargs: Any) -> Tensor:
-    """`recipe.transform(grad, ...)` for a TensorFlow gradient (dense or IndexedSlices)."""
+def array_transform(recipe: object, grad: Any, /, **kwargs: Any) -> Tensor:
+    """`recipe.transform(grad, ...)` for a TensorFlow (dense or IndexedSlices) or JAX
+    gradient."""
     _refuse_torch_scaler(recipe)
-    result: Tensor = backend("tensorflow").transform_gradient(recipe, grad, **kwargs)
+    result: Tensor = _framework(grad).transform_gradient(recipe, grad, **kwargs)
     return result
+
+
+def _framework(value: Any) -> ModuleType:
+    """The backend package of a TensorFlow or JAX value (imported on first use)."""
+    return backend("tensorflow" if is_tensorflow(value) else "jax")
+
+
+#: The names the recipe modules used before JAX arrays were recipes' inputs too.
+tensorflow_call = array_call
+tensorflow_transform = array_transform
 
 
 def _refuse_torch_scaler(recipe: object) -> None:
