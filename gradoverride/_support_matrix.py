@@ -1,8 +1,9 @@
 """The support matrix: every op kind under every context, supported or refused with a reason.
 
-Two tables, torch's (`KINDS` x `CONTEXTS`) and TensorFlow's (`TF_KINDS` x `TF_CONTEXTS`),
-are the one source of truth: `tests/test_support_matrix.py` and
-`tests/test_support_matrix_tensorflow.py` run one test per cell (a supported cell must give
+Three tables, torch's (`KINDS` x `CONTEXTS`), TensorFlow's (`TF_KINDS` x `TF_CONTEXTS`) and
+JAX's (`JAX_KINDS` x `JAX_CONTEXTS`), are the one source of truth:
+`tests/test_support_matrix.py`, `tests/test_support_matrix_tensorflow.py` and
+`tests/test_support_matrix_jax.py` run one test per cell (a supported cell must give
 the expected gradients, or on a deployment path the expected outputs; a refused cell must
 raise the error named here; a warning cell must warn; a known defect is an expected failure
 until fixed), and `docs/support-matrix.md` is generated from them (`python -m
@@ -18,6 +19,10 @@ from dataclasses import dataclass
 __all__ = [
     "CONTEXTS",
     "DEFECTS",
+    "JAX_CONTEXTS",
+    "JAX_KINDS",
+    "JAX_NOTES",
+    "JAX_REFUSED",
     "KINDS",
     "NOTES",
     "REFUSED",
@@ -462,6 +467,80 @@ TF_NOTES: dict[tuple[str, str], str] = {
 }
 
 
+# ---- JAX --------------------------------------------------------------------------------------
+#
+# The same contract on JAX arrays: `tests/test_support_matrix_jax.py` runs one test per cell,
+# each op on `x * w` (w a fixed array) differentiated with respect to x, against gradients
+# worked out by hand.
+
+#: JAX op kinds: (key, what it is). Each has a case in the test suite.
+JAX_KINDS: tuple[tuple[str, str], ...] = (
+    ("custom_backward", "`@go.custom_backward` on JAX arrays, the rule owning every input"),
+    ("custom_backward owns=", "a rule owning `x`; the other array keeps JAX's gradient"),
+    ("custom_backward residuals", "values computed in forward, read by the rule"),
+    ("custom_backward once_differentiable", "a rule marked `once_differentiable=True`"),
+    ("straight_through", "`go.straight_through(jnp.round)`: the identity backward"),
+    ("straight_through clip", "the clipped straight-through (`clip=`)"),
+    ("straight_through surrogate", "a surrogate's derivative (`surrogate=jnp.tanh`)"),
+    ("recipe: straight-through estimator", "`ste_round`"),
+    ("recipe: learned step (lsq)", "`lsq(4)` with the step an array (its gradient checked "
+     "too)"),
+    ("recipe: quantize", "`quantize(4)`, the range from the input"),
+    ("recipe: surrogate spike", "`spike('arctan')`"),
+    ("recipe: stochastic spike", "`spike('leaky_relu', leak=0.1, spread=0.2)` given "
+     "`noise=`"),
+    ("recipe: gradient flow", "`reverse_grad(0.5)`"),
+    ("recipe: clipping", "`clip_grad_norm(1.0)`"),
+    ("recipe: discrete choice", "`ste_argmax()` (a softmax backward)"),
+)
+
+#: JAX contexts: (key, how the cell runs the op).
+JAX_CONTEXTS: tuple[tuple[str, str], ...] = (
+    ("eager", "`jax.grad` of the loss, not compiled"),
+    ("jit", "`jax.jit(jax.grad(loss))`"),
+    ("vmap", "`jax.vmap(jax.grad(loss))`: per-example gradients"),
+    ("second derivative", "`jax.grad` of the gradient's dot product with a fixed array "
+     "(a Hessian-vector product)"),
+)
+
+_ONCE = Refusal(
+    "The rule said it is differentiable once: a second derivative raises, naming the op and "
+    "saying to drop `once_differentiable=True` with a rule written in `jnp` ops.",
+    match=r"is marked once_differentiable=True",
+)
+
+_RESIDUAL = Refusal(
+    "How a residual depends on the inputs is computed in the forward, outside the rule, so "
+    "a second derivative would leave it out: it raises (as in torch), saying to compute the "
+    "value inside the rule from the inputs it names, or to mark the rule "
+    "`once_differentiable=True`.",
+    match=r"reached its residual `s`",
+)
+
+#: The refused JAX cells, by (kind, context).
+JAX_REFUSED: dict[tuple[str, str], Refusal] = {
+    ("custom_backward once_differentiable", "second derivative"): _ONCE,
+    ("custom_backward residuals", "second derivative"): _RESIDUAL,
+}
+
+#: Supported JAX cells with something to know, by (kind, context).
+JAX_NOTES: dict[tuple[str, str], str] = {
+    **{
+        (kind, "second derivative"): (
+            "The rule's own ops are differentiated (a piecewise-constant gradient has a zero "
+            "second derivative), as with a hand-written `jax.custom_vjp`."
+        )
+        for kind in ("custom_backward owns=", "straight_through", "straight_through clip",
+                     "recipe: straight-through estimator", "recipe: learned step (lsq)",
+                     "recipe: quantize", "recipe: stochastic spike", "recipe: gradient flow")
+    },
+    ("recipe: stochastic spike", "eager"): (
+        "JAX has no global random state: a stochastic spike on JAX arrays takes its uniform "
+        "draws as `noise=` (`jax.random.uniform(key, x.shape)`)."
+    ),
+}
+
+
 def _cell(kind: str, context: str) -> str:
     refusal = REFUSED.get((kind, context))
     if refusal is not None:
@@ -548,6 +627,7 @@ def markdown() -> str:
         "page.",
         "",
         *_tensorflow_markdown(),
+        *_jax_markdown(),
     ]
     return "\n".join(lines)
 
@@ -601,6 +681,36 @@ def _tensorflow_markdown() -> list[str]:
         for (kind, context), text in texts.items():
             grouped.setdefault(text, []).append(f"{kind} in {context}")
         lines += [f"- {'; '.join(cells)}: {text}" for text, cells in grouped.items()]
+    lines.append("")
+    return lines
+
+
+def _jax_cell(kind: str, context: str) -> str:
+    if (kind, context) in JAX_REFUSED:
+        return "refused"
+    return "yes *" if (kind, context) in JAX_NOTES else "yes"
+
+
+def _jax_markdown() -> list[str]:
+    """The JAX section of the page."""
+    lines = [
+        "## JAX",
+        "",
+        "Every JAX op kind under every JAX context, each op on `x * w` differentiated with "
+        "respect to `x`. **yes**: supported, and tested to give the gradients worked out by "
+        "hand. **refused**: the call raises the error given below. The test suite runs one "
+        "test per cell (`tests/test_support_matrix_jax.py`).",
+        "",
+    ]
+    lines += _grid(JAX_KINDS, JAX_CONTEXTS, _jax_cell, "### Op kinds (JAX)", "### Contexts (JAX)")
+    lines += ["", "### Refused cells (JAX)", ""]
+    lines += [f"- {kind} in {context}: `{refusal.error}`. {refusal.reason}"
+              for (kind, context), refusal in JAX_REFUSED.items()]
+    lines += ["", "### Notes (JAX, *)", ""]
+    grouped: dict[str, list[str]] = {}
+    for (kind, context), text in JAX_NOTES.items():
+        grouped.setdefault(text, []).append(f"{kind} in {context}")
+    lines += [f"- {'; '.join(cells)}: {text}" for text, cells in grouped.items()]
     lines.append("")
     return lines
 

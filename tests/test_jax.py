@@ -429,12 +429,33 @@ def test_a_surrogate_of_another_shape_is_refused() -> None:
         jax.grad(lambda x: spike(x).sum())(jnp.asarray(X))
 
 
-def test_a_recipe_on_a_jax_array_says_what_jax_has_so_far() -> None:
+def test_a_recipe_with_no_jax_form_names_the_recipes_that_have_one() -> None:
     from gradoverride import recipes
 
-    with pytest.raises(go.GradOverrideError, match=(
-        r"^spike\(surrogate='arctan'.*\) was called on a JAX array; on JAX, gradoverride has "
-        r"`custom_backward` and `straight_through` so far, not the recipes\. Write the "
-        r"recipe's formula as a `go.custom_backward` op in jnp ops"
+    with pytest.raises(GradOverrideTypeError, match=(
+        r"^rotation_trick supports torch tensors only; got a JAX \w+ as its input \(its "
+        r"rotation has no form on these arrays yet\)\. The recipes that support TensorFlow "
+        r"tensors and JAX arrays are: abs_subgradient, .*spike.* Use one of them, or run "
+        r"rotation_trick on torch tensors\."
     )):
-        recipes.spike("arctan")(jnp.ones(3))
+        recipes.rotation_trick()(jnp.ones((2, 3)), jnp.ones((2, 3)))
+
+
+def test_a_second_derivative_reaching_a_residual_raises_as_in_torch() -> None:
+    @go.custom_backward(residuals=("s",))
+    def doubled(x: Any) -> Any:
+        return x * 2, {"s": jnp.sin(x)}
+
+    @doubled.backward
+    def _(grad: Any, *, s: Any) -> Any:
+        return grad * s
+
+    x = jnp.asarray(X)
+    _close(jax.grad(lambda x: doubled(x).sum())(x), np.sin(X))  # first order: the rule
+    with pytest.raises(GradOverrideError, match=(
+        r"a second differentiation of `.*doubled` reached its residual `s`: a residual is "
+        r"computed in forward.*Compute it inside the rule from the inputs the rule names "
+        r"\(in jnp ops, so it is differentiated too\), or register the rule with "
+        r"once_differentiable=True"
+    )):
+        jax.grad(lambda x: jax.grad(lambda x: doubled(x).sum())(x).sum())(x)

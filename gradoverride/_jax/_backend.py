@@ -197,9 +197,11 @@ class JaxCall:
         residuals: dict[str, Any] = {}
         if self.residuals:
             output, residuals = unpack_residuals(output, self.residuals, self.op)
-            # Non-differentiable, as torch marks them (`mark_non_differentiable`).
+            # How a residual depends on the inputs is the forward's, not the rule's: a second
+            # differentiation reaching one raises (as in torch) instead of leaving that
+            # dependence out.
             residuals = {
-                k: jax.lax.stop_gradient(v) if isinstance(v, jax.Array) else v
+                k: _residual(self.op, k, v) if isinstance(v, jax.Array) else v
                 for k, v in residuals.items()
             }
         n_top = len(output) if type(output) is tuple else 1
@@ -349,7 +351,35 @@ def _fit_shape(grad: Any, shape: tuple[int, ...], op: str, name: str) -> Any:
     return jnp.sum(grad, axis=axes).reshape(shape)
 
 
-# ---- once_differentiable --------------------------------------------------------------------
+# ---- once_differentiable, and residuals -----------------------------------------------------
+
+
+def _residual(op: str, name: str, value: Any) -> Any:
+    """A residual, unchanged; a second differentiation reaching it raises: how it depends on
+    the inputs was computed in the forward, outside the rule, so its derivative would be
+    silently left out."""
+
+    @jax.custom_vjp
+    def guard(value: Any) -> Any:
+        return value
+
+    def forward(value: Any) -> Any:
+        return value, None
+
+    def second(_: Any, __: Any) -> Any:
+        msg = (
+            f"a second differentiation of `{op}` reached its residual `{name}`: a residual is "
+            "computed in forward, and how it depends on the inputs is not the rule's, so the "
+            "second derivative would silently leave that dependence out. Compute it inside "
+            "the rule from the inputs the rule names (in jnp ops, so it is differentiated "
+            "too), or register the rule with once_differentiable=True if it is first-order "
+            "only."
+        )
+        raise GradOverrideError(msg)
+
+    guard.defvjp(forward, second)
+    return guard(value)
+
 
 
 def _once_differentiable(op: str, grad: Any) -> Any:
