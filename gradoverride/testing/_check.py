@@ -3,17 +3,21 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import Tensor
 
 from .._errors import GradOverrideError
+from .._frameworks import any_jax
 from ._compare import compare, format_index, tolerances
 from ._inputs import Call
 from ._reference import FINITE_DIFFERENCES, Reference, reference_gradients
 from ._report import BackwardReport, GradientRow
 from ._vjp import GradOutputs, backward, describe_upstream, forward, upstream
+
+if TYPE_CHECKING:
+    from ._jax_check import JaxGradOutputs, JaxReference
 
 __all__ = ["check_backward"]
 
@@ -24,8 +28,8 @@ _FINITE_DIFFERENCE_TOLERANCES = (1e-3, 1e-5)
 def check_backward(
     fn: Callable[..., Any],
     *inputs: Any,
-    reference: Reference | None = None,
-    grad_outputs: GradOutputs | None = None,
+    reference: Reference | JaxReference | None = None,
+    grad_outputs: GradOutputs | JaxGradOutputs | None = None,
     rtol: float | None = None,
     atol: float | None = None,
     min_cosine: float | None = None,
@@ -54,6 +58,12 @@ def check_backward(
     to the reference's gradient: `|got - expected| <= atol + rtol * |expected|` element-wise.
     `gradcheck` cannot check a straight-through or surrogate rule, whose backward is on
     purpose not the derivative of its forward; a proxy reference states what it stands for.
+
+    With JAX arrays among `inputs` the same checks run on JAX (imported only then): the
+    gradients are `jax.vjp`'s, a proxy is written in JAX ops, expected and upstream gradients
+    are JAX or numpy arrays, and finite differences run in float64 inside
+    `jax.enable_x64(True)`, leaving your JAX setting as it was. A torch module or torch
+    tensors given with JAX inputs raise `GradOverrideError`.
 
     Args:
         fn: the function to check: a `go.custom_backward` op, or any function calling one.
@@ -87,10 +97,21 @@ def check_backward(
     Raises:
         GradOverrideError: naming the input whose gradient failed, with the report.
     """
-    call = Call(fn, inputs)
     if grad_outputs is None:
         given = reference is not None and not callable(reference) and not isinstance(reference, str)
         grad_outputs = "ones" if given else "random"
+    if any_jax(inputs):  # JAX arrays: checked by JAX, imported only now
+        from ._jax_check import check_backward_jax
+
+        return check_backward_jax(
+            fn, inputs, reference=cast("JaxReference | None", reference),
+            grad_outputs=cast("JaxGradOutputs", grad_outputs), rtol=rtol, atol=atol,
+            min_cosine=min_cosine, allow_nonfinite=allow_nonfinite, step=step, seed=seed,
+            raise_on_mismatch=raise_on_mismatch,
+        )
+    reference = cast("Reference | None", reference)  # torch values from here on
+    grad_outputs = cast("GradOutputs", grad_outputs)
+    call = Call(fn, inputs)
     leaves = call.leaves()
     outputs = forward(call, leaves)
     grads_out = upstream(outputs, grad_outputs, seed, call.fn_name)
