@@ -509,18 +509,9 @@ _ONCE = Refusal(
     match=r"is marked once_differentiable=True",
 )
 
-_RESIDUAL = Refusal(
-    "How a residual depends on the inputs is computed in the forward, outside the rule, so "
-    "a second derivative would leave it out: it raises (as in torch), saying to compute the "
-    "value inside the rule from the inputs it names, or to mark the rule "
-    "`once_differentiable=True`.",
-    match=r"reached its residual `s`",
-)
-
 #: The refused JAX cells, by (kind, context).
 JAX_REFUSED: dict[tuple[str, str], Refusal] = {
     ("custom_backward once_differentiable", "second derivative"): _ONCE,
-    ("custom_backward residuals", "second derivative"): _RESIDUAL,
 }
 
 #: Supported JAX cells with something to know, by (kind, context).
@@ -534,6 +525,11 @@ JAX_NOTES: dict[tuple[str, str], str] = {
                      "recipe: straight-through estimator", "recipe: learned step (lsq)",
                      "recipe: quantize", "recipe: stochastic spike", "recipe: gradient flow")
     },
+    ("custom_backward residuals", "second derivative"): (
+        "JAX differentiates the op's forward as well, so a residual's dependence on the "
+        "inputs is followed: the true second derivative (torch refuses this cell, as its "
+        "forward's graph is not kept)."
+    ),
     ("recipe: stochastic spike", "eager"): (
         "JAX has no global random state: a stochastic spike on JAX arrays takes its uniform "
         "draws as `noise=` (`jax.random.uniform(key, x.shape)`)."

@@ -197,13 +197,9 @@ class JaxCall:
         residuals: dict[str, Any] = {}
         if self.residuals:
             output, residuals = unpack_residuals(output, self.residuals, self.op)
-            # How a residual depends on the inputs is the forward's, not the rule's: a second
-            # differentiation reaching one raises (as in torch) instead of leaving that
-            # dependence out.
-            residuals = {
-                k: _residual(self.op, k, v) if isinstance(v, jax.Array) else v
-                for k, v in residuals.items()
-            }
+            # Left differentiable: under an outer transform JAX differentiates the
+            # custom_vjp's forward too, so a second derivative follows how a residual
+            # depends on the inputs (where torch, which cannot, refuses).
         n_top = len(output) if type(output) is tuple else 1
         check_output_count(self.spec.n_grads, n_top, self.spec.name, self.op)
         return output, residuals
@@ -351,35 +347,7 @@ def _fit_shape(grad: Any, shape: tuple[int, ...], op: str, name: str) -> Any:
     return jnp.sum(grad, axis=axes).reshape(shape)
 
 
-# ---- once_differentiable, and residuals -----------------------------------------------------
-
-
-def _residual(op: str, name: str, value: Any) -> Any:
-    """A residual, unchanged; a second differentiation reaching it raises: how it depends on
-    the inputs was computed in the forward, outside the rule, so its derivative would be
-    silently left out."""
-
-    @jax.custom_vjp
-    def guard(value: Any) -> Any:
-        return value
-
-    def forward(value: Any) -> Any:
-        return value, None
-
-    def second(_: Any, __: Any) -> Any:
-        msg = (
-            f"a second differentiation of `{op}` reached its residual `{name}`: a residual is "
-            "computed in forward, and how it depends on the inputs is not the rule's, so the "
-            "second derivative would silently leave that dependence out. Compute it inside "
-            "the rule from the inputs the rule names (in jnp ops, so it is differentiated "
-            "too), or register the rule with once_differentiable=True if it is first-order "
-            "only."
-        )
-        raise GradOverrideError(msg)
-
-    guard.defvjp(forward, second)
-    return guard(value)
-
+# ---- once_differentiable --------------------------------------------------------------------
 
 
 def _once_differentiable(op: str, grad: Any) -> Any:
