@@ -8,7 +8,12 @@ and a block inside `with go.monitor(model, every=N)`, in a shuffled order (seede
 and leaving the monitor happen outside the timed block. The ratio is the median, over
 rounds, of the monitored block's time over the plain block's in that round.
 
-    python benchmarks/monitor.py [--quick] [--device cuda] [--rounds N]
+    python benchmarks/monitor.py [--quick] [--device cuda] [--rounds N] [--calls]
+
+`--calls` counts instead of timing: the Python function calls (and calls of C functions from
+Python) a step makes, plain and under the monitor, as `sys.setprofile` sees them. The counts
+do not depend on the machine's load, so they show a change to the monitor's own code where
+the timings of a shared machine cannot.
 """
 
 from __future__ import annotations
@@ -102,12 +107,51 @@ def measure(model: nn.Module, step: Callable[[], Any], every: int, *, rounds: in
     return statistics.median(plain), statistics.median(ratios)
 
 
+def count_calls(model: nn.Module, step: Callable[[], Any], every: int,
+                steps: int = 20) -> tuple[float, float, float, float]:
+    """Python calls and C calls a step makes, plain and monitored with `every` (means over
+    `steps` steps, after some steps of each to warm up)."""
+
+    def count() -> tuple[float, float]:
+        calls = [0, 0]
+
+        def profile(frame: Any, event: str, arg: Any) -> None:
+            if event == "call":
+                calls[0] += 1
+            elif event == "c_call":
+                calls[1] += 1
+
+        sys.setprofile(profile)
+        try:
+            for _ in range(steps):
+                step()
+        finally:
+            sys.setprofile(None)
+        return calls[0] / steps, calls[1] / steps
+
+    for _ in range(3):
+        step()
+    with go.monitor(model, every=every):
+        for _ in range(3):
+            step()
+    plain = count()
+    with go.monitor(model, every=every):
+        for _ in range(2):
+            step()
+        monitored = count()
+    return (*plain, *monitored)
+
+
 def main(argv: list[str] | None = None) -> dict[str, float]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="few rounds (a smoke run)")
     parser.add_argument("--rounds", type=int, default=None)
+    parser.add_argument("--calls", action="store_true",
+                        help="count the Python calls of a step instead of timing it")
     add_device_argument(parser)
     args = parser.parse_args(argv)
+    if args.calls:
+        return _main_calls(args.device)
     rounds = args.rounds or (3 if args.quick else 15)
     number = 3 if args.quick else 20
     sync = synchronizer(args.device)
@@ -122,6 +166,23 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                                      sync=sync)
             results[f"{name} every={every}"] = ratio
             print(f"{name:<12} {every:>5} {seconds * 1e3:>9.2f} ms {ratio:>17.3f}x")
+    return results
+
+
+def _main_calls(device: str) -> dict[str, float]:
+    torch.set_num_threads(1)
+    results: dict[str, float] = {}
+    print(f"torch {torch.__version__}, device {device}: calls per step (Python + C from "
+          "Python), and what the monitor adds")
+    print(f"{'model':<12} {'every':>5} {'plain':>13} {'monitored':>13} {'added':>13}")
+    for name, make in (("small MLP", small_mlp), ("spiking", spiking), ("binarized", binarized)):
+        for every in (1, 10):
+            model, step = make(device)
+            py, c, monitored_py, monitored_c = count_calls(model, step, every)
+            results[f"{name} every={every} python"] = monitored_py - py
+            results[f"{name} every={every} c"] = monitored_c - c
+            print(f"{name:<12} {every:>5} {py:>6.0f} +{c:>5.0f} {monitored_py:>6.0f} +"
+                  f"{monitored_c:>5.0f} {monitored_py - py:>6.0f} +{monitored_c - c:>5.0f}")
     return results
 
 

@@ -191,6 +191,12 @@ def is_tracing() -> bool:
 _CURRENT_GRAPH_TASK: Callable[[], int] | None = getattr(torch._C, "_current_graph_task_id", None)
 
 
+def graph_task_reader() -> Callable[[], int] | None:
+    """torch's own reader of the running backward pass's id (-1 outside one), for callers
+    that read it on every op call; None where this torch has none."""
+    return _CURRENT_GRAPH_TASK
+
+
 def graph_task_id() -> int | None:
     """The id of the backward pass running in this thread (-1 outside one); None where this
     torch does not say."""

@@ -9,19 +9,24 @@ While a recorder is started:
   `Node.register_hook`): it hands what that node got and returned to the recorder, exactly
   the override's own gradients, whatever else reads its inputs, with no identity op added
   and no tensor copied;
-* the row of an op called in a module's forward is that module's path: global module
-  forward hooks, registered only while recording, keep each thread's stack of running
-  module calls, and the recipes push themselves on it (`recipe_call`), so the row is the
+* the row of an op called in a module's forward is that module's path: module forward
+  hooks, registered only while recording, keep each thread's stack of running module
+  calls, and the recipes push themselves on it (`recipe_call`), so the row is the
   innermost module of the model on it and the recipe that made the call, however deep
-  below the module's forward the op is called; a call leaves a snapshot of the stack
+  below the module's forward the op is called. During the first forward they are torch's
+  global hooks (every module call, a compiled wrapper of the model's included); once it
+  ended, hooks on the model and on those of its modules whose own code may call an
+  override (all but torch's plain layers and containers, see `_own_hooks`; modules added
+  to the model later are hooked as torch registers them), so that torch calls every other
+  module on its fast path, as without the recorder; a call leaves a snapshot of the stack
   (`_Call`), read only when a recorded pass reaches its node, once per pass for the calls
   of one op with the same arguments and stack (a spiking neuron's, at each time step); a
   node reached by a pass that is not recorded returns at once;
 * each `grad_hook` transform in the model is wrapped, in place (the module hook's attribute,
   or the parameter's hook dict, which keeps its order among other hooks).
 
-Nothing is registered on the model itself, so a model saved or copied while recorded carries
-none of it (the module hooks are torch's global ones, removed when recording stops). A step
+The hooks on the model's modules are removed when recording stops; a module copied or saved
+while recorded carries, in their place, hooks that do nothing (see `_OwnHook`). A step
 is one backward pass that reaches an override of the model: the gradients of a pass
 (autograd's graph task, so that two threads' passes running at once stay apart) are handed
 to the recorder's `sink` at its end (`queue_callback`), grouped by override; a pass that
@@ -50,12 +55,13 @@ from torch.compiler import is_dynamo_compiling
 from torch.nn.modules.module import (
     register_module_forward_hook,
     register_module_forward_pre_hook,
+    register_module_module_registration_hook,
 )
 
 from .._decorators import CustomBackward
 from .._errors import GradOverrideError, GradOverrideWarning
 from .._function import RECORDERS
-from .._internals import graph_task_id, transforms_active
+from .._internals import graph_task_id, graph_task_reader, transforms_active
 from .._module import Module
 from .._signature import describe
 from .._table import one_line
@@ -105,6 +111,10 @@ def current_pass() -> int:
     task = graph_task_id()
     return -1 if task is None else task
 
+
+# `current_pass` as one call of torch's own (what every op call and node hook reads).
+_pass_now: Callable[[], int] = graph_task_reader() or current_pass
+
 Sink = Callable[[dict[tuple[Site, int], Gradients]], None]
 
 
@@ -147,8 +157,16 @@ class Recorder:
         self._last: dict[tuple[Any, Any], Site] = {}
         # See `_settings`: by the ids of the recipes and ops met, while they live.
         self._settings: dict[int, Any] = {}
-        # The module hooks keeping each thread's call stack (see `_place`).
+        # The module hooks keeping each thread's call stack (see `_place`): torch's global
+        # ones during the first forward, then hooks on the model's modules that may call an
+        # override (see `_own_hooks`), by module id.
         self._handles: list[Any] = []
+        self._global_handles: list[Any] = []
+        self._own: dict[int, tuple[nn.Module, Any, Any]] = {}  # (module, its hooks' handles)
+        self._global = False  # whether the global hooks are on
+        self._forwards = 0  # outermost calls running under the global hooks, all threads
+        self._paths_stale = False  # a module was added to the model (see `_registered`)
+        self._switching = threading.Lock()
         self._warned_compiled = False
         self.model_name = type(model).__name__
         self._positions: dict[str, int] = {}
@@ -183,22 +201,36 @@ class Recorder:
         self._positions = {path: k for k, path in enumerate(self.paths.values())}
         self._wrap_hook_transforms()
         self._warn_compiled_in_place()
-        # Every module call, in the model or not (one added to it later, or a helper it
-        # calls), keeps this thread's call stack while recording: the path of an op's row
-        # is the innermost module of the model on it, however deep the op is called.
-        self._handles = [
+        # During the first forward, every module call, in the model or not (a compiled
+        # wrapper of the model, a helper it calls), keeps this thread's call stack: the path
+        # of an op's row is the innermost module of the model on it, however deep the op is
+        # called. Once it ended, only the model's modules whose own code may call an
+        # override keep it (see `_own_hooks`): torch calls every other module on its fast
+        # path again (a global hook sends each call of every module down the slow one).
+        self._handles = [register_module_module_registration_hook(self._registered)]
+        self._global_handles = [
             register_module_forward_pre_hook(_entered),
             register_module_forward_hook(_left, always_call=True),
         ]
+        self._global = True
+        self._forwards = 0
+        _set_global(True)
         RECORDERS.append(self)
         self.started = True
 
     def stop(self) -> None:
         if self in RECORDERS:
             RECORDERS.remove(self)
-        for handle in self._handles:
+        for handle in (*self._handles, *self._global_handles):
             handle.remove()
         self._handles = []
+        self._global_handles = []
+        self._global = False
+        _set_global(False)
+        for _, pre, post in self._own.values():
+            pre.remove()
+            post.remove()
+        self._own = {}
         _LeftLate.remove_all()  # those of calls that never ended (a KeyboardInterrupt)
         _forget_stacks()
         for task in sorted(self._pending):
@@ -209,6 +241,66 @@ class Recorder:
         self.started = False
         if self in _STARTED:
             _STARTED.remove(self)
+
+    # -- which module calls keep the call stack ----------------------------------------------
+
+    def forward_began(self) -> None:
+        """An outermost module call began in some thread under the global hooks."""
+        with self._switching:
+            self._forwards += 1
+
+    def forward_ended(self) -> None:
+        """An outermost module call ended under the global hooks: when none runs in any
+        thread, the global hooks give way to the model's own (a call still running when
+        they went would keep its entry on its thread's stack: a module on torch's fast path
+        runs no hook at its end)."""
+        with self._switching:
+            self._forwards = max(self._forwards - 1, 0)
+            if self._forwards or not self._global or not self.started:
+                return
+            if self.on_call is not None or self.substitute is not None:
+                return  # go.overrides and gradient_report: a forward or two, kept as is
+            self._global = False
+            _set_global(False)
+            for handle in self._global_handles:
+                handle.remove()
+            self._global_handles = []
+            self.paths = model_paths(self.model)
+            self._positions = {path: k for k, path in enumerate(self.paths.values())}
+            self._hook_own(self.model.modules())
+
+    def _hook_own(self, modules: Iterator[nn.Module]) -> None:
+        """Hooks on those of `modules` whose calls may have an override called with them
+        the innermost module on the stack (see `_own_hooks`): the pre-hook first among the
+        module's, as the global one runs before them; the forward hook after those there
+        (a forward hook of the module's registered later leaves the stack as under the
+        global hooks: see `_LeftLate`)."""
+        for module in modules:
+            hooked = self._own.get(id(module))
+            if (hooked is not None and hooked[0] is module) or not (
+                module is self.model or _own_hooks(module)
+            ):
+                continue
+            self._own[id(module)] = (
+                module,
+                module.register_forward_pre_hook(_ENTERED_OWN, prepend=True),
+                module.register_forward_hook(_LEFT_OWN, always_call=True),
+            )
+
+    def _registered(self, parent: nn.Module, name: str, module: Any) -> None:
+        """A module was set on a module (torch's registration hook): one of the model's
+        gets its new modules hooked (modules added to the model while recording)."""
+        if self._global or not self.started or not isinstance(module, nn.Module):
+            return
+        if id(parent) not in self.paths:
+            self.paths = model_paths(self.model)  # (added since the paths were read?)
+            self._positions = {path: k for k, path in enumerate(self.paths.values())}
+            if id(parent) not in self.paths:
+                return  # not the model's (or added to it without torch's registration)
+        # (called before the module is set: the paths, and the grad_hooks' transforms, are
+        # read again at the model's next call, see `new_forward`)
+        self._paths_stale = True
+        self._hook_own(module.modules())
 
     # -- the ops' consult point ---------------------------------------------------------------
 
@@ -253,6 +345,11 @@ class Recorder:
         outside the model are looked up again (one may have been added to it since)."""
         if self._outside:
             self._outside = set()
+        if self._paths_stale:
+            self._paths_stale = False
+            self.paths = model_paths(self.model)
+            self._positions = {path: k for k, path in enumerate(self.paths.values())}
+            self._wrap_hook_transforms()
 
     def compiled_call(self, module: nn.Module) -> None:
         """A `torch.compile`d module (dynamo's wrapper, whose `_orig_mod` is the module it
@@ -325,7 +422,7 @@ class Recorder:
             return  # no gradient flows here, or not one of our Functions' nodes
         # A forward inside a backward pass (a reentrant checkpoint recomputing a segment,
         # whose backward then runs as a pass of its own): the nodes belong to the outer pass.
-        outer = current_pass()
+        outer = _pass_now()
         if outer >= 0 and outer not in self._pending:
             self._open(outer)  # (the outer pass is the one running: queued at its end)
         # Whether the pass running the node is a recorded step is decided when the pass
@@ -568,7 +665,7 @@ class _NodeHook:
             return  # a graph built while recording, run backward after
         task = self.task
         if task < 0:
-            task = current_pass()
+            task = _pass_now()
         # (else: a node made by a forward inside a backward pass, a reentrant checkpoint's
         # recomputation, which belongs to that outer pass)
         run = recorder._pending.get(task)
@@ -808,6 +905,34 @@ _THREAD = threading.local()
 _GENERATION = 0
 
 
+# Whether the global module hooks are on (the first forward of a recorder: see
+# `Recorder.forward_ended`).
+_GLOBAL_ON = False
+
+
+def _set_global(on: bool) -> None:
+    global _GLOBAL_ON
+    _GLOBAL_ON = on
+
+
+# The modules of torch.nn whose calls run no code of a user's but the modules they hold:
+# an override is never called with one of them the innermost module (unless a hook of its
+# own calls it). The transformer layers are not among them: they call the `activation`
+# they are given, which may be an override.
+_TORCH_LAYERS = "torch.nn.modules."
+_CALLS_GIVEN = "torch.nn.modules.transformer"
+
+
+def _own_hooks(module: nn.Module) -> bool:
+    """Whether the module's calls keep the call stack after the first forward: the model
+    itself, and every module whose own code (its forward, or its hooks) may call an
+    override, that is every module but torch's plain layers and containers."""
+    if module._forward_hooks or module._forward_pre_hooks or "forward" in module.__dict__:
+        return True  # (hooks, or a forward set on the module itself)
+    where = type(module).__module__
+    return not where.startswith(_TORCH_LAYERS) or where == _CALLS_GIVEN
+
+
 def _stack() -> list[Any]:
     """This thread's running module and recipe calls, outermost first."""
     thread = _THREAD
@@ -834,6 +959,7 @@ def _entered(module: nn.Module, args: Any) -> None:
     if recorder is not None:
         if not stack:  # an outermost call: a new forward
             recorder.new_forward()
+            recorder.forward_began()
         if "_orig_mod" in module._modules:
             recorder.compiled_call(module)
         if (
@@ -849,16 +975,79 @@ def _entered(module: nn.Module, args: Any) -> None:
         stack.append(module)
 
 
+def _entered_own(module: nn.Module, args: Any) -> None:
+    """`_entered`, as a hook of the module itself (see `Recorder._hook_own`)."""
+    if is_dynamo_compiling():
+        return
+    thread = _THREAD  # (`_stack()`, inline: every hooked module call reads it twice)
+    stack = thread.stack if getattr(thread, "generation", -1) == _GENERATION else _stack()
+    recorder = _STARTED[0] if _STARTED else None
+    if recorder is not None:
+        if not stack:
+            recorder.new_forward()
+        if "_orig_mod" in module._modules:
+            recorder.compiled_call(module)
+        if id(module) not in recorder.paths:
+            recorder._path_of_new(module)  # added to the model since? its grad_hooks
+    hooks = module._forward_hooks
+    if len(hooks) > 1 and next(reversed(hooks.values())) is not _LEFT_OWN:
+        stack.append(_LeftLate(module))  # hooks of its own run after this recorder's
+    else:
+        stack.append(module)
+
+
 def _left(module: nn.Module, args: Any, out: Any) -> None:
     if is_dynamo_compiling():
         return
-    stack = _stack()
+    thread = _THREAD
+    stack = thread.stack if getattr(thread, "generation", -1) == _GENERATION else _stack()
     if stack and stack[-1] is module:
         stack.pop()  # (what nearly every call meets: its own entry on top)
+        if not stack and _GLOBAL_ON and _STARTED:
+            _STARTED[0].forward_ended()
         return
     if stack and isinstance(stack[-1], _Late) and stack[-1].module is module:
         return  # its own forward hooks run next, then its `_LeftLate`
+    running = bool(stack)
     _pop(stack, module)
+    if running and not stack and _GLOBAL_ON and _STARTED:
+        _STARTED[0].forward_ended()
+
+
+def _inert_hook(*args: Any) -> None:
+    """What a recorder's module hook is in a copy of the module (deepcopy, pickle)."""
+
+
+class _OwnHook:
+    """A recorder's hook on one of the model's modules: a module copied or saved while
+    recorded carries a hook that does nothing instead (one that kept a call stack, with no
+    recorder to remove it)."""
+
+    __slots__ = ()
+
+    def __reduce__(self) -> Any:
+        return (_make_inert, ())
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        return _inert_hook
+
+
+def _make_inert() -> Any:
+    return _inert_hook
+
+
+class _EnteredOwn(_OwnHook):
+    __slots__ = ()
+    __call__ = staticmethod(_entered_own)
+
+
+class _LeftOwn(_OwnHook):
+    __slots__ = ()
+    __call__ = staticmethod(_left)
+
+
+_ENTERED_OWN = _EnteredOwn()
+_LEFT_OWN = _LeftOwn()
 
 
 class _Late:
@@ -895,6 +1084,8 @@ class _LeftLate(_Late):
         stack.pop()
         self.handle.remove()
         _LeftLate._ALL.discard(self)
+        if not stack and _GLOBAL_ON and _STARTED:
+            _STARTED[0].forward_ended()
 
     @staticmethod
     def remove_all() -> None:

@@ -1,0 +1,183 @@
+"""Which module calls keep `go.monitor`'s call stack: torch's global module hooks during the
+first forward only, then hooks on the model itself and on the modules whose own code may
+call an override (not torch's plain layers and containers, which then run on torch's fast
+path). Each row's path is checked where the hooks could miss it: modules added to the model
+after the first forward (at the top, or inside a module added earlier), a branch of a
+module's forward taken only at a later step, an override called through a torch layer that
+runs a callable it was given; the gradients are checked against tensor hooks on the same
+run."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.modules import module as torch_module
+
+import gradoverride as go
+from gradoverride import recipes
+
+BIN = repr(recipes.binarize())
+
+
+def _norm(grads: list[torch.Tensor]) -> float:
+    return math.sqrt(sum(float((g.double() ** 2).sum()) for g in grads))
+
+
+class Tapped(nn.Module):
+    """binarize called in the forward (no recipe module): its arriving and returned
+    gradients taken by tensor hooks. `when` says at which calls it runs."""
+
+    def __init__(self, when: Callable[[int], bool] = lambda k: True) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.act = recipes.binarize()
+        self.when = when
+        self.calls = 0
+        self.arriving: list[torch.Tensor] = []
+        self.returned: list[torch.Tensor] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        h: torch.Tensor = self.fc(x)
+        if not self.when(self.calls - 1):
+            return h
+        h.register_hook(lambda g: self.returned.append(g.clone()))  # type: ignore[no-untyped-call]
+        y: torch.Tensor = self.act(h)
+        y.register_hook(lambda g: self.arriving.append(g.clone()))  # type: ignore[no-untyped-call]
+        return y
+
+
+def test_after_the_first_forward_torch_layers_run_without_hooks_and_none_is_left() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), recipes.binarize().module(), nn.Linear(4, 1))
+    globals_before = (len(torch_module._global_forward_pre_hooks),
+                      len(torch_module._global_forward_hooks))
+    x = torch.randn(3, 4)
+    with go.monitor(model) as mon:
+        for step in range(3):
+            model(x).sum().backward()
+            if step == 0:  # the first forward ran under the global hooks: gone now
+                assert (len(torch_module._global_forward_pre_hooks),
+                        len(torch_module._global_forward_hooks)) == globals_before
+            assert not model[0]._forward_pre_hooks and not model[0]._forward_hooks
+            assert not model[2]._forward_pre_hooks and not model[2]._forward_hooks
+            assert len(model[1]._forward_pre_hooks) == len(model[1]._forward_hooks) == 1
+    for m in model.modules():
+        assert not m._forward_pre_hooks and not m._forward_hooks
+    assert [r.step for r in mon.history[f"1: {BIN}"]] == [0, 1, 2]
+
+
+def test_a_module_added_after_the_first_forward_has_its_own_row() -> None:
+    # The model is a torch container (no hook of its own but the recorder's on the model):
+    # the module appended later is hooked as torch registers it, or its calls would be
+    # rows of the model itself.
+    torch.manual_seed(0)
+    model = nn.Sequential(Tapped())
+    x = torch.randn(5, 4)
+    with go.monitor(model) as mon:
+        model(x).sum().backward()
+        model(x).sum().backward()
+        late = Tapped()
+        model.append(late)
+        model(x).sum().backward()
+        model(x).sum().backward()
+    assert sorted(mon.history) == [f"0: {BIN}", f"1: {BIN}"]
+    records = mon.history[f"1: {BIN}"]
+    assert [r.step for r in records] == [2, 3]
+    for record, got, gave in zip(records, late.arriving, late.returned, strict=True):
+        assert record.grad_in == pytest.approx(_norm([got]))
+        assert record.grad_out == pytest.approx(_norm([gave]))
+
+
+def test_a_module_added_inside_a_module_added_later_has_its_own_row() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(Tapped())
+    x = torch.randn(5, 4)
+    with go.monitor(model) as mon:
+        model(x).sum().backward()
+        block = nn.Sequential()
+        model.append(block)
+        model(x).sum().backward()
+        block.append(nn.Sequential(nn.Identity(), recipes.binarize().module()))
+        model(x).sum().backward()
+    assert sorted(mon.history) == [f"0: {BIN}", f"1.0.1: {BIN}"]
+    assert [r.step for r in mon.history[f"1.0.1: {BIN}"]] == [2]
+
+
+def test_a_branch_taken_at_a_later_step_has_its_module_s_row() -> None:
+    torch.manual_seed(0)
+    rare = Tapped(when=lambda k: k == 3)
+    model = nn.Sequential(Tapped(), nn.Sequential(nn.Linear(4, 4), rare))
+    x = torch.randn(5, 4)
+    with go.monitor(model) as mon:
+        for _ in range(5):
+            model(x).sum().backward()
+    assert sorted(mon.history) == [f"0: {BIN}", f"1.1: {BIN}"]
+    (record,) = mon.history[f"1.1: {BIN}"]
+    assert record.step == 3
+    assert record.grad_in == pytest.approx(_norm(rare.arriving))
+    assert record.grad_out == pytest.approx(_norm(rare.returned))
+
+
+def test_an_override_a_torch_layer_calls_is_that_layer_s_row() -> None:
+    # A transformer layer calls the activation it is given: the row is the layer's.
+    torch.manual_seed(0)
+    act = recipes.binarize()
+    layer = nn.TransformerEncoderLayer(4, 1, dim_feedforward=8, dropout=0.0,
+                                       activation=lambda h: act(h), batch_first=True)
+    model = nn.Sequential(nn.Linear(4, 4), layer)
+    x = torch.randn(2, 3, 4)
+    with go.monitor(model) as mon:
+        for _ in range(3):
+            model(x).sum().backward()
+    assert sorted(mon.history) == [f"1: {BIN}"]
+    assert [r.step for r in mon.history[f"1: {BIN}"]] == [0, 1, 2]
+
+
+def test_a_module_hooked_later_by_the_user_keeps_its_hooks_order() -> None:
+    # A forward hook the user registers after the recorder's still sees the module as the
+    # innermost one: an override it calls is the module's row.
+    torch.manual_seed(0)
+    act = recipes.binarize()
+    model = nn.Sequential(nn.Linear(4, 4), Tapped(when=lambda k: False))
+    x = torch.randn(5, 4)
+    with go.monitor(model) as mon:
+        model(x).sum().backward()
+        model[1].register_forward_hook(lambda m, a, out: act(out))
+        model(x).sum().backward()
+    assert sorted(mon.history) == [f"1: {BIN}"]
+    assert [r.step for r in mon.history[f"1: {BIN}"]] == [0]  # (the first reached none)
+
+
+def test_a_model_copied_or_saved_after_the_first_forward_carries_no_working_hook() -> None:
+    import copy
+    import io
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), recipes.binarize().module())
+    x = torch.randn(3, 4)
+    with go.monitor(model):
+        model(x).sum().backward()  # the recorder's hooks are on model and model[1] now
+        twin = copy.deepcopy(model)
+        buffer = io.BytesIO()
+        torch.save(model, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    for copied in (twin, loaded):
+        for m in (copied, copied[1]):
+            hooks = [*m._forward_pre_hooks.values(), *m._forward_hooks.values()]
+            # (a hook that does nothing: not one that keeps a recorder's call stack)
+            assert all(h(m, (x,)) is None for h in m._forward_pre_hooks.values())
+            assert all(h(m, (x,), x) is None for h in m._forward_hooks.values())
+            assert len(hooks) == 2
+        assert torch.equal(copied(x), model(x))
+        # Monitored itself, the copy's rows are what the model's were.
+        with go.monitor(copied) as mon:
+            for _ in range(2):
+                copied(x).sum().backward()
+        assert sorted(mon.history) == [f"1: {BIN}"]
+    for m in model.modules():
+        assert not m._forward_pre_hooks and not m._forward_hooks
