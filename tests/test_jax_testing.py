@@ -13,6 +13,7 @@ where a missing JAX is an import error, so CI cannot pass by skipping it.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -470,3 +471,216 @@ print(json.dumps(sorted(m for m in ("jax", "jaxlib", "gradoverride.testing._jax_
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             check=True, timeout=300)
     assert json.loads(result.stdout.strip().splitlines()[-1]) == []
+
+
+# ---- finite differences that cannot be trusted, pytrees, numpy inputs, options ---------------
+
+
+def dropout_sin(x: Any) -> Any:
+    """A fixed dropout mask: `jax.random` draws another one in float64."""
+    return jnp.where(jax.random.bernoulli(jax.random.PRNGKey(0), 0.5, x.shape),
+                     jnp.sin(x) * 2, 0.0)
+
+
+def test_a_forward_drawing_other_random_numbers_in_float64_is_named() -> None:
+    x = jnp.linspace(-1.0, 1.0, 8)
+    with jax.enable_x64(True):  # independently: the float64 run keeps other elements
+        wide = np.asarray(dropout_sin(jnp.asarray(np.asarray(x), dtype=jnp.float64)))
+    narrow = np.asarray(dropout_sin(x))
+    assert ((wide == 0) != (narrow == 0)).any()
+    with pytest.raises(GradOverrideError) as caught:
+        check_backward(dropout_sin, x, reference="finite_differences")
+    message = str(caught.value)
+    first = int(np.argmax((wide == 0) != (narrow == 0)))
+    assert message.startswith(
+        "check_backward(`dropout_sin`): finite differences run `dropout_sin` on float64 "
+        "copies of its inputs (inside `jax.enable_x64(True)`), but there it is not the same "
+        f"function: at the unperturbed inputs its `output` differs at index ({first},): "
+        f"{wide[first]:.6g} in float64 against {narrow[first]:.6g} in float32, beyond "
+        "float32's precision (tolerance 0.00035). Random draws (`jax.random` gives other "
+        "numbers in float64) or code that depends on the dtype make it so. Check the rule "
+        "against a proxy function, or against the expected gradients given as arrays, "
+        "instead of 'finite_differences'."
+    )
+
+
+KERNEL = np.asarray([[[1.0, -2.0, 0.5]]], dtype=np.float32)
+
+
+def conv(x: Any) -> Any:
+    """A convolution with a float32 kernel it closes over."""
+    return jax.lax.conv(x, jnp.asarray(KERNEL), (1,), "SAME")
+
+
+def test_an_error_in_the_float64_run_names_that_run() -> None:
+    kernel = jnp.asarray(KERNEL)
+    x = jnp.asarray(np.linspace(-1.0, 1.0, 5, dtype=np.float32).reshape(1, 1, 5))
+    with pytest.raises(GradOverrideError) as caught:
+        check_backward(conv, x, reference="finite_differences")
+    assert isinstance(caught.value.__cause__, TypeError)
+    message = str(caught.value)
+    assert message.startswith(
+        "check_backward(`conv`): `conv` raised TypeError in the float64 run of finite "
+        "differences (its inputs as float64 copies, inside `jax.enable_x64(True)`), not in "
+        "its own dtype: "
+    )
+    assert message.endswith(
+        "An op that needs matching dtypes (`jax.lax.conv`, `jnp.dot` with "
+        "preferred_element_type) fails there against an array the function closes over, "
+        "which stays in its dtype: pass such arrays as inputs (they are then converted "
+        "too), or check against a proxy function instead of 'finite_differences'."
+    )
+    # The fix it names: the kernel as an input, converted to float64 with x.
+    report = check_backward(lambda x, k: jax.lax.conv(x, k, (1,), "SAME"), x, kernel,
+                            reference="finite_differences")
+    assert report.ok and [row.name for row in report] == ["x", "k"]
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["w"], meta_fields=["n"])
+@dataclasses.dataclass
+class Weights:
+    w: Any
+    n: int
+
+
+@jax.tree_util.register_pytree_node_class
+class Holder:
+    def __init__(self, a: Any) -> None:
+        self.a = a
+
+    def tree_flatten(self) -> tuple[tuple[Any], None]:
+        return (self.a,), None
+
+    @classmethod
+    def tree_unflatten(cls, _aux: None, children: tuple[Any]) -> Holder:
+        return cls(*children)
+
+
+def test_arrays_in_registered_pytrees_are_checked_and_named_by_their_path() -> None:
+    x = jnp.asarray(X)
+    upstream = _random_upstream(X.shape)
+    want = _vjp(fast_sigmoid, x, upstream)  # what the right rule gives
+    for value, name, unwrap in [
+        (Weights(x, 3), "d.w", lambda d: d.w),
+        (Holder(x), "d[<flat index 0>]", lambda d: d.a),
+        ({"k": Weights(x, 1)}, "d['k'].w", lambda d: d["k"].w),
+    ]:
+        def right(d: Any, unwrap: Any = unwrap) -> Any:
+            return spike(unwrap(d))
+
+        def wrong(d: Any, unwrap: Any = unwrap) -> Any:
+            return spike_doubled(unwrap(d))
+
+        def proxy(d: Any, unwrap: Any = unwrap) -> Any:
+            return fast_sigmoid(unwrap(d))
+
+        # The pytree alone: checked on JAX, not refused by the torch path.
+        report = check_backward(right, value, reference=proxy)
+        assert [row.name for row in report] == [name]
+        np.testing.assert_allclose(np.asarray(report[name].grad), want, rtol=1e-6)
+        with pytest.raises(GradOverrideError) as caught:
+            check_backward(wrong, value, reference=proxy)
+        assert f"`): the gradient for `{name}` fails: it differs from the proxy " in str(
+            caught.value)
+    # Next to another JAX input, the one in the pytree is checked too.
+    report = check_backward(lambda y, d: mul_swapped(y, d.w), x, Weights(x * 2, 0),
+                            reference="finite_differences", raise_on_mismatch=False)
+    assert report.mismatches == ("y", "d.w")
+
+
+def with_numpy(a: Any, b: Any) -> Any:
+    """Computes with numpy on `b`, which JAX cannot trace."""
+    return a * jnp.asarray(np.sin(b))
+
+
+def test_float_numpy_inputs_next_to_jax_ones_are_differentiated() -> None:
+    a = jnp.asarray([1.0, -2.0, 3.0])
+    b = np.asarray([0.5, 4.0, -1.0], dtype=np.float32)
+    report = check_backward(mul, a, b)
+    upstream = _random_upstream((3,))
+    np.testing.assert_allclose(np.asarray(report["b"].grad), upstream * np.asarray(a),
+                               rtol=1e-6)
+    with pytest.raises(GradOverrideError) as caught:
+        check_backward(mul_swapped, a, b, reference=lambda a, b: a * b)
+    assert str(caught.value).startswith(
+        "check_backward(`mul_swapped`): the gradient for `a` fails (and for `b`): "
+    )
+
+    with pytest.raises(GradOverrideError) as caught:
+        check_backward(with_numpy, a, b)
+    assert isinstance(caught.value.__cause__, jax.errors.TracerArrayConversionError)
+    assert str(caught.value) == (
+        "check_backward(`with_numpy`): the numpy input(s) `b` are differentiated as JAX "
+        "arrays (given with JAX inputs, a floating-point numpy array is checked too), but "
+        "`with_numpy` converts one back to numpy, which JAX cannot differentiate. Compute "
+        "with `jnp` ops, or, to keep a numpy array a constant, bind it with "
+        "`functools.partial` or a closure instead of passing it as an input."
+    )
+    # numpy inputs alone go to torch, which says what to pass.
+    with pytest.raises(GradOverrideError, match=r"numpy arrays are not differentiated: pass "
+                       r"torch tensors \(`torch.from_numpy\(a\)`\), or JAX arrays"):
+        check_backward(jnp.sin, np.asarray([1.0, 2.0]))
+
+
+def test_options_that_cannot_mean_anything_are_refused_on_jax() -> None:
+    x = jnp.asarray(X)
+    with pytest.raises(GradOverrideError, match=r"^check_backward\(`spike`\): `step` must be "
+                       r"a finite number greater than 0 .*, got 0\.0; pass e\.g\. `step=1e-6`\.$"):
+        check_backward(spike, x, reference="finite_differences", step=0.0)
+    with pytest.raises(GradOverrideError) as caught:
+        check_backward(spike, x, grad_outputs=1.0)  # type: ignore[arg-type]
+    assert str(caught.value) == (
+        "`grad_outputs` for `spike` must be 'random', 'ones', an array (one output) or a "
+        "sequence of one array per output, got float 1.0; for an upstream gradient of ones "
+        "pass 'ones', for another value an array in the output's shape "
+        "(`jnp.full_like(output, value)`)."
+    )
+    with pytest.raises(GradOverrideError, match=r"^check_backward\(`spike`\): the reference "
+                       r"is given as gradients, but `grad_outputs='random'`"):
+        check_backward(spike, x, reference=np.ones(7, np.float32), grad_outputs="random")
+    with pytest.raises(GradOverrideError) as caught:
+        check_backward(functools.partial(softplus_scaled, beta=2.0), jnp.asarray([0.5]),
+                       reference="finite_differences")
+    assert "try another `step=`." in str(caught.value)
+
+
+def test_infinite_tolerances_and_infinite_gradients_on_jax() -> None:
+    x = jnp.asarray([-1.0, 0.0, 1.0])
+    want = np.asarray([0.5, 0.0, 0.5], dtype=np.float32)
+    got = 1 / (1 + np.abs(np.asarray(x))) ** 2
+    cosine = float(got @ want / (np.linalg.norm(got) * np.linalg.norm(want)))
+    report = check_backward(spike, x, reference=want, rtol=float("inf"), atol=float("inf"),
+                            min_cosine=0.3)
+    difference = report["x"].difference
+    assert report.ok and difference is not None
+    assert difference.cosine == pytest.approx(cosine, rel=1e-6)
+    x = jnp.asarray([-1.0, 0.0, 2.0])
+    right = np.asarray([-1.0, np.inf, 0.5], dtype=np.float32)
+    report = check_backward(log_abs, x, reference=right, allow_nonfinite=True)
+    difference = report["x"].difference
+    assert report.ok and difference is not None and difference.max_abs == 0.0
+    with pytest.raises(GradOverrideError) as caught:
+        check_backward(log_abs, x, reference=np.asarray([-2.0, np.inf, 0.5], np.float32),
+                       allow_nonfinite=True)
+    message = str(caught.value)
+    assert "the largest difference is 1 at index (0,) (got -1, expected -2)" in message
+    assert "allow_nonfinite" not in message
+
+
+def test_dict_outputs_of_the_function_and_the_proxy_pair_by_key() -> None:
+    x = jnp.asarray(X)
+
+    def fn(x: Any) -> Any:
+        return {"spike": spike(x), "double": 2 * x}
+
+    def proxy(x: Any) -> Any:
+        return {"double": 2 * x, "spike": fast_sigmoid(x)}
+
+    report = check_backward(fn, x, reference=proxy)
+    assert report.ok
+    # The upstream gradients are drawn in JAX's order of the outputs: keys sorted.
+    gen = torch.Generator().manual_seed(0)
+    up_double, up_spike = (torch.randn(7, generator=gen, dtype=torch.float64).numpy()
+                           for _ in range(2))
+    expected = up_spike / (1 + np.abs(X)) ** 2 + 2 * up_double
+    np.testing.assert_allclose(np.asarray(report["x"].expected), expected, rtol=1e-6)

@@ -5,6 +5,7 @@ under compile or vmap) and pass correct ones."""
 from __future__ import annotations
 
 import functools
+import math
 import subprocess
 import sys
 from typing import Any
@@ -604,3 +605,124 @@ def test_a_module_with_buffers_and_frozen_parameters_is_left_as_it_was() -> None
     assert [row.name for row in report.rows] == ["input", "0.weight", "1.weight", "1.bias"]
     for key, value in model.state_dict().items():  # running statistics untouched
         assert torch.equal(value, before[key]), key
+
+
+# ---- options that cannot mean anything, and reports that must read sensibly -------------------
+
+
+def test_infinite_tolerances_accept_an_expected_gradient_of_zero() -> None:
+    x = torch.tensor([-1.0, 0.0, 1.0])
+    want = torch.tensor([0.5, 0.0, 0.5])  # 0 where the rule's gradient is 1
+    got = 1 / (1 + x.abs()) ** 2  # the rule's gradient for an upstream gradient of ones
+    cosine = float(got @ want / (got.norm() * want.norm()))  # independently: 0.3333
+    report = check_backward(spike, x, reference=want, rtol=float("inf"), atol=float("inf"),
+                            min_cosine=0.3)
+    difference = report["x"].difference
+    assert report.ok and difference is not None
+    assert difference.cosine == pytest.approx(cosine, rel=1e-6) and 0.33 < cosine < 0.34
+    with pytest.raises(go.GradOverrideError,
+                       match=r"cosine similarity with the given gradients is 0\.333333, below"):
+        check_backward(spike, x, reference=want, rtol=float("inf"), atol=float("inf"),
+                       min_cosine=0.5)
+
+
+@pytest.mark.parametrize("step", [0.0, -1e-6, float("nan"), float("inf"), "1e-6"])
+def test_a_step_that_is_not_a_positive_number_is_refused(step: Any) -> None:
+    with pytest.raises(go.GradOverrideError) as caught:
+        check_backward(spike, X, reference="finite_differences", step=step)
+    assert str(caught.value) == (
+        "check_backward(`spike`): `step` must be a finite number greater than 0 (the "
+        f"finite-difference step, default 1e-6), got {step!r}; pass e.g. `step=1e-6`."
+    )
+
+
+def test_a_finite_difference_mismatch_names_the_step_as_a_possible_cause() -> None:
+    x = torch.tensor([0.5, 1.0], dtype=torch.float64)
+    # exp's central difference with step 1 is exp(x) * sinh(1): 17.5% above the derivative.
+    report = check_backward(torch.exp, x, reference="finite_differences", step=1.0,
+                            grad_outputs="ones", raise_on_mismatch=False)
+    (row,) = report.rows
+    assert row.expected is not None
+    torch.testing.assert_close(row.expected, x.exp() * torch.sinh(torch.tensor(1.0,
+                               dtype=torch.float64)))
+    with pytest.raises(go.GradOverrideError) as caught:
+        check_backward(torch.exp, x, reference="finite_differences", step=1.0)
+    assert ("The step can also be the cause: too large for a strongly curved forward, too "
+            "small for its precision; try another `step=`.") in str(caught.value)
+
+
+@pytest.mark.parametrize(("grad_outputs", "where", "got"), [
+    (1.0, "`grad_outputs`", "float 1.0"),
+    ([torch.ones(9), 2.0], "`grad_outputs[1]`", "float 2.0"),
+])
+def test_grad_outputs_that_is_not_tensors_is_refused(grad_outputs: Any, where: str,
+                                                     got: str) -> None:
+    with pytest.raises(go.GradOverrideError) as caught:
+        check_backward(sin_cos, X, grad_outputs=grad_outputs)
+    assert str(caught.value) == (
+        f"{where} for `sin_cos` must be 'random', 'ones', a tensor (one output) or a "
+        f"sequence of one tensor per output, got {got}; for an upstream gradient of ones "
+        "pass 'ones', for another value a tensor in the output's shape "
+        "(`torch.full_like(output, value)`)."
+    )
+
+
+def test_equal_infinities_differ_by_nothing_and_the_hint_leaves_out_allow_nonfinite() -> None:
+    x = torch.tensor([-1.0, 0.0, 2.0])
+    right = torch.tensor([-1.0, math.inf, 0.5])  # d/dx log|x|, with its infinity at 0
+    report = check_backward(log_abs, x, reference=right, allow_nonfinite=True)
+    difference = report["x"].difference
+    assert report.ok and difference is not None and difference.max_abs == 0.0
+    assert difference.cosine == pytest.approx(1.0)
+    assert "  x      (3,)        float32  cpu     NO      0  " in repr(report)
+    wrong = torch.tensor([-2.0, math.inf, 0.5])
+    with pytest.raises(go.GradOverrideError) as caught:
+        check_backward(log_abs, x, reference=wrong, allow_nonfinite=True)
+    message = str(caught.value)
+    assert message.startswith(
+        "check_backward(`log_abs`): the gradient for `x` fails: it differs from the given "
+        "gradients: the largest difference is 1 at index (0,) (got -1, expected -2)"
+    )
+    assert "allow_nonfinite" not in message
+    assert "Fix the rule's formula for `x`" in message
+
+
+def test_given_gradients_with_a_random_upstream_gradient_are_refused() -> None:
+    with pytest.raises(go.GradOverrideError) as caught:
+        check_backward(spike, X, reference=1 / (1 + X.abs()) ** 2, grad_outputs="random")
+    assert str(caught.value) == (
+        "check_backward(`spike`): the reference is given as gradients, but "
+        "`grad_outputs='random'`: given gradients are the backward's result for one "
+        "upstream gradient, ones (the gradients of `output.sum()`) or the arrays passed as "
+        "`grad_outputs`, never for a random draw. Pass `grad_outputs='ones'` (the default "
+        "with given gradients) or the upstream gradients they are the VJP for, or give a "
+        "proxy function as `reference` to check with a random upstream gradient."
+    )
+
+
+def test_dict_outputs_of_the_function_and_the_proxy_pair_by_key() -> None:
+    def fn(x: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"spike": spike(x), "double": 2 * x}
+
+    def proxy(x: torch.Tensor) -> dict[str, torch.Tensor]:  # the same keys, other order
+        return {"double": 2 * x, "spike": fast_sigmoid(x)}
+
+    report = check_backward(fn, X, reference=proxy)
+    assert report.ok
+    gen = torch.Generator().manual_seed(0)  # the documented upstream, in fn's output order
+    up_spike, up_double = (torch.randn(9, generator=gen, dtype=torch.float64).float()
+                           for _ in range(2))
+    expected = up_spike / (1 + X.abs()) ** 2 + 2 * up_double
+    torch.testing.assert_close(report["x"].expected, expected)
+
+
+def test_numpy_inputs_alone_are_named_as_not_differentiated() -> None:
+    np = pytest.importorskip("numpy")
+    with pytest.raises(go.GradOverrideError) as caught:
+        check_backward(torch.sin, np.asarray([1.0, 2.0]))
+    assert str(caught.value) == (
+        "`torch.sin` was given no floating-point tensor to differentiate (inputs: ndarray); "
+        "pass the tensors whose gradients the rule computes as positional inputs. numpy "
+        "arrays are not differentiated: pass torch tensors (`torch.from_numpy(a)`), or JAX "
+        "arrays (`jnp.asarray(a)`) to check JAX code."
+    )

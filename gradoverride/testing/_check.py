@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+import numbers
+import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, cast
 
@@ -11,7 +14,7 @@ from torch import Tensor
 from .._errors import GradOverrideError
 from .._frameworks import any_jax
 from ._compare import compare, format_index, tolerances
-from ._inputs import Call
+from ._inputs import Call, function_name
 from ._reference import FINITE_DIFFERENCES, Reference, reference_gradients
 from ._report import BackwardReport, GradientRow
 from ._vjp import GradOutputs, backward, describe_upstream, forward, upstream
@@ -59,11 +62,14 @@ def check_backward(
     `gradcheck` cannot check a straight-through or surrogate rule, whose backward is on
     purpose not the derivative of its forward; a proxy reference states what it stands for.
 
-    With JAX arrays among `inputs` the same checks run on JAX (imported only then): the
-    gradients are `jax.vjp`'s, a proxy is written in JAX ops, expected and upstream gradients
-    are JAX or numpy arrays, and finite differences run in float64 inside
-    `jax.enable_x64(True)`, leaving your JAX setting as it was. A torch module or torch
-    tensors given with JAX inputs raise `GradOverrideError`.
+    With JAX arrays among `inputs` (also inside any JAX pytree: a `register_dataclass`
+    class, named by its path, `params.w`) the same checks run on JAX (imported only then):
+    the gradients are `jax.vjp`'s, a proxy is written in JAX ops, expected and upstream
+    gradients are JAX or numpy arrays, a floating-point numpy input is differentiated as a
+    JAX array, and finite differences run in float64 inside `jax.enable_x64(True)`, leaving
+    your JAX setting as it was. A torch module or torch tensors given with JAX inputs raise
+    `GradOverrideError`, as does a forward that is not the same function in float64 (a
+    `jax.random` draw) or fails there.
 
     Args:
         fn: the function to check: a `go.custom_backward` op, or any function calling one.
@@ -78,15 +84,17 @@ def check_backward(
         grad_outputs: the upstream gradient for each output: `"random"` (seeded normal), or
             `"ones"` (the gradient of `output.sum()`), or tensors. Default: `"ones"` when the
             reference is given tensors (the gradients of `output.sum()` you wrote down),
-            else `"random"`, which catches a rule that forgets to multiply by `grad`.
+            else `"random"`, which catches a rule that forgets to multiply by `grad` (refused
+            with given gradients: they hold for one upstream gradient only). The outputs of
+            `fn` and of a proxy pair by position, dict outputs by key.
         rtol: the relative tolerance; default `torch.testing.assert_close`'s for the
             input's dtype, and with finite differences at least gradcheck's 1e-3.
         atol: the absolute tolerance; default as for `rtol` (gradcheck's 1e-5 at least
             with finite differences).
         min_cosine: also require this cosine similarity with the reference (set `rtol` and
-            `atol` to `float("inf")` to check only the direction).
+            `atol` to `float("inf")`, which accepts any value, to check only the direction).
         allow_nonfinite: accept NaN or infinite gradients.
-        step: the finite-difference step.
+        step: the finite-difference step, a finite number greater than 0.
         seed: the seed of the random upstream gradient.
         raise_on_mismatch: raise on a failed check (default); False only reports.
 
@@ -97,10 +105,11 @@ def check_backward(
     Raises:
         GradOverrideError: naming the input whose gradient failed, with the report.
     """
+    given = reference is not None and not callable(reference) and not isinstance(reference, str)
+    _check_options(fn, given=given, grad_outputs=grad_outputs, step=step)
     if grad_outputs is None:
-        given = reference is not None and not callable(reference) and not isinstance(reference, str)
         grad_outputs = "ones" if given else "random"
-    if any_jax(inputs):  # JAX arrays: checked by JAX, imported only now
+    if _any_jax(inputs):  # JAX arrays: checked by JAX, imported only now
         from ._jax_check import check_backward_jax
 
         return check_backward_jax(
@@ -164,6 +173,47 @@ def check_backward(
     return report
 
 
+def _any_jax(inputs: tuple[Any, ...]) -> bool:
+    """Whether the inputs hold a JAX array, also inside a registered JAX pytree (a
+    `register_dataclass` class, say); free when JAX was never imported."""
+    if any_jax(inputs):
+        return True
+    jax: Any = sys.modules.get("jax")
+    if jax is None:
+        return False
+    try:
+        leaves = jax.tree_util.tree_leaves(inputs)
+    except Exception:  # not a pytree JAX can flatten (a dict with keys it cannot sort)
+        return False
+    return any(isinstance(leaf, jax.Array) for leaf in leaves)
+
+
+def _check_options(fn: Callable[..., Any], *, given: bool, grad_outputs: Any, step: Any) -> None:
+    """A `GradOverrideError` for option values that cannot mean anything."""
+    name = function_name(fn)
+    if (
+        isinstance(step, bool)
+        or not isinstance(step, numbers.Real)
+        or not math.isfinite(step)
+        or step <= 0
+    ):
+        msg = (
+            f"check_backward(`{name}`): `step` must be a finite number greater than 0 (the "
+            f"finite-difference step, default 1e-6), got {step!r}; pass e.g. `step=1e-6`."
+        )
+        raise GradOverrideError(msg)
+    if given and isinstance(grad_outputs, str) and grad_outputs == "random":
+        msg = (
+            f"check_backward(`{name}`): the reference is given as gradients, but "
+            "`grad_outputs='random'`: given gradients are the backward's result for one "
+            "upstream gradient, ones (the gradients of `output.sum()`) or the arrays passed "
+            "as `grad_outputs`, never for a random draw. Pass `grad_outputs='ones'` (the "
+            "default with given gradients) or the upstream gradients they are the VJP for, "
+            "or give a proxy function as `reference` to check with a random upstream gradient."
+        )
+        raise GradOverrideError(msg)
+
+
 def _finiteness_problems(grad: Tensor) -> list[str]:
     bad = ~torch.isfinite(grad)
     count = int(bad.sum())
@@ -181,7 +231,8 @@ def _mismatch_message(report: BackwardReport, reference: Reference | None) -> st
     others = [name for name in report.mismatches if name != first.name]
     also = f" (and for {', '.join(f'`{n}`' for n in others)})" if others else ""
     problem = first.problems[0]
-    if not first.finite:
+    # (With allow_nonfinite=True a gradient that is not finite fails only by its values.)
+    if problem.startswith("its gradient is not finite"):
         fix = (
             "Make the rule safe where it divides or takes a log or square root (`torch.where`, "
             "`clamp`), or pass `allow_nonfinite=True` if infinite gradients are intended."
@@ -195,7 +246,9 @@ def _mismatch_message(report: BackwardReport, reference: Reference | None) -> st
         if isinstance(reference, str) and reference == FINITE_DIFFERENCES:
             fix += (
                 " Finite differences need a smooth forward: check a straight-through or "
-                "surrogate rule against a proxy function instead."
+                "surrogate rule against a proxy function instead. The step can also be the "
+                "cause: too large for a strongly curved forward, too small for its "
+                "precision; try another `step=`."
             )
     return (
         f"check_backward(`{report.fn_name}`): the gradient for `{first.name}` fails{also}: "

@@ -44,8 +44,9 @@ class Difference:
     """How far a gradient is from the one it is compared with.
 
     `max_rel` is the largest `|got - expected| / |expected|` (infinite where the expected
-    value is 0 and the gradient is not); `cosine` is the cosine similarity of the two,
-    flattened (1 when both are zero, 0 when only one is). `worst` is the index of the
+    value is 0 and the gradient is not); equal values, infinities and NaNs included, differ
+    by 0. `cosine` is the cosine similarity of the two, flattened, over the places where
+    both are finite (1 when both are zero there, 0 when only one is). `worst` is the index of the
     element furthest outside the tolerance (or of the largest difference, when all pass),
     with the two values there.
     """
@@ -74,15 +75,28 @@ def compare(got: Tensor, expected: Tensor, rtol: float, atol: float) -> Differen
     if g.numel() == 0:
         return Difference(0.0, 0.0, 1.0, True, (), 0.0, 0.0)
     both_nan = g.isnan() & e.isnan()
+    # Equal infinities (both gradients infinite at the same place, with allow_nonfinite)
+    # count as equal, so the row reads a difference of the finite values, not `inf`.
+    same = (g == e) | both_nan
     diff = (g - e).abs()
-    diff = torch.where(both_nan, 0.0, torch.where(diff.isnan(), math.inf, diff))
+    diff = torch.where(same, 0.0, torch.where(diff.isnan(), math.inf, diff))
     rel = torch.where(diff == 0, 0.0, diff / e.abs())
     rel = torch.where(rel.isnan(), math.inf, rel)
-    within = torch.isclose(g, e, rtol=rtol, atol=atol, equal_nan=True)
+    if math.isinf(atol):
+        # An infinite tolerance accepts anything (a direction-only check with min_cosine);
+        # torch.isclose would compute inf * 0 = NaN where the expected value is 0.
+        within = torch.ones_like(same)
+    elif math.isinf(rtol):
+        within = same | (e != 0) | (diff <= atol)
+    else:
+        within = torch.isclose(g, e, rtol=rtol, atol=atol, equal_nan=True)
     close = bool(within.all())
     score = diff if close else torch.where(within, -1.0, diff)
     flat = int(score.flatten().argmax())
     worst = _unravel(flat, g.shape)
+    # The direction over the places where both are finite (an infinity has none).
+    finite = g.isfinite() & e.isfinite()
+    g, e = torch.where(finite, g, 0.0), torch.where(finite, e, 0.0)
     g_norm = float(torch.linalg.vector_norm(g))
     e_norm = float(torch.linalg.vector_norm(e))
     if g_norm == 0 and e_norm == 0:
@@ -97,8 +111,8 @@ def compare(got: Tensor, expected: Tensor, rtol: float, atol: float) -> Differen
         cosine=cosine,
         close=close,
         worst=worst,
-        got=float(g.flatten()[flat]),
-        expected=float(e.flatten()[flat]),
+        got=float(got.detach().flatten()[flat]),
+        expected=float(expected.detach().flatten()[flat]),
     )
 
 

@@ -131,6 +131,17 @@ def floating_leaves(value: Any, name: str) -> list[tuple[str, Tensor]]:
     return found
 
 
+def _holds_numpy(value: Any) -> bool:
+    """Whether `value` is or holds (tuples, lists, dicts) a numpy array."""
+    if type(value).__module__ == "numpy" and type(value).__name__ == "ndarray":
+        return True
+    if isinstance(value, tuple | list):
+        return any(_holds_numpy(v) for v in value)
+    if isinstance(value, dict):
+        return any(_holds_numpy(v) for v in value.values())
+    return False
+
+
 class Call:
     """A call's positional inputs, with each floating-point tensor in them named, and, when
     the function is a module, its parameters that require grad after them (named as
@@ -150,10 +161,15 @@ class Call:
         for name, value in zip(input_names(fn, len(self.inputs)), self.inputs, strict=True):
             found.extend(floating_leaves(value, name))
         if not found:
+            numpy = (
+                " numpy arrays are not differentiated: pass torch tensors "
+                "(`torch.from_numpy(a)`), or JAX arrays (`jnp.asarray(a)`) to check JAX code."
+                if _holds_numpy(self.inputs) else ""
+            )
             msg = (
                 f"`{self.fn_name}` was given no floating-point tensor to differentiate "
                 f"(inputs: {', '.join(type(v).__name__ for v in self.inputs) or 'none'}); "
-                "pass the tensors whose gradients the rule computes as positional inputs."
+                f"pass the tensors whose gradients the rule computes as positional inputs.{numpy}"
             )
             raise GradOverrideError(msg)
         self.n_inputs = len(found)

@@ -2,9 +2,11 @@
 
 `check_backward` comes here when one of its inputs is a JAX array, so this module (and JAX)
 is imported only then. What is the same as on torch tensors: every floating-point array
-among the inputs (also inside tuples, lists and dicts) gets a gradient, named by `fn`'s
-signature; the upstream gradient (`"random"`, seeded as on torch, so the same shapes get
-the same numbers, or `"ones"`, or arrays); the references (a proxy, `"finite_differences"`,
+among the inputs (also inside tuples, lists, dicts and any registered JAX pytree, visited by
+`jax.tree_util`) gets a gradient, named by `fn`'s signature and the path (`xs[0]`,
+`d['k']`, `params.w`); a floating-point numpy array given with JAX arrays gets one too;
+the upstream gradient (`"random"`, seeded as on torch, so the same shapes get the same
+numbers, or `"ones"`, or arrays); the references (a proxy, `"finite_differences"`,
 given arrays); the tolerances by the input's dtype; the `BackwardReport` and the
 `GradOverrideError` texts. How it is computed:
 
@@ -13,7 +15,9 @@ given arrays); the tolerances by the input's dtype; the `BackwardReport` and the
   gradients;
 * finite differences run `fn`'s forward on float64 copies of the inputs inside
   `jax.enable_x64(True)`, a context manager: JAX's global setting, and so the user's own
-  arrays, stay as they were;
+  arrays, stay as they were. First the float64 run at the unperturbed inputs must give the
+  checked run's outputs to that dtype's precision (a `jax.random` draw differs in float64),
+  and an error there is named as the float64 run's;
 * each gradient must also have its input's shape and dtype: `jax.vjp` of an op made by
   gradoverride already guarantees it (the op checks what its rule returns), this row check
   covers any other function.
@@ -60,50 +64,74 @@ JaxReference: TypeAlias = (
 _FINITE_DIFFERENCE_TOLERANCES = (1e-3, 1e-5)
 
 
-def _is_floating(value: object) -> bool:
-    return isinstance(value, jax.Array) and bool(jnp.issubdtype(value.dtype, jnp.floating))
+def _is_floating(value: object, *, numpy: bool = False) -> bool:
+    """Whether `value` is a floating-point JAX array (or, with `numpy`, numpy array)."""
+    if isinstance(value, jax.Array) or (numpy and isinstance(value, np.ndarray)):
+        return bool(jnp.issubdtype(value.dtype, jnp.floating))
+    return False
 
 
-def _map_floating(value: Any, path: str, fn: Callable[[str, jax.Array], Any]) -> Any:
+def _key_name(key: Any, parent: Any) -> tuple[str, Any]:
+    """How a name shows one step of a pytree path (`[0]`, `['k']`, `.w`), and the value
+    the step leads to when it can be followed (None when not)."""
+    if isinstance(key, jax.tree_util.SequenceKey):
+        name, index = f"[{key.idx}]", key.idx
+    elif isinstance(key, jax.tree_util.DictKey):
+        name, index = f"[{key.key!r}]", key.key
+    elif isinstance(key, jax.tree_util.GetAttrKey):
+        fields = getattr(parent, "_fields", None) if isinstance(parent, tuple) else None
+        # A named tuple's items keep the names by position they have on torch (`p[0]`).
+        name = f"[{fields.index(key.name)}]" if fields and key.name in fields else f".{key.name}"
+        return name, getattr(parent, key.name, None)
+    else:  # a class flattened without keys: its leaves by position
+        return str(key), None
+    try:
+        return name, parent[index]
+    except Exception:  # a registered class that names its children but cannot be indexed
+        return name, None
+
+
+def _path_name(root: str, value: Any, path: Sequence[Any]) -> str:
+    name, here = root, value
+    for key in path:
+        step, here = _key_name(key, here)
+        name += step
+    return name
+
+
+def _map_floating(
+    value: Any, path: str, fn: Callable[[str, jax.Array], Any], *, numpy: bool = False
+) -> Any:
     """`value` with each floating-point JAX array `a` at `path` replaced by `fn(path, a)`;
-    tuples (named ones too), lists and dicts are visited in order, as on torch."""
-    if isinstance(value, jax.Array):
-        return fn(path, value) if _is_floating(value) else value
-    if isinstance(value, tuple):
-        items = [_map_floating(v, f"{path}[{i}]", fn) for i, v in enumerate(value)]
-        if type(value) is tuple:
-            return tuple(items)
-        if hasattr(value, "_fields"):  # a named tuple
-            return type(value)(*items)
-        return type(value)(items)
-    if isinstance(value, list):
-        return [_map_floating(v, f"{path}[{i}]", fn) for i, v in enumerate(value)]
-    if isinstance(value, dict):
-        return {k: _map_floating(v, f"{path}[{k!r}]", fn) for k, v in value.items()}
-    return value
+    every JAX pytree is visited (tuples, named tuples, lists, dicts, registered classes), in
+    `jax.tree_util`'s order (a dict's keys sorted). With `numpy`, floating-point numpy
+    arrays count as JAX arrays."""
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(value)
+    replaced = [
+        fn(_path_name(path, value, keys), leaf) if _is_floating(leaf, numpy=numpy) else leaf
+        for keys, leaf in leaves
+    ]
+    if all(new is old for new, (_, old) in zip(replaced, leaves, strict=True)):
+        return value  # (as given, not rebuilt: an unregistered subclass keeps its type)
+    return jax.tree_util.tree_unflatten(treedef, replaced)
 
 
-def _floating(value: Any, name: str) -> list[tuple[str, jax.Array]]:
+def _floating(value: Any, name: str, *, numpy: bool = False) -> list[tuple[str, jax.Array]]:
     found: list[tuple[str, jax.Array]] = []
 
     def record(path: str, array: jax.Array) -> jax.Array:
         found.append((path, array))
         return array
 
-    _map_floating(value, name, record)
+    _map_floating(value, name, record, numpy=numpy)
     return found
 
 
 def _torch_tensors(value: Any, path: str) -> Iterator[str]:
-    """The places of torch tensors in `value` (nested tuples, lists and dicts)."""
-    if isinstance(value, torch.Tensor):
-        yield path
-    elif isinstance(value, tuple | list):
-        for i, v in enumerate(value):
-            yield from _torch_tensors(v, f"{path}[{i}]")
-    elif isinstance(value, dict):
-        for k, v in value.items():
-            yield from _torch_tensors(v, f"{path}[{k!r}]")
+    """The places of torch tensors in `value` (any JAX pytree)."""
+    for keys, leaf in jax.tree_util.tree_flatten_with_path(value)[0]:
+        if isinstance(leaf, torch.Tensor):
+            yield _path_name(path, value, keys)
 
 
 def _torch_refused(fn_name: str, where: str, what: str) -> GradOverrideError:
@@ -138,7 +166,12 @@ class _Call:
                     "pass every input as a JAX array (`jnp.asarray(t.numpy())`), or every "
                     "one as a torch tensor.",
                 )
-            found.extend(_floating(value, name))
+            found.extend(_floating(value, name, numpy=True))
+        # A floating-point numpy array given with JAX arrays is differentiated as one: it
+        # is the same values, and leaving it out would pass a rule that gets it wrong.
+        self.numpy_names: tuple[str, ...] = tuple(
+            name for name, a in found if isinstance(a, np.ndarray)
+        )
         if not found:  # (a JAX array among the inputs brought the call here: an integer one)
             msg = (
                 f"`{self.fn_name}` was given no floating-point array to differentiate "
@@ -147,12 +180,12 @@ class _Call:
             )
             raise GradOverrideError(msg)
         self.names: tuple[str, ...] = tuple(name for name, _ in found)
-        self.arrays: tuple[jax.Array, ...] = tuple(a for _, a in found)
+        self.arrays: tuple[jax.Array, ...] = tuple(jnp.asarray(a) for _, a in found)
 
     def rebuild(self, arrays: Sequence[Any]) -> tuple[Any, ...]:
         replacements = iter(arrays)
         return tuple(
-            _map_floating(value, "", lambda _path, _old: next(replacements))
+            _map_floating(value, "", lambda _path, _old: next(replacements), numpy=True)
             for value in self.inputs
         )
 
@@ -233,8 +266,16 @@ def _upstream(
         raise GradOverrideError(msg)
     if isinstance(grad_outputs, jax.Array | np.ndarray | torch.Tensor):
         given: tuple[Any, ...] = (grad_outputs,)
-    else:
+    elif isinstance(grad_outputs, Sequence):
         given = tuple(grad_outputs)
+    else:
+        msg = (
+            f"`grad_outputs` for `{fn_name}` must be 'random', 'ones', an array (one output) "
+            f"or a sequence of one array per output, got {type(grad_outputs).__name__} "
+            f"{grad_outputs!r}; for an upstream gradient of ones pass 'ones', for another "
+            "value an array in the output's shape (`jnp.full_like(output, value)`)."
+        )
+        raise GradOverrideError(msg)
     for i, grad in enumerate(given):
         if isinstance(grad, torch.Tensor):
             where = "`grad_outputs`" if len(given) == 1 else f"`grad_outputs[{i}]`"
@@ -339,16 +380,32 @@ def _finite_differences(
     weights = [np.asarray(g).astype(np.float64) for g in grads_out]
     points = [np.array(a).astype(np.float64) for a in call.arrays]
 
+    def values() -> list[np.ndarray]:
+        try:
+            result = call([jnp.asarray(p) for p in points])
+        except Exception as exc:
+            msg = (
+                f"check_backward(`{call.fn_name}`): `{call.fn_name}` raised "
+                f"{type(exc).__name__} in the float64 run of finite differences (its "
+                "inputs as float64 copies, inside `jax.enable_x64(True)`), not in its own "
+                f"dtype: {str(exc).rstrip('.')}. An op that needs matching dtypes "
+                "(`jax.lax.conv`, `jnp.dot` with preferred_element_type) fails there "
+                "against an array the function closes over, which stays in its dtype: pass "
+                "such arrays as inputs (they are then converted too), or check against a "
+                "proxy function instead of "
+                f"{FINITE_DIFFERENCES!r}."
+            )
+            raise GradOverrideError(msg) from exc
+        return [np.asarray(a).astype(np.float64) for _, a in _floating(result, "output")]
+
     def weighted_sum() -> float:
-        result = call([jnp.asarray(p) for p in points])
-        values = [a for _, a in _floating(result, "output")]
         return sum(
-            float((np.asarray(v).astype(np.float64) * w).sum())
-            for v, w in zip(values, weights, strict=True)
+            float((v * w).sum()) for v, w in zip(values(), weights, strict=True)
         )
 
     grads: list[np.ndarray] = []
     with _float64():
+        _same_in_float64(call.fn_name, outputs, values())
         for point in points:
             flat = point.reshape(-1)  # a view: perturbing `flat` perturbs `point`
             grad = np.zeros(flat.size, dtype=np.float64)
@@ -362,6 +419,49 @@ def _finite_differences(
                 grad[i] = (plus - minus) / (2 * step)
             grads.append(grad.reshape(point.shape))
     return tuple(grads)
+
+
+def _same_in_float64(fn_name: str, outputs: _Outputs, wide: list[np.ndarray]) -> None:
+    """A `GradOverrideError` unless the float64 run, at the unperturbed inputs, gives the
+    outputs of the checked run to that run's precision: else its differences are those of
+    another function, and the rule would be blamed for them."""
+    problem = ""
+    if len(wide) != len(outputs.arrays):
+        problem = (
+            f"it returns {len(wide)} floating-point output(s) there, against "
+            f"{len(outputs.arrays)} in the checked run"
+        )
+    for name, array, value in zip(outputs.names, outputs.arrays, wide, strict=False):
+        if problem:
+            break
+        got = np.asarray(array).astype(np.float64)
+        if got.shape != value.shape:
+            problem = f"its `{name}` has shape {value.shape} there, against {got.shape}"
+            break
+        # Rounding to the checked dtype moves an output by a few ulps, and a long sum by a
+        # few more: the square root of the dtype's epsilon leaves room for both.
+        dtype = np.dtype(array.dtype)
+        finfo: Any = jnp.finfo  # (jnp's knows bfloat16 too)
+        tol = float(np.sqrt(float(finfo(dtype).eps)))
+        far = ~np.isclose(value, got, rtol=tol, atol=tol * max(1.0, float(
+            np.max(np.abs(got), initial=0.0, where=np.isfinite(got)))), equal_nan=True)
+        if far.any():
+            index = tuple(int(i) for i in np.argwhere(far)[0]) if far.ndim else ()
+            problem = (
+                f"its `{name}` differs{format_index(index)}: {float(value[index]):.6g} "
+                f"in float64 against {float(got[index]):.6g} in {dtype.name}, beyond "
+                f"{dtype.name}'s precision (tolerance {tol:.2g})"
+            )
+    if problem:
+        msg = (
+            f"check_backward(`{fn_name}`): finite differences run `{fn_name}` on float64 "
+            "copies of its inputs (inside `jax.enable_x64(True)`), but there it is not the "
+            f"same function: at the unperturbed inputs {problem}. Random draws (`jax.random` "
+            "gives other numbers in float64) or code that depends on the dtype make it so. "
+            "Check the rule against a proxy function, or against the expected gradients "
+            f"given as arrays, instead of {FINITE_DIFFERENCES!r}."
+        )
+        raise GradOverrideError(msg)
 
 
 def _given(reference: Any, call: _Call) -> dict[str, Any]:
@@ -478,7 +578,8 @@ def _mismatch_message(report: BackwardReport, reference: Any) -> str:
     others = [name for name in report.mismatches if name != first.name]
     also = f" (and for {', '.join(f'`{n}`' for n in others)})" if others else ""
     problem = first.problems[0]
-    if not first.finite:
+    # (With allow_nonfinite=True a gradient that is not finite fails only by its values.)
+    if problem.startswith("its gradient is not finite"):
         fix = (
             "Make the rule safe where it divides or takes a log or square root (`jnp.where`, "
             "`jnp.clip`), or pass `allow_nonfinite=True` if infinite gradients are intended."
@@ -494,7 +595,9 @@ def _mismatch_message(report: BackwardReport, reference: Any) -> str:
         if isinstance(reference, str) and reference == FINITE_DIFFERENCES:
             fix += (
                 " Finite differences need a smooth forward: check a straight-through or "
-                "surrogate rule against a proxy function instead."
+                "surrogate rule against a proxy function instead. The step can also be the "
+                "cause: too large for a strongly curved forward, too small for its "
+                "precision; try another `step=`."
             )
     return (
         f"check_backward(`{report.fn_name}`): the gradient for `{first.name}` fails{also}: "
@@ -526,7 +629,20 @@ def check_backward_jax(
     """`check_backward(fn, *inputs, ...)` where the inputs hold JAX arrays (its
     arguments, as `check_backward` documents them; `grad_outputs` already chosen)."""
     call = _Call(fn, inputs)
-    outputs, pullback = _vjp(call.fn_name, call, call.arrays)
+    try:
+        outputs, pullback = _vjp(call.fn_name, call, call.arrays)
+    except jax.errors.TracerArrayConversionError as exc:
+        if not call.numpy_names:
+            raise
+        msg = (
+            f"check_backward(`{call.fn_name}`): the numpy input(s) "
+            f"{', '.join(f'`{n}`' for n in call.numpy_names)} are differentiated as JAX "
+            "arrays (given with JAX inputs, a floating-point numpy array is checked too), "
+            f"but `{call.fn_name}` converts one back to numpy, which JAX cannot "
+            "differentiate. Compute with `jnp` ops, or, to keep a numpy array a constant, "
+            "bind it with `functools.partial` or a closure instead of passing it as an input."
+        )
+        raise GradOverrideError(msg) from exc
     grads_out = _upstream(outputs, grad_outputs, seed, call.fn_name)
     try:
         grads = pullback(grads_out)

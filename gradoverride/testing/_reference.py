@@ -84,6 +84,13 @@ def _proxy(
     # `layer.weight`) gives their gradients too.
     proxy_outputs = Outputs(name, call.with_parameters(
         leaves, lambda: proxy(*call.rebuild(leaves))))
+    if proxy_outputs.names != outputs.names and sorted(proxy_outputs.names) == sorted(
+        outputs.names
+    ):
+        # Dict outputs pair by key, whatever order each function built its dict in.
+        by_output = dict(zip(proxy_outputs.names, proxy_outputs.tensors, strict=True))
+        proxy_outputs.names = outputs.names
+        proxy_outputs.tensors = tuple(by_output[n] for n in outputs.names)
     got = [tuple(t.shape) for t in proxy_outputs.tensors]
     want = [tuple(t.shape) for t in outputs.tensors]
     if got != want:

@@ -68,7 +68,23 @@ def upstream(
             f"per output, got the string {grad_outputs!r}."
         )
         raise GradOverrideError(msg)
-    given = (grad_outputs,) if isinstance(grad_outputs, Tensor) else tuple(grad_outputs)
+    if isinstance(grad_outputs, Tensor):
+        given: tuple[Any, ...] = (grad_outputs,)
+    elif isinstance(grad_outputs, Sequence):
+        given = tuple(grad_outputs)
+    else:
+        given = (grad_outputs,)
+    for i, grad in enumerate(given):
+        if not isinstance(grad, Tensor):
+            single = given[0] is grad_outputs
+            where = "`grad_outputs`" if single else f"`grad_outputs[{i}]`"
+            msg = (
+                f"{where} for `{fn_name}` must be 'random', 'ones', a tensor (one output) or a "
+                f"sequence of one tensor per output, got {type(grad).__name__} {grad!r}; for "
+                "an upstream gradient of ones pass 'ones', for another value a tensor in the "
+                "output's shape (`torch.full_like(output, value)`)."
+            )
+            raise GradOverrideError(msg)
     if len(given) != len(outputs.tensors):
         msg = (
             f"`grad_outputs` for `{fn_name}` has {len(given)} tensor(s), but `{fn_name}` "
