@@ -28,11 +28,11 @@ from hypothesis import strategies as st
 from tf_support import MODES, gradients, in_mode, tf
 
 import gradoverride as go
-from gradoverride._tensorflow import recipes as tf_recipes
 from gradoverride.recipes import (
     SPIKE_PRESETS,
     SURROGATES,
     GradientTransform,
+    _on_arrays,
     abs_subgradient,
     binarize,
     blackbox_solver,
@@ -410,8 +410,10 @@ def test_stochastic_spike_mistakes_on_tensorflow() -> None:
         spike("circ")(x, noise=tf.constant(NOISE))
 
 
-def test_every_surrogate_has_a_tensorflow_derivative() -> None:
-    assert {_canonical(s) for s in SURROGATES} == set(tf_recipes.SURROGATE_DERIVATIVES)
+def test_every_surrogate_has_a_derivative_formula() -> None:
+    from gradoverride.recipes._formulas.surrogate import DERIVATIVES
+
+    assert {_canonical(s) for s in SURROGATES} == set(DERIVATIVES)
 
 
 # ---- dtypes ----------------------------------------------------------------------------------
@@ -736,7 +738,7 @@ def test_gumbel_softmax_refuses_a_torch_generator_on_tensorflow() -> None:
 
 # ---- errors ----------------------------------------------------------------------------------
 
-_SUPPORTED_LIST = re.escape(", ".join(tf_recipes.SUPPORTED))
+_SUPPORTED_LIST = re.escape(", ".join(_on_arrays.SUPPORTED))
 
 
 @pytest.mark.parametrize(
@@ -754,7 +756,8 @@ def test_unsupported_recipes_say_so(recipe: Any, name: str) -> None:
     with pytest.raises(
         go.GradOverrideTypeError,
         match=rf"^{name} supports torch tensors only; got a TensorFlow EagerTensor as its "
-        rf"input \(.+\)\. The recipes that support TensorFlow tensors are: {_SUPPORTED_LIST}\. "
+        rf"input \(.+\)\. The recipes that support TensorFlow tensors and JAX arrays are: "
+        rf"{_SUPPORTED_LIST}\. "
         rf"Use one of them, or run {name} on torch tensors\.$",
     ):
         recipe(tf.constant(X))
@@ -763,15 +766,16 @@ def test_unsupported_recipes_say_so(recipe: Any, name: str) -> None:
 def test_rotation_trick_says_it_has_no_tensorflow_form() -> None:
     with pytest.raises(go.GradOverrideTypeError,
                        match=r"^rotation_trick supports torch tensors only; got a TensorFlow "
-                             r"EagerTensor as its input \(its rotation has no TensorFlow form "
-                             r"yet\)\."):
+                             r"EagerTensor as its input \(its rotation has no form on these "
+                             r"arrays yet\)\."):
         rotation_trick()(tf.constant(X), tf.constant(X))
 
 
 def test_supported_list_names_recipes_with_a_tensorflow_form() -> None:
-    for name in tf_recipes.SUPPORTED:
+    tables = _on_arrays._CALLS
+    for name in _on_arrays.SUPPORTED:
         recipe_class = getattr(go.recipes, name)
-        assert any(issubclass(recipe_class, key) for key in tf_recipes._CALLS), name
+        assert any(issubclass(recipe_class, key) for key in tables), name
 
 
 def test_lsq_step_must_be_a_tensorflow_tensor() -> None:

@@ -28,7 +28,7 @@ from tf_support import MODES, in_mode, tf
 import keras  # after tf_support, which skips this module without TensorFlow
 
 from gradoverride import recipes
-from gradoverride._tensorflow import recipes as tf_recipes
+from gradoverride._tensorflow._ops import OPS as TF_OPS
 from gradoverride.keras import GradientReversal, Layer, Quantize, Spike
 
 # TensorFlow 2.21 warns on every `tf.lite.Interpreter` that it moves to `ai_edge_litert`.
@@ -107,7 +107,7 @@ def _assert_bits_equal(got: np.ndarray, want: np.ndarray, zero_signs: bool = Tru
 @pytest.mark.parametrize("mode", [*MODES, "tflite"])
 def test_division_by_a_number_is_torchs_in_every_mode(mode: str) -> None:
     def divide_by_each(x: Any) -> Any:
-        return tf.stack([tf_recipes._divide(x, s) for s in DIVISORS])
+        return tf.stack([TF_OPS.divide_by_number(x, s) for s in DIVISORS])
 
     def reciprocal_rewritten(x: Any) -> Any:
         return tf.stack([x / s for s in DIVISORS])

@@ -8,17 +8,20 @@ formula computes what the torch recipe computes.
 from __future__ import annotations
 
 from collections.abc import Callable
+from types import SimpleNamespace
 from typing import Any
 
 import jax
-import numpy as np
 import jax.numpy as jnp
+import numpy as np
 
+from .._errors import GradOverrideError
 from .._ops._protocol import Backend
 
 __all__ = ["OPS", "JaxBackend"]
 
 _HALF = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
+_FINFO: Any = jnp.finfo  # (untyped in JAX's stubs)
 
 
 class JaxBackend(Backend):
@@ -182,7 +185,7 @@ class JaxBackend(Backend):
             return self.divide_by_number(x.astype(jnp.float32), number).astype(dtype)
         if isinstance(number, (int, float)):
             divisor = float(np.asarray(number, dtype))
-            tiny = float(jnp.finfo(dtype).tiny)
+            tiny = float(np.finfo(dtype).tiny)
             if 0 < abs(divisor) < tiny:
                 # A subnormal divisor may be flushed to 0: both scaled by 2^64.
                 x, divisor = x * 2.0**64, divisor * 2.0**64
@@ -206,6 +209,116 @@ class JaxBackend(Backend):
         result = _torch_result_dtype(a, c)
         compute = self.compute_dtype(result)
         return (a.astype(compute) * c.astype(compute)).astype(result)
+
+    # ---- flow and discrete primitives ----------------------------------------------------
+
+    def finfo(self, dtype: Any) -> Any:
+        info: Any = _FINFO(dtype)
+        # Python floats: a numpy scalar of a half dtype would round what it is compared with.
+        return SimpleNamespace(max=float(info.max), min=float(info.min),
+                               tiny=float(info.tiny), eps=float(info.eps))
+
+
+    def size(self, x: Any) -> int:
+        return int(jnp.size(x))
+
+    def log(self, x: Any) -> Any:
+        return jnp.log(x)
+
+    def isnan(self, x: Any) -> Any:
+        return jnp.isnan(x)
+
+    def isinf(self, x: Any) -> Any:
+        return jnp.isinf(x)
+
+    def isfinite(self, x: Any) -> Any:
+        return jnp.isfinite(x)
+
+    def ones_like(self, x: Any, dtype: Any) -> Any:
+        return jnp.ones_like(x, dtype=dtype)
+
+    def clamp(self, x: Any, low: Any, high: Any) -> Any:
+        # lax.max and lax.min propagate NaN; a Python bound stays weakly typed (x's dtype).
+        dtype = jnp.result_type(x)
+        if low is not None:
+            x = jnp.maximum(x, low if isinstance(low, (int, float)) else low.astype(dtype))
+        if high is not None:
+            x = jnp.minimum(x, high if isinstance(high, (int, float)) else high.astype(dtype))
+        return x
+
+    def true_divide(self, x: Any, number: float, *, temporary: bool = False) -> Any:
+        if not jnp.issubdtype(jnp.result_type(x), jnp.inexact):
+            x = jnp.asarray(x).astype(jnp.float32)
+        return self.divide_by_number(x, number)
+
+    def amax_along(self, x: Any, axis: Any) -> Any:
+        return jnp.max(x, axis=axis, keepdims=True)
+
+    def amin_along(self, x: Any, axis: Any) -> Any:
+        return jnp.min(x, axis=axis, keepdims=True)
+
+    def sum_along(self, x: Any, axis: Any) -> Any:
+        return jnp.sum(x, axis=axis, keepdims=True)
+
+    def all_true(self, x: Any) -> Any:
+        return jnp.all(x)
+
+    def number_true(self, x: Any) -> int:
+        return int(jnp.count_nonzero(x))
+
+    def argmax(self, x: Any, dim: int) -> Any:
+        return jnp.argmax(x, axis=dim, keepdims=True)
+
+    def positions(self, x: Any, dim: int) -> Any:
+        rank = jnp.ndim(x)
+        d = dim % rank
+        return jnp.arange(jnp.shape(x)[d]).reshape([-1] + [1] * (rank - d - 1))
+
+    def softmax(self, x: Any, dim: int) -> Any:
+        return jax.nn.softmax(x, axis=dim)
+
+    def integer_array(self, value: Any) -> Any:
+        # int64 with jax_enable_x64, else int32 (asked for int64, JAX would warn)
+        return jnp.asarray(value, dtype=jax.dtypes.canonicalize_dtype(jnp.int64))
+
+    def concrete(self, x: Any) -> bool:
+        return not isinstance(x, jax.core.Tracer)
+
+    def runtime_assert(self, condition: Any, message: str, x: Any) -> Any:
+        """None: a traced JAX function has no assertion that stops it (`checkify` makes the
+        caller unpack an error value), so the caller refuses instead."""
+        return None
+
+    def identity_with_gradient(self, x: Any, backward: Callable[..., Any], *operands: Any
+                               ) -> Any:
+        """A `jax.custom_vjp` (not `jax.custom_gradient`, which traces its gradient function
+        to a jaxpr when the forward runs: its backward would never see concrete values);
+        the operands pass as arguments, so a traced one is a residual under `jax.jit` and
+        `jax.vmap`, and get zero cotangents."""
+
+        @jax.custom_vjp
+        def identity(x: Any, operands: tuple[Any, ...]) -> Any:
+            return x
+
+        def forward(x: Any, operands: tuple[Any, ...]) -> tuple[Any, Any]:
+            return x, operands
+
+        def gradient(operands: tuple[Any, ...], dy: Any) -> tuple[Any, Any]:
+            zeros = tuple(jnp.zeros_like(o) for o in operands)
+            return backward(dy, *operands), zeros
+
+        identity.defvjp(forward, gradient)
+        return identity(jnp.asarray(x), tuple(jnp.asarray(o) for o in operands))
+
+    def loss_scale(self, scaler: Any, dtype: Any, recipe: str) -> Any:
+        msg = (
+            f"{recipe}(scaler=...) got a {type(scaler).__name__}, and this gradient is a JAX "
+            "array: the scaler scales torch or Keras-on-TensorFlow losses, whose scale a "
+            "traced JAX function cannot follow. Unscale the JAX gradients before the "
+            "recipe sees them (divide the loss scale out, as `jmp`'s `loss_scale.unscale` "
+            "does) and give no scaler."
+        )
+        raise GradOverrideError(msg)
 
 
 #: The one JAX backend.

@@ -178,14 +178,6 @@ class Backend:
         """-1, 0 or +1, and 0 for NaN (torch's `sign`)."""
         raise NotImplementedError
 
-    def clip(self, x: Any, low: float | None, high: float | None) -> Any:
-        """x clamped to [low, high] (either bound None: none), NaN kept; a new array."""
-        if low is not None:
-            x = self.maximum(x, self.constant(low, self.dtype(x)))
-        if high is not None:
-            x = self.minimum(x, self.constant(high, self.dtype(x)))
-        return x
-
     def uniform(self, like: Any, dtype: Any) -> Any:
         """U[0, 1) samples of like's shape in `dtype`, from the framework's global generator
         (only where `global_random`)."""
@@ -213,7 +205,7 @@ class Backend:
 
     def clamp_min(self, t: Any, low: float) -> Any:
         """max(t, low), NaN kept (torch: in place on the temporary t when that is safe)."""
-        return self.clip(t, low, None)
+        return self.clamp(t, low, None)
 
     def affine(self, k: float, t: Any, alpha: float) -> Any:
         """k + alpha * t, a new array (torch: one fused pass)."""
@@ -298,8 +290,6 @@ class Backend:
         `.tiny` (the smallest normal number) and `.eps`."""
         raise NotImplementedError
 
-    def ndim(self, x: Any) -> int:
-        return len(x.shape)
 
     def size(self, x: Any) -> int:
         """The number of elements of a concrete x."""
@@ -308,8 +298,6 @@ class Backend:
     def log(self, x: Any) -> Any:
         raise NotImplementedError
 
-    def sqrt(self, x: Any) -> Any:
-        raise NotImplementedError
 
     def isnan(self, x: Any) -> Any:
         raise NotImplementedError
@@ -329,27 +317,27 @@ class Backend:
         number or None; NaN stays NaN, and where low > high the result is high."""
         raise NotImplementedError
 
-    def divide_number(self, x: Any, number: float, *, temporary: bool = False) -> Any:
-        """x / number, correctly rounded, as torch divides a tensor by a Python number (an
-        integer x is divided in float32); `temporary`: x is the caller's own (torch writes
-        the quotient into it when that is safe)."""
-        return x / number
+    def true_divide(self, x: Any, number: float, *, temporary: bool = False) -> Any:
+        """`divide_by_number`, an integer x (a step count) divided in float32 as torch's
+        true division does; `temporary`: x is the caller's own (torch writes the quotient
+        into it when that is safe)."""
+        raise NotImplementedError
 
     def difference(self, t: Any, u: Any, *, temporary: bool = False) -> Any:
         """t - u (torch: in place on t when `temporary` says it is the caller's own and
         that is safe)."""
         return t - u
 
-    def amax(self, x: Any, axis: Any) -> Any:
+    def amax_along(self, x: Any, axis: Any) -> Any:
         """The largest value along `axis` (an int, a tuple, or None: all), kept as size-1
         dimensions; NaN where a NaN is (torch's `amax`)."""
         raise NotImplementedError
 
-    def amin(self, x: Any, axis: Any) -> Any:
-        """`amax`'s smallest counterpart."""
+    def amin_along(self, x: Any, axis: Any) -> Any:
+        """`amax_along`'s smallest counterpart."""
         raise NotImplementedError
 
-    def sum(self, x: Any, axis: Any) -> Any:
+    def sum_along(self, x: Any, axis: Any) -> Any:
         """The sum along `axis` (an int, a tuple, or None: all), kept as size-1 dimensions."""
         raise NotImplementedError
 
@@ -357,7 +345,7 @@ class Backend:
         """A 0-d bool array: whether every element of the bool x is true."""
         raise NotImplementedError
 
-    def count_true(self, x: Any) -> int:
+    def number_true(self, x: Any) -> int:
         """How many elements of a concrete bool x are true (read back)."""
         raise NotImplementedError
 
@@ -404,16 +392,6 @@ class Backend:
         caller in the error where this framework's gradients are not scaled by it."""
         raise NotImplementedError
 
-    def scaled_by(self, x: Any, factor: Any) -> Any:
-        """x * factor in x's dtype, as torch computes it: a Python number or a 0-d array
-        applied in float32 to a float16/bfloat16 x (torch's "opmath"), rounded once."""
-        dtype = self.dtype(x)
-        compute = self.compute_dtype(dtype)
-        if isinstance(factor, int | float):
-            if compute == dtype:
-                return x * factor
-            return self.cast(self.cast(x, compute) * factor, dtype)
-        return self.cast(self.cast(x, compute) * self.cast(factor, compute), dtype)
 
     def vector_norm(self, x: Any, order: float, axis: Any, dtype: Any) -> Any:
         """`torch.linalg.vector_norm(x, ord=order, dim=axis, keepdim=True, dtype=dtype)`
@@ -421,16 +399,16 @@ class Backend:
         x = self.cast(x, dtype)
         magnitude = self.abs(x)
         if order == math.inf:
-            return self.amax(magnitude, axis)
+            return self.amax_along(magnitude, axis)
         if order == -math.inf:
-            return self.amin(magnitude, axis)
+            return self.amin_along(magnitude, axis)
         if order == 0:
-            return self.sum(self.cast(x != 0, dtype), axis)
+            return self.sum_along(self.cast(x != 0, dtype), axis)
         if order == 1:
-            return self.sum(magnitude, axis)
+            return self.sum_along(magnitude, axis)
         if order == 2:
-            return self.sqrt(self.sum(x * x, axis))
-        return self.sum(magnitude**order, axis) ** (1.0 / order)
+            return self.sqrt(self.sum_along(x * x, axis))
+        return self.sum_along(magnitude**order, axis) ** (1.0 / order)
 
     def nan_to_num(self, x: Any, nan: float, posinf: float, neginf: float) -> Any:
         """`torch.nan_to_num(x, nan, posinf, neginf)` (torch: its one kernel)."""
@@ -443,7 +421,7 @@ class Backend:
         """The gradient of `soft = softmax(z, dim)` with respect to z, given `grad`:
         soft * (grad - sum(grad * soft, dim)) (torch: the fused kernel of its own softmax
         backward)."""
-        return soft * (grad - self.sum(grad * soft, dim))
+        return soft * (grad - self.sum_along(grad * soft, dim))
 
 
 _COMPARE: dict[str, Callable[[Any, Any], Any]] = {

@@ -176,9 +176,6 @@ class TorchBackend(Backend):
     def sign(self, x: Any) -> Any:
         return torch.sign(x)
 
-    def clip(self, x: Any, low: float | None, high: float | None) -> Any:
-        return torch.clamp(x, min=low, max=high)
-
     def plus(self, t: Any, u: Any) -> Any:
         return t.add_(u) if in_place() else t + u
 
@@ -202,8 +199,6 @@ class TorchBackend(Backend):
     def finfo(self, dtype: Any) -> Any:
         return torch.finfo(dtype)
 
-    def ndim(self, x: Any) -> int:
-        return int(x.dim())
 
     def size(self, x: Any) -> int:
         return int(x.numel())
@@ -211,8 +206,6 @@ class TorchBackend(Backend):
     def log(self, x: Any) -> Any:
         return torch.log(x)
 
-    def sqrt(self, x: Any) -> Any:
-        return torch.sqrt(x)
 
     def isnan(self, x: Any) -> Any:
         return torch.isnan(x)
@@ -229,25 +222,25 @@ class TorchBackend(Backend):
     def clamp(self, x: Any, low: Any, high: Any) -> Any:
         return torch.clamp(x, low, high)
 
-    def divide_number(self, x: Any, number: float, *, temporary: bool = False) -> Any:
+    def true_divide(self, x: Any, number: float, *, temporary: bool = False) -> Any:
         return x.div_(number) if temporary and in_place() else x / number
 
     def difference(self, t: Any, u: Any, *, temporary: bool = False) -> Any:
         return t.sub_(u) if temporary and in_place() else t - u
 
-    def amax(self, x: Any, axis: Any) -> Any:
+    def amax_along(self, x: Any, axis: Any) -> Any:
         return x.amax(() if axis is None else axis, keepdim=True)
 
-    def amin(self, x: Any, axis: Any) -> Any:
+    def amin_along(self, x: Any, axis: Any) -> Any:
         return x.amin(() if axis is None else axis, keepdim=True)
 
-    def sum(self, x: Any, axis: Any) -> Any:
+    def sum_along(self, x: Any, axis: Any) -> Any:
         return x.sum(axis, keepdim=True)
 
     def all_true(self, x: Any) -> Any:
         return x.all()
 
-    def count_true(self, x: Any) -> int:
+    def number_true(self, x: Any) -> int:
         return int(x.sum())
 
     def argmax(self, x: Any, dim: int) -> Any:
@@ -270,11 +263,6 @@ class TorchBackend(Backend):
         torch._assert_async(condition, message)  # no graph break under torch.compile
         return x
 
-    def scaled_by(self, x: Any, factor: Any) -> Any:
-        """torch's own product (its opmath for a number, its type promotion for a tensor),
-        in x's dtype."""
-        out = x * factor
-        return out if out.dtype == x.dtype else out.to(x.dtype)
 
     def vector_norm(self, x: Any, order: float, axis: Any, dtype: Any) -> Any:
         return torch.linalg.vector_norm(x, ord=order, dim=axis, keepdim=True, dtype=dtype)

@@ -43,7 +43,7 @@ import torch
 
 from .._errors import GradOverrideError
 from .._frameworks import autograph_artifact
-from .recipes import _in_xla
+from ._ops import in_xla
 
 
 def _specs(outputs: Any) -> list[Any] | None:
@@ -60,7 +60,7 @@ def _specs(outputs: Any) -> list[Any] | None:
 def call(bridge: Any, args: tuple[Any, ...], kwargs: dict[str, Any], outputs: Any) -> Any:
     """`bridge(*args, **kwargs)` where the arguments hold TensorFlow tensors."""
     name = bridge._name
-    if _in_xla():
+    if in_xla():
         msg = (
             f"`{name}` is a go.bridge, which runs numpy code, so it cannot be compiled by XLA "
             "(`jit_compile=True`): XLA compiles TensorFlow ops only. Call it eagerly or from a "

@@ -11,9 +11,14 @@ from __future__ import annotations
 
 import importlib
 import struct
+import sys
 from collections.abc import Callable
+from types import SimpleNamespace
 from typing import Any
 
+import numpy as np
+
+from .._errors import GradOverrideError
 from .._frameworks import autograph_artifact
 from .._ops._protocol import Backend
 from ._tracing import refuse_vectorized_map
@@ -218,6 +223,121 @@ class TensorFlowBackend(Backend):
         compute = self.compute_dtype(result)
         return tf.cast(op(tf.cast(a, compute), tf.cast(c, compute)), result)
 
+    # ---- flow and discrete primitives ----------------------------------------------------
+
+    def finfo(self, dtype: Any) -> Any:
+        info = np.finfo(tf.as_dtype(dtype).as_numpy_dtype)
+        # Python floats: a numpy scalar of a half dtype would round what it is compared with.
+        return SimpleNamespace(max=float(info.max), min=float(info.min),
+                               tiny=float(info.tiny), eps=float(info.eps))
+
+
+    def size(self, x: Any) -> int:
+        return int(tf.size(x))
+
+    def log(self, x: Any) -> Any:
+        return tf.math.log(x)
+
+
+    def isnan(self, x: Any) -> Any:
+        return tf.math.is_nan(x)
+
+    def isinf(self, x: Any) -> Any:
+        return tf.math.is_inf(x)
+
+    def isfinite(self, x: Any) -> Any:
+        return tf.math.is_finite(x)
+
+    def ones_like(self, x: Any, dtype: Any) -> Any:
+        return tf.ones_like(x, dtype=dtype)
+
+    def clamp(self, x: Any, low: Any, high: Any) -> Any:
+        if low is not None:
+            x = tf.maximum(x, _in_dtype(low, x.dtype))
+        if high is not None:
+            x = tf.minimum(x, _in_dtype(high, x.dtype))
+        return x
+
+    def true_divide(self, x: Any, number: float, *, temporary: bool = False) -> Any:
+        dtype = tf.as_dtype(x.dtype)
+        if not (dtype.is_floating or dtype.is_complex):
+            x = tf.cast(x, tf.float32)
+        return self.divide_by_number(x, number)
+
+    def amax_along(self, x: Any, axis: Any) -> Any:
+        return tf.reduce_max(x, axis=axis, keepdims=True)
+
+    def amin_along(self, x: Any, axis: Any) -> Any:
+        return tf.reduce_min(x, axis=axis, keepdims=True)
+
+    def sum_along(self, x: Any, axis: Any) -> Any:
+        return tf.reduce_sum(x, axis=axis, keepdims=True)
+
+    def all_true(self, x: Any) -> Any:
+        return tf.reduce_all(x)
+
+    def number_true(self, x: Any) -> int:
+        return int(tf.reduce_sum(tf.cast(x, tf.int64)))
+
+    def argmax(self, x: Any, dim: int) -> Any:
+        return tf.expand_dims(tf.argmax(x, axis=dim), dim)
+
+    def positions(self, x: Any, dim: int) -> Any:
+        rank = x.shape.rank
+        if rank is None:  # rank unknown while tracing: count along dim
+            return tf.cumsum(tf.ones_like(x, tf.int64), axis=dim) - 1
+        d = dim % rank
+        n = tf.shape(x, out_type=tf.int64)[d]
+        return tf.reshape(tf.range(n), [-1] + [1] * (rank - d - 1))
+
+    def softmax(self, x: Any, dim: int) -> Any:
+        return tf.nn.softmax(x, axis=dim)
+
+    def integer_array(self, value: Any) -> Any:
+        return tf.cast(self.asarray(value), tf.int64)
+
+    def concrete(self, x: Any) -> bool:
+        return bool(tf.executing_eagerly())
+
+    def runtime_assert(self, condition: Any, message: str, x: Any) -> Any:
+        if in_xla():
+            return None  # XLA compiles tf.debugging.Assert (and check_numerics) to nothing
+        check = tf.debugging.Assert(condition, [message])
+        with tf.control_dependencies([check]):
+            return tf.identity(x)
+
+    def identity_with_gradient(self, x: Any, backward: Callable[..., Any], *operands: Any
+                               ) -> Any:
+        """`tf.custom_gradient` over the identity; the operands are closed over (captured
+        tensors get no gradient slot)."""
+
+        def identity(x: Any) -> Any:
+            def gradient(dy: Any) -> Any:
+                return backward(self.asarray(dy), *operands)
+
+            return tf.identity(x), autograph_artifact(gradient)
+
+        return self.custom_gradient(identity)(self.asarray(x))
+
+    def loss_scale(self, scaler: Any, dtype: Any, recipe: str) -> Any:
+        """The scale of a Keras `LossScaleOptimizer`, as its `scale_loss` applies it: its
+        `dynamic_scale` variable, read in the graph (so a traced or XLA-compiled step
+        follows the scale as it changes) in `dtype`; before the optimizer is built, its
+        `initial_scale`, a number."""
+        keras = sys.modules["keras"]  # imported: the optimizer is a Keras object
+        if keras.config.backend() != "tensorflow":
+            msg = (
+                f"{recipe}(scaler=...) got a Keras {type(scaler).__name__} whose scale lives "
+                f"in Keras' {keras.config.backend()!r} backend, and this gradient is "
+                "TensorFlow's: a traced TensorFlow function could not follow it. Run Keras on "
+                "TensorFlow (KERAS_BACKEND=tensorflow, set before importing keras) to clip "
+                "TensorFlow gradients under its loss scaling."
+            )
+            raise GradOverrideError(msg)
+        if not scaler.built:
+            return float(scaler.initial_scale)
+        return tf.cast(tf.convert_to_tensor(scaler.dynamic_scale), dtype)
+
 
 #: The one TensorFlow backend.
 OPS = TensorFlowBackend()
@@ -238,3 +358,24 @@ def _torch_result_dtype(a: Any, c: Any) -> Any:
     if a.dtype.size == c.dtype.size:
         return tf.float32
     return a.dtype if a.dtype.size > c.dtype.size else c.dtype
+
+
+def _in_dtype(bound: Any, dtype: Any) -> Any:
+    """A bound in `dtype`: a Python number converted to it directly (rounded once, as torch
+    rounds it), a tensor cast."""
+    if isinstance(bound, (int, float)):
+        return tf.constant(bound, dtype)
+    return tf.cast(bound, dtype)
+
+
+def in_xla() -> bool:
+    """Whether the code being traced is compiled by XLA (`jit_compile=True`), as TensorFlow
+    itself tells (`tf.function` enters an XLA context while tracing such a function)."""
+    try:
+        control_flow_util: Any = importlib.import_module(
+            "tensorflow.python.ops.control_flow_util"
+        )
+    except ImportError:  # pragma: no cover - a TensorFlow without the module: cannot tell
+        return False
+    graph = tf.compat.v1.get_default_graph()
+    return bool(control_flow_util.GraphOrParentsInXlaContext(graph))

@@ -87,22 +87,11 @@ def _told_to_recorder(call: Callable[..., Any]) -> Callable[..., Any]:
         if args and "jax" in sys.modules and is_jax(args[0]):
             return array_call(self, *args, **kwargs)
         if RECORDERS and not is_dynamo_compiling():
-            return recipe_call(self, call, args, kwargs)
+            # The recorder keeps the call on its stack (one call, straight to it).
+            return RECORDERS[0].recipe_call(self, call, args, kwargs)
         return call(self, *args, **kwargs)
 
     return __call__
-
-
-def recipe_call(recipe: Recipe, call: Callable[..., Any], args: tuple[Any, ...],
-                kwargs: dict[str, Any]) -> Any:
-    if not _RECORDED:  # a recorder is running: its module is imported
-        from ..diagnostics._recorder import recipe_call as recorded
-
-        _RECORDED.append(recorded)
-    return _RECORDED[0](recipe, call, args, kwargs)
-
-
-_RECORDED: list[Callable[..., Any]] = []  # the recorder's `recipe_call`, once imported
 
 
 def _transformed(grad: Tensor, *, transform: GradientTransform) -> Tensor:
@@ -209,7 +198,7 @@ def keep_dtype(value: Tensor, like: Tensor) -> Tensor:
 def array_call(recipe: object, x: Any, /, *args: Any, **kwargs: Any) -> Tensor:
     """`recipe(x, ...)` for a TensorFlow or JAX `x`; a recipe with no form there raises
     GradOverrideTypeError naming those that have one."""
-    _refuse_torch_scaler(recipe)
+    _refuse_torch_scaler(recipe, x)
     result: Tensor = _framework(x).call_recipe(recipe, x, *args, **kwargs)
     return result
 
@@ -217,7 +206,7 @@ def array_call(recipe: object, x: Any, /, *args: Any, **kwargs: Any) -> Tensor:
 def array_transform(recipe: object, grad: Any, /, **kwargs: Any) -> Tensor:
     """`recipe.transform(grad, ...)` for a TensorFlow (dense or IndexedSlices) or JAX
     gradient."""
-    _refuse_torch_scaler(recipe)
+    _refuse_torch_scaler(recipe, grad)
     result: Tensor = _framework(grad).transform_gradient(recipe, grad, **kwargs)
     return result
 
@@ -232,17 +221,25 @@ tensorflow_call = array_call
 tensorflow_transform = array_transform
 
 
-def _refuse_torch_scaler(recipe: object) -> None:
-    """A recipe given torch's GradScaler (`scaler=`) has nothing to read on TensorFlow: the
-    loss there is scaled by Keras' LossScaleOptimizer, which `scaler=` takes instead."""
+def _refuse_torch_scaler(recipe: object, value: Any) -> None:
+    """A recipe given torch's GradScaler (`scaler=`) has nothing to read on another
+    framework's gradient: on TensorFlow the loss is scaled by Keras' LossScaleOptimizer,
+    which `scaler=` takes instead; on JAX the gradients are unscaled before the recipe."""
     scaler = getattr(recipe, "scaler", None)
     if scaler is not None and is_grad_scaler(scaler):
         name = type(recipe).__name__
-        msg = (
-            f"{name}(scaler=...) got torch's {type(scaler).__name__}, and this gradient is "
-            "TensorFlow's: a GradScaler scales torch losses only. Under Keras mixed "
-            "precision give the optimizer that scales the loss, the LossScaleOptimizer "
-            "(`scaler=model.optimizer` after `model.compile` under the `mixed_float16` "
-            "policy), or no scaler."
-        )
+        if is_tensorflow(value):
+            instead = (
+                "TensorFlow's: a GradScaler scales torch losses only. Under Keras mixed "
+                "precision give the optimizer that scales the loss, the LossScaleOptimizer "
+                "(`scaler=model.optimizer` after `model.compile` under the `mixed_float16` "
+                "policy), or no scaler."
+            )
+        else:
+            instead = (
+                "a JAX array: a GradScaler scales torch losses only. Unscale the JAX "
+                "gradients before the recipe sees them, and give no scaler."
+            )
+        kind = type(scaler).__name__
+        msg = f"{name}(scaler=...) got torch's {kind}, and this gradient is {instead}"
         raise GradOverrideError(msg)

@@ -16,8 +16,10 @@ from torch import Tensor
 
 from .._decorators import custom_backward
 from .._errors import GradOverrideError, GradOverrideTypeError
-from .._frameworks import is_tensorflow
+from .._ops import TORCH, foreign
+from .._ops._torch import _SOFTMAX_BACKWARD as _TORCH_SOFTMAX_BACKWARD
 from ._base import Recipe, positive_number, tensorflow_call
+from ._formulas import discrete
 
 __all__ = ["gumbel_softmax", "rotation_trick", "ste_argmax"]
 
@@ -27,28 +29,20 @@ def _softmax_grad(grad: Tensor, soft: Tensor, dim: int, temperature: float) -> T
 
     Multiplied before dividing by T, so a one-hot `soft` at a tiny T gives 0, not 0 * inf.
     """
-    grad = grad.to(soft.dtype)
-    # The fused kernel softmax's own backward uses; the same formula written out otherwise.
-    out: Tensor
-    if not torch.compiler.is_compiling() and _SOFTMAX_BACKWARD is not None:
-        out = _SOFTMAX_BACKWARD(grad, soft, dim, soft.dtype)
-    else:
-        out = soft * (grad - (grad * soft).sum(dim, keepdim=True))
-    return out if temperature == 1 else out / temperature
+    out: Tensor = discrete.softmax_grad(TORCH, grad, soft, dim, temperature)
+    return out
 
 
-_SOFTMAX_BACKWARD: Any = getattr(torch.ops.aten, "_softmax_backward_data", None)
+#: The fused kernel of softmax's own backward that `TORCH.softmax_backward` runs (None in a
+#: build without it, where the formula is written out).
+_SOFTMAX_BACKWARD: Any = _TORCH_SOFTMAX_BACKWARD
 
 
 def _one_hot_argmax(scores: Tensor, dim: int, dtype: torch.dtype) -> Tensor:
     """one_hot(argmax(scores, dim)) in `dtype`, by comparing positions with the index
     (`scatter_` has no `vmap` batching rule)."""
-    if scores.dim() == 0:
-        return torch.ones_like(scores, dtype=dtype)
-    index = scores.argmax(dim, keepdim=True)
-    d = dim % scores.dim()
-    positions = torch.arange(scores.shape[d], device=scores.device)
-    return (positions.view([-1] + [1] * (scores.dim() - d - 1)) == index).to(dtype)
+    one_hot: Tensor = discrete.one_hot_argmax(TORCH, scores, dim, dtype)
+    return one_hot
 
 
 def _check_temperature(recipe: str, value: object) -> float:
@@ -101,10 +95,10 @@ def _(grad: Tensor, *, x: Tensor, recipe: ste_argmax) -> Tensor:
         return grad
     # As in gumbel_softmax: in float32 for half inputs, shifted so the largest logit is 0
     # before dividing by T, so a tiny T or large logits give -inf and 0, never inf - inf.
-    work = x.to(_compute_dtype(x.dtype))
-    shifted = work - work.amax(recipe.dim, keepdim=True)
     temperature = recipe.temperature
-    soft = torch.softmax(shifted / temperature if temperature != 1 else shifted, recipe.dim)
+    soft = discrete.tempered_softmax(
+        TORCH, x.to(_compute_dtype(x.dtype)), recipe.dim, temperature
+    )
     return _softmax_grad(grad, soft, recipe.dim, temperature).to(x.dtype)
 
 
@@ -148,7 +142,7 @@ class ste_argmax(Recipe):
         )
 
     def __call__(self, x: Tensor) -> Tensor:
-        if not isinstance(x, Tensor) and is_tensorflow(x):
+        if not isinstance(x, Tensor) and foreign(x):
             return tensorflow_call(self, x)
         return _ste_argmax(_check_input(self, x), self)
 
@@ -187,12 +181,8 @@ def _gumbel_softmax(
         noise = gumbel_noise(x.shape, dtype=work, device=x.device, generator=generator,
                              draw_dtype=x.dtype)
     scores = x.to(work) + noise.to(work)
-    # Shifted so the largest score is 0 before dividing by T: a tiny T then gives -inf and 0,
-    # never inf - inf. In place: `scores` is this function's own.
-    shifted = scores.sub_(scores.amax(dim, keepdim=True))
-    if recipe.temperature != 1:
-        shifted = shifted.div_(recipe.temperature)
-    soft = torch.softmax(shifted, dim)
+    # In place where that is safe: `scores` is this function's own.
+    soft = discrete.tempered_softmax(TORCH, scores, dim, recipe.temperature, temporary=True)
     # A fresh tensor for the soft output: the residual itself is not differentiable.
     out = _one_hot_argmax(soft, dim, x.dtype) if recipe.hard else soft.to(x.dtype, copy=True)
     return out, {"soft": soft}
@@ -260,7 +250,7 @@ class gumbel_softmax(Recipe):
         generator: torch.Generator | None = None,
         noise: Tensor | None = None,
     ) -> Tensor:
-        if not isinstance(x, Tensor) and is_tensorflow(x):
+        if not isinstance(x, Tensor) and foreign(x):
             return tensorflow_call(self, x, generator=generator, noise=noise)
         if generator is not None and not isinstance(generator, torch.Generator):
             msg = (
@@ -401,7 +391,7 @@ class rotation_trick(Recipe):
         return result
 
     def __call__(self, x: Tensor, q: Tensor) -> Tensor:
-        if not isinstance(x, Tensor) and is_tensorflow(x):
+        if not isinstance(x, Tensor) and foreign(x):
             return tensorflow_call(self, x, q)
         for name, value in (("x", x), ("q", q)):
             if not isinstance(value, Tensor) or not value.is_floating_point():

@@ -27,22 +27,22 @@ from torch.compiler import is_dynamo_compiling
 
 from .._decorators import custom_backward
 from .._errors import GradOverrideError, GradOverrideTypeError, GradOverrideWarning
-from .._frameworks import is_tensorflow
 from .._internals import (
     is_grad_scaler,
     is_keras_loss_scaler,
     is_keras_optimizer,
     loss_scale,
 )
+from .._ops import TORCH, foreign
 from .._passthrough import passthrough
 from ._base import (
     GradientTransform,
     RecipeModule,
     finite,
-    keep_dtype,
     tensorflow_call,
     tensorflow_transform,
 )
+from ._formulas import flow
 
 __all__ = [
     "ScaledGradientModule",
@@ -110,8 +110,10 @@ class ganin_ramp:
             raise GradOverrideError(msg)
 
     def __call__(self, step: Tensor | int) -> Tensor:
-        p = torch.clamp(torch.as_tensor(step) / self.total_steps, 0.0, 1.0)
-        return self.max_scale * (2.0 / (1.0 + torch.exp(-self.gamma * p)) - 1.0)
+        ramp: Tensor = flow.ganin_ramp(
+            TORCH, torch.as_tensor(step), self.total_steps, self.gamma, self.max_scale
+        )
+        return ramp
 
     def __repr__(self) -> str:
         return (
@@ -126,10 +128,10 @@ class ganin_ramp:
 def _multiplied(grad: Tensor, *, factor: float | Tensor) -> Tensor | tuple[Tensor, None]:
     if isinstance(factor, Tensor):
         # A tensor factor gets no gradient: it is a setting, not a model input.
-        return keep_dtype(grad * factor, grad), None
-    if factor == -1.0:  # the default reversal: a negation is the cheapest kernel
-        return torch.neg(grad)
-    return grad * factor  # a Python number never changes grad's dtype
+        return flow.multiply(TORCH, grad, factor), None
+    # The default reversal, -1, is a negation: the cheapest kernel.
+    result: Tensor = flow.multiply(TORCH, grad, factor)
+    return result
 
 
 @custom_backward(backward=_multiplied)
@@ -209,12 +211,13 @@ class _ScaledGradient(GradientTransform):
 
     def transform(self, grad: Tensor, *, step: Tensor | int | None = None) -> Tensor:
         """The gradient passed on: `grad` times the signed scale, in `grad`'s dtype."""
-        if not isinstance(grad, Tensor) and is_tensorflow(grad):
+        if not isinstance(grad, Tensor) and foreign(grad):
             return tensorflow_transform(self, grad, step=step)
-        return keep_dtype(grad * self.factor(step), grad)
+        result: Tensor = flow.multiply(TORCH, grad, self.factor(step))
+        return result
 
     def __call__(self, x: Tensor, /, *, step: Tensor | int | None = None) -> Tensor:
-        if not isinstance(x, Tensor) and is_tensorflow(x):
+        if not isinstance(x, Tensor) and foreign(x):
             return tensorflow_call(self, x, step=step)
         constant = self._constant
         if constant is not None and step is None:
@@ -326,7 +329,7 @@ class ScaledGradientModule(RecipeModule):
             self.register_buffer("steps", torch.zeros((), dtype=torch.int64))
 
     def forward(self, x: Tensor) -> Tensor:
-        if not isinstance(x, Tensor) and is_tensorflow(x):
+        if not isinstance(x, Tensor) and foreign(x):
             return tensorflow_call(self, x)
         constant = self.recipe._constant
         if constant is not None:  # the common call, one frame shorter
@@ -354,7 +357,7 @@ class ScaledGradientModule(RecipeModule):
 
     def transform(self, grad: Tensor) -> Tensor:
         """The recipe's gradient map at the current step (for `go.grad_hook`)."""
-        if not isinstance(grad, Tensor) and is_tensorflow(grad):
+        if not isinstance(grad, Tensor) and foreign(grad):
             return tensorflow_transform(self, grad)
         if self.scheduled:
             return self.recipe.transform(grad, step=self.steps)
@@ -451,20 +454,13 @@ class clip_grad_value(_WithScaler, GradientTransform):
 
     def transform(self, grad: Tensor) -> Tensor:
         """The upstream gradient clamped to ``[-clip_value, clip_value]``."""
-        if not isinstance(grad, Tensor) and is_tensorflow(grad):
+        if not isinstance(grad, Tensor) and foreign(grad):
             return tensorflow_transform(self, grad)
-        # A bound beyond the dtype's range clamps nothing there, and torch.clamp refuses a
-        # scalar the dtype cannot hold (1e6 for float16).
-        top = torch.finfo(grad.dtype).max
-        if self.scaler is not None:
-            scale = _torch_loss_scale(self, grad)
-            if isinstance(scale, Tensor):
-                bound_t = (self.clip_value * scale).clamp(max=top).to(grad.dtype)
-                return torch.clamp(grad, -bound_t, bound_t)
-            bound = min(float(self.clip_value) * scale, top)
-            return torch.clamp(grad, -bound, bound)
-        bound = min(float(self.clip_value), top)
-        return torch.clamp(grad, -bound, bound)
+        # (torch.clamp refuses a scalar bound the dtype cannot hold, 1e6 for float16: the
+        # formula's bound never exceeds the dtype's largest value.)
+        scale = None if self.scaler is None else _torch_loss_scale(self, grad)
+        result: Tensor = flow.clip_by_value(TORCH, grad, self.clip_value, scale)
+        return result
 
 
 Dims = int | tuple[int, ...] | None
@@ -543,21 +539,13 @@ class clip_grad_norm(_WithScaler, GradientTransform):
 
     def transform(self, grad: Tensor) -> Tensor:
         """The upstream gradient rescaled to norm at most `max_norm` (over `dim`)."""
-        if not isinstance(grad, Tensor) and is_tensorflow(grad):
+        if not isinstance(grad, Tensor) and foreign(grad):
             return tensorflow_transform(self, grad)
-        compute = torch.promote_types(grad.dtype, torch.float32)
-        norm = torch.linalg.vector_norm(
-            grad, ord=self.norm_type, dim=self.dim, keepdim=True, dtype=compute
+        scale = None if self.scaler is None else _torch_loss_scale(self, grad)
+        result: Tensor = flow.clip_by_norm(
+            TORCH, grad, self.max_norm, self.dim, self.norm_type, self.eps, scale
         )
-        # Branch-free: the coefficient is 1 where the norm is within bounds. With a loss
-        # scale s, the scaled gradient s*g is clipped as g would be: max_norm*s / (|s*g| +
-        # eps*s) = max_norm / (|g| + eps).
-        if self.scaler is not None:
-            scale = _torch_loss_scale(self, grad)
-            coef = torch.clamp(self.max_norm * scale / (norm + self.eps * scale), max=1.0)
-        else:
-            coef = torch.clamp(self.max_norm / (norm + self.eps), max=1.0)
-        return grad * coef.to(grad.dtype)
+        return result
 
 
 def _check_scaler(recipe: str, scaler: Any) -> None:
@@ -664,24 +652,18 @@ class sanitize_grad(GradientTransform):
                 raise GradOverrideError(msg)
 
     def _message(self, grad: Tensor | None) -> str:
-        what = f"the gradient of `{self.name}`" if self.name else "a gradient"
-        counts = ""
-        if grad is not None:
-            n_nan = int(torch.isnan(grad).sum())
-            n_inf = int(torch.isinf(grad).sum())
-            counts = f" ({n_nan} NaN and {n_inf} infinite of {grad.numel()} values)"
-        return (
-            f"{what} passing through {self!r} is not finite{counts}. Find the op that makes "
-            "it with `torch.autograd.set_detect_anomaly(True)`, or replace the values with "
-            "`sanitize_grad(mode='replace')`."
-        )
+        counts = "" if grad is None else flow.non_finite_counts(TORCH, grad)
+        return flow.non_finite_message(TORCH, self, counts)
 
     def transform(self, grad: Tensor) -> Tensor:
         """The upstream gradient with NaN/inf replaced, or checked (raise mode)."""
-        if not isinstance(grad, Tensor) and is_tensorflow(grad):
+        if not isinstance(grad, Tensor) and foreign(grad):
             return tensorflow_transform(self, grad)
         if self.mode == "replace":
-            return torch.nan_to_num(grad, nan=self.nan, posinf=self.posinf, neginf=self.neginf)
+            result: Tensor = flow.replace_non_finite(
+                TORCH, grad, self.nan, self.posinf, self.neginf
+            )
+            return result
         finite = torch.isfinite(grad).all()
         if torch.compiler.is_compiling():
             torch._assert_async(finite, self._message(None))

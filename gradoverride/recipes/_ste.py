@@ -23,9 +23,9 @@ from torch import Tensor, nn
 
 from .._decorators import custom_backward
 from .._errors import GradOverrideError, GradOverrideTypeError
-from .._frameworks import is_tensorflow
 from .._internals import is_tracing
 from .._jit import refuse_scripting
+from .._ops import TORCH, foreign
 from .._straight_through import (
     DEFAULT_KEEP,
     Inclusive,
@@ -40,7 +40,8 @@ from .._straight_through import (
     window_gradient,
     window_mask,
 )
-from ._base import Recipe, finite, positive_number, tensorflow_call
+from ._base import Recipe, array_call, finite, positive_number
+from ._formulas import ste as F
 from ._int8_export import exporting, fake_quantize, int8_range
 
 __all__ = [
@@ -65,22 +66,26 @@ __all__ = [
 
 @straight_through
 def _ste_round(x: Tensor) -> Tensor:
-    return torch.round(x)
+    result: Tensor = TORCH.round(x)
+    return result
 
 
 @straight_through
 def _ste_floor(x: Tensor) -> Tensor:
-    return torch.floor(x)
+    result: Tensor = TORCH.floor(x)
+    return result
 
 
 @straight_through
 def _ste_ceil(x: Tensor) -> Tensor:
-    return torch.ceil(x)
+    result: Tensor = TORCH.ceil(x)
+    return result
 
 
 @straight_through
 def _ste_sign(x: Tensor) -> Tensor:
-    return torch.sign(x)
+    result: Tensor = TORCH.sign(x)
+    return result
 
 
 @custom_backward
@@ -216,8 +221,8 @@ class ste_round(Recipe):
     """
 
     def __call__(self, x: Tensor) -> Tensor:
-        if not isinstance(x, Tensor) and is_tensorflow(x):
-            return tensorflow_call(self, x)
+        if not isinstance(x, Tensor) and foreign(x):
+            return array_call(self, x)
         _check_input(self, x)
         return _ste_round(x)
 
@@ -227,8 +232,8 @@ class ste_floor(Recipe):
     """Straight-through floor: y = floor(x); dL/dx = dL/dy. Matches brevitas `floor_ste`."""
 
     def __call__(self, x: Tensor) -> Tensor:
-        if not isinstance(x, Tensor) and is_tensorflow(x):
-            return tensorflow_call(self, x)
+        if not isinstance(x, Tensor) and foreign(x):
+            return array_call(self, x)
         _check_input(self, x)
         return _ste_floor(x)
 
@@ -238,8 +243,8 @@ class ste_ceil(Recipe):
     """Straight-through ceil: y = ceil(x); dL/dx = dL/dy. Matches brevitas `ceil_ste`."""
 
     def __call__(self, x: Tensor) -> Tensor:
-        if not isinstance(x, Tensor) and is_tensorflow(x):
-            return tensorflow_call(self, x)
+        if not isinstance(x, Tensor) and foreign(x):
+            return array_call(self, x)
         _check_input(self, x)
         return _ste_ceil(x)
 
@@ -253,8 +258,8 @@ class ste_sign(Recipe):
     """
 
     def __call__(self, x: Tensor) -> Tensor:
-        if not isinstance(x, Tensor) and is_tensorflow(x):
-            return tensorflow_call(self, x)
+        if not isinstance(x, Tensor) and foreign(x):
+            return array_call(self, x)
         _check_input(self, x)
         return _ste_sign(x)
 
@@ -356,9 +361,8 @@ def _inside_tensor_bounds(x: Tensor, low: Tensor, high: Tensor, ends: Inclusive)
     dtype while compiling, written as arithmetic (see `_inside` in go.straight_through's
     module): each `sign(...)` is -1, 0 or 1 at a difference below, at or above 0."""
     if not torch.compiler.is_compiling():
-        above = x >= low if ends[0] else x > low
-        below = x <= high if ends[1] else x < high
-        return above & below
+        inside: Tensor = F.window_inside(TORCH, x, low, high, ends)
+        return inside
     to_high = torch.sign(x - high)
     below = torch.sign(1 - to_high) if ends[1] else torch.relu(-to_high)
     to_low = torch.sign(x - low)
@@ -447,7 +451,7 @@ class ste_clamp(Recipe):
             if isinstance(value, Tensor):
                 _check_tensor_bound(name, value)
                 shapes.append(value.shape)
-            elif _is_tensor(value):  # a TensorFlow tensor: checked when called
+            elif _is_tensor(value):  # a TensorFlow tensor or JAX array: checked when called
                 shapes.append(torch.Size(value.shape))
             elif not _is_number(value) or value != value:
                 msg = (
@@ -483,11 +487,12 @@ class ste_clamp(Recipe):
         return cls(low, high, keep=keep, **options)
 
     def _forward(self, x: Tensor) -> Tensor:
-        return torch.clamp(x, self.low, self.high)  # type: ignore[arg-type]
+        result: Tensor = TORCH.clamp(x, self.low, self.high)
+        return result
 
     def __call__(self, x: Tensor) -> Tensor:
-        if not isinstance(x, Tensor) and is_tensorflow(x):
-            return tensorflow_call(self, x)
+        if not isinstance(x, Tensor) and foreign(x):
+            return array_call(self, x)
         _check_input(self, x)
         if self._window is None:
             return self._clamp_tensor_bounds(x)
@@ -521,9 +526,11 @@ class ste_clamp(Recipe):
             return value.to(device=x.device, dtype=x.dtype)
         if _is_number(value):
             return torch.full((), value, dtype=x.dtype, device=x.device)
-        # What is left is a TensorFlow tensor (anything else was refused when made).
+        # What is left is a TensorFlow tensor or a JAX array (anything else was refused
+        # when made).
+        kind = "TensorFlow tensor" if foreign(value) == "tensorflow" else "JAX array"
         msg = (
-            f"{self!r}: `{name}` is a TensorFlow tensor, and the input a torch tensor; "
+            f"{self!r}: `{name}` is a {kind}, and the input a torch tensor; "
             f"give torch tensors (or numbers) as the bounds of a torch input."
         )
         raise GradOverrideTypeError(msg)
@@ -542,11 +549,11 @@ def _broadcastable(*shapes: Sequence[int]) -> bool:
 
 
 def _is_tensor(value: object) -> bool:
-    """A torch or TensorFlow tensor (a bound given as a tensor). A number is decided first:
-    `is_tensorflow` reads the type's module name, which dynamo cannot trace."""
+    """A torch or TensorFlow tensor or a JAX array (a bound given as a tensor). A number is
+    decided first: `foreign` reads the type's module name, which dynamo cannot trace."""
     if isinstance(value, Tensor):
         return True
-    return not _is_number(value) and is_tensorflow(value)
+    return not _is_number(value) and foreign(value) is not None
 
 
 #: ste_clamp's presets: name -> (the options, what the library's clamp does).
@@ -591,10 +598,10 @@ def _lookup_preset(
 
 
 def _binary_sign(x: Tensor) -> Tensor:
-    # sign(x) + 0.5 is -0.5, 0.5 or 1.5, so its sign is -1 for x < 0 and +1 otherwise
-    # (0, -0 and NaN included): one fresh tensor and two in-place passes, ~8x faster than
-    # `torch.where(x >= 0, 1, -1)` on CPU.
-    return torch.sign(x).add_(0.5).sign_()
+    # sign(sign(x) + 0.5): one fresh tensor and two in-place passes where that is safe,
+    # ~8x faster than `torch.where(x >= 0, 1, -1)` on CPU.
+    result: Tensor = F.binary_sign(TORCH, x)
+    return result
 
 
 @dataclass(frozen=True, repr=False)
@@ -653,8 +660,8 @@ class binarize(Recipe):
         return cls(keep=keep, **options)
 
     def __call__(self, x: Tensor) -> Tensor:
-        if not isinstance(x, Tensor) and is_tensorflow(x):
-            return tensorflow_call(self, x)
+        if not isinstance(x, Tensor) and foreign(x):
+            return array_call(self, x)
         _check_input(self, x)
         return _windowed(x, self)
 
@@ -739,16 +746,12 @@ class abs_subgradient(Recipe):
 
     def _slope(self, x: Tensor) -> Tensor:
         """s(x): sign(x), `at_zero` at ±0, in x's dtype."""
-        if self.at_zero == 1:
-            return _binary_sign(x)
-        sign = torch.sign(x)
-        if self.at_zero == 0:
-            return sign
-        return sign + self.at_zero * (1 - sign.abs())
+        result: Tensor = F.slope(TORCH, x, self.at_zero)
+        return result
 
     def __call__(self, x: Tensor) -> Tensor:
-        if not isinstance(x, Tensor) and is_tensorflow(x):
-            return tensorflow_call(self, x)
+        if not isinstance(x, Tensor) and foreign(x):
+            return array_call(self, x)
         _check_input(self, x)
         result: Tensor = _abs(x, self)
         return result
@@ -787,22 +790,12 @@ class ternarize(Recipe):
     def _forward(self, x: Tensor) -> Tensor:
         if not is_tracing() and x.numel() == 0:  # (see quantize's)
             return x.clone()
-        # The threshold and the scale are reductions: in float32 for float16/bfloat16 inputs,
-        # where a sum over many elements overflows or loses its low digits.
-        work = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
-        magnitude = x.abs().to(work)
-        delta = magnitude.mean() * self.delta_factor
-        keep = magnitude > delta
-        ternary = torch.sign(x).to(work) * keep
-        if not self.scaled:
-            return ternary.to(x.dtype)
-        count = keep.sum().clamp_min(1)
-        alpha = (magnitude * keep).sum() / count
-        return (ternary * alpha).to(x.dtype)
+        result: Tensor = F.ternary(TORCH, x, self.delta_factor, self.scaled)
+        return result
 
     def __call__(self, x: Tensor) -> Tensor:
-        if not isinstance(x, Tensor) and is_tensorflow(x):
-            return tensorflow_call(self, x)
+        if not isinstance(x, Tensor) and foreign(x):
+            return array_call(self, x)
         _check_input(self, x)
         return _ste(x, self._forward)
 
@@ -905,41 +898,23 @@ class quantize(Recipe):
 
     def scale_and_zero_point(self, x: Tensor) -> tuple[Tensor | float, Tensor | float]:
         """The scale s and zero point z used for `x`."""
-        qmin, qmax = self._codes
-        if self.symmetric:
-            if self.bound is not None:
-                return float(self.bound) / qmax, 0.0  # type: ignore[arg-type]
-            top = x.detach().abs().max()
-            return torch.where(top > 0, top, 1) / qmax, 0.0
-        if self.bound is not None:
-            low, high = self.bound  # type: ignore[misc]
-            # Widened to include 0, which must be a code (as for PyTorch's observers and
-            # fake_quantize); otherwise the zero point would be clamped and cut the range.
-            low, high = min(low, 0.0), max(high, 0.0)
-            s = (high - low) / qmax
-            return s, float(min(max(round(-low / s), qmin), qmax))
-        xd = x.detach()
-        lo = xd.min().clamp_max(0)
-        hi = xd.max().clamp_min(0)
-        span = hi - lo
-        s_t = torch.where(span > 0, span, 1) / qmax
-        return s_t, torch.round(-lo / s_t).clamp(qmin, qmax)
+        result: tuple[Tensor | float, Tensor | float] = F.scale_and_zero_point(
+            TORCH, x.detach(), self._codes, self.symmetric, self.bound
+        )
+        return result
 
     def _codes_of(self, x: Tensor) -> tuple[Tensor, Tensor | float, Tensor | float]:
-        # Codes in float32 for float16/bfloat16 inputs: they cannot hold 2^b - 1 for large b
-        # (65535 > float16's max) nor every integer code exactly.
-        if x.dtype in (torch.float16, torch.bfloat16):
-            x = x.float()
-        s, z = self.scale_and_zero_point(x)
-        return torch.round(x / s) + z, s, z
+        result: tuple[Tensor, Tensor | float, Tensor | float] = F.codes(
+            TORCH, x, self._codes, self.symmetric, self.bound
+        )
+        return result
 
     def _outside(self, x: Tensor) -> Tensor:
         """Where the code round(x / s) + z is outside [qmin, qmax]."""
         if x.numel() == 0:
             return torch.zeros_like(x, dtype=torch.bool)
-        qmin, qmax = self._codes
-        q = self._codes_of(x)[0]
-        return (q < qmin) | (q > qmax)
+        result: Tensor = F.codes_outside(TORCH, self._codes_of(x)[0], self._codes)
+        return result
 
     def _forward(self, x: Tensor, *, mask: bool = False) -> tuple[Tensor, Tensor | None]:
         """(y, outside): the quantized value, and where the code was clamped (if `mask`)."""
@@ -953,19 +928,18 @@ class quantize(Recipe):
             y8 = fake_quantize(x, s, z, qmin, qmax)
             if y8 is not None:
                 q = self._codes_of(x)[0] if mask else None
-                return y8, None if q is None else (q < qmin) | (q > qmax)
+                return y8, None if q is None else F.codes_outside(TORCH, q, self._codes)
         # (Not while tracing: a traced size is a tensor, and a graph is recorded for the
         # non-empty input it was traced with.)
         if not is_tracing() and x.numel() == 0:
             return x.clone(), torch.zeros_like(x, dtype=torch.bool) if mask else None
         q, s, z = self._codes_of(x)
-        outside = (q < qmin) | (q > qmax) if mask else None
-        y = (q.clamp(qmin, qmax) - z) * s
-        return y.to(x.dtype), outside
+        outside = F.codes_outside(TORCH, q, self._codes) if mask else None
+        return F.dequantize(TORCH, q, s, z, self._codes, x.dtype), outside
 
     def __call__(self, x: Tensor) -> Tensor:
-        if not isinstance(x, Tensor) and is_tensorflow(x):
-            return tensorflow_call(self, x)
+        if not isinstance(x, Tensor) and foreign(x):
+            return array_call(self, x)
         _check_input(self, x)
         if self.keep == "mask":
             result: Tensor = _quantize_mask(x, self)
@@ -979,17 +953,6 @@ class quantize(Recipe):
 _LSQ_WINDOWS = ("open", "closed", "rounded")
 
 
-def _lsq_outside(v: Tensor, window: str, low: int, high: int) -> tuple[Tensor, Tensor]:
-    """Where v = x / s counts as below and above the code range, in `window`'s convention
-    (see `lsq`)."""
-    if window == "rounded":
-        code = torch.round(v)
-        return code < low, code > high
-    if window == "closed":
-        return v < low, v > high
-    return v <= low, v >= high
-
-
 @custom_backward
 def _lsq(x: Tensor, step: Tensor, recipe: lsq) -> Tensor:
     qn, qp = recipe.code_range
@@ -997,22 +960,17 @@ def _lsq(x: Tensor, step: Tensor, recipe: lsq) -> Tensor:
         y8 = fake_quantize(x, step, 0.0, -qn, qp)  # QuantizeLinear/DequantizeLinear
         if y8 is not None:
             return y8
-    return (torch.round(torch.clamp(x / step, -qn, qp)) * step).to(x.dtype)
+    result: Tensor = F.lsq_forward(TORCH, x, step, recipe.code_range)
+    return result
 
 
 @_lsq.backward
 def _(grad: Tensor, *, x: Tensor, step: Tensor, recipe: lsq) -> Any:
-    qn, qp = recipe.code_range
-    v = x / step
-    below, above = _lsq_outside(v, recipe.window, -qn, qp)
-    inside = ~(below | above)
-    grad_x = torch.where(inside, grad, 0)
-    # Esser et al. (2020), eq. 3: d(v_hat)/ds = round(v/s) - v/s inside, -Qn below, Qp above.
-    ds = torch.where(inside, torch.round(v) - v, torch.where(below, -qn, qp))
-    g = recipe.grad_scale
-    if g is None:
-        g = 1.0 / math.sqrt(max(x.numel(), 1) * qp)
-    return {"x": grad_x, "step": grad * ds * g}
+    g = F.grad_scale(TORCH, x, recipe.code_range, recipe.grad_scale)
+    # Esser et al. (2020), eq. 3 (the step's gradient is summed to its shape by the op).
+    grad_x, grad_step = F.lsq_gradients(TORCH, grad, x, step, recipe.code_range,
+                                        recipe.window, g)
+    return {"x": grad_x, "step": grad_step}
 
 
 @dataclass(frozen=True, repr=False)
@@ -1080,8 +1038,8 @@ class lsq(Recipe):
             _set(self, "code_range", (0, 2**bits - 1))
 
     def __call__(self, x: Tensor, step: Tensor) -> Tensor:
-        if not isinstance(x, Tensor) and is_tensorflow(x):
-            return tensorflow_call(self, x, step)
+        if not isinstance(x, Tensor) and foreign(x):
+            return array_call(self, x, step)
         _check_input(self, x)
         if not isinstance(step, Tensor):
             msg = (
@@ -1119,8 +1077,8 @@ class LearnedStepQuantizer(nn.Module):
         refuse_scripting(f"the module form of {self.recipe!r}")
 
     def forward(self, x: Tensor) -> Tensor:
-        if not isinstance(x, Tensor) and is_tensorflow(x):
-            return tensorflow_call(self, x)
+        if not isinstance(x, Tensor) and foreign(x):
+            return array_call(self, x)
         _check_input(self.recipe, x)
         if self._needs_init and (exporting() or is_tracing()):
             self._refuse_uninitialised_export()

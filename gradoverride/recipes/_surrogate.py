@@ -40,16 +40,15 @@ from torch import Tensor
 
 from .._decorators import custom_backward
 from .._errors import GradOverrideError, GradOverrideTypeError
-from .._frameworks import is_tensorflow
-from .._internals import tracing_state, transforms_active
-from ._base import Recipe, RecipeModule, finite, positive_number, tensorflow_call
+from .._ops import TORCH, foreign
+from ._base import Recipe, RecipeModule, array_call, finite, positive_number
+from ._formulas import surrogate as F
 from ._surrogate_width import (
     LearnedAlphaSpike,
     alpha_repr,
     check_learned_alpha,
     learned_gradient,
     learned_spike,
-    refuse_on_tensorflow,
 )
 
 __all__ = ["SPIKE_PRESETS", "SURROGATES", "spike"]
@@ -60,297 +59,34 @@ _HALF = (torch.float16, torch.bfloat16)
 
 # ---- the surrogates: derivative (fast backward) and proxy (its smooth step) -------------------
 #
-# Each derivative takes the upstream gradient, the (centred) input and the recipe, and returns
-# upstream * scale * sg(x) in as few passes over memory as the formula allows, out of place
-# (so a rule stays differentiable again), with no intermediate that can overflow into NaN.
-
-
-def _in_place() -> bool:
-    """Whether a backward may reuse its own temporaries: not while compiling (functionalized
-    anyway), not under a `torch.func` transform (an unbatched temporary cannot take a
-    batched gradient in place), not while recording a graph for a second derivative."""
-    if torch.compiler.is_compiling():
-        return False
-    return not torch.is_grad_enabled() and not transforms_active()
-
-
-def _times(t: Tensor, g: Tensor | float) -> Tensor:
-    """t * g, in place on the temporary t when that is safe."""
-    return t.mul_(g) if _in_place() else t * g
-
-
-def _divide(g: Tensor, d: Tensor) -> Tensor:
-    """g / d, written into the temporary d when that is safe."""
-    if g.dtype == d.dtype and _in_place():
-        return torch.div(g, d, out=d)
-    return g / d
-
-
-def _scalar(x: Tensor, value: float) -> Tensor:
-    """`value` as a 0-d tensor of x's dtype and device: an operand of torch's fused ops."""
-    return x.new_full((), value)
-
-
-def _indicator(compare: Callable[..., Tensor], a: Tensor, b: Tensor | float) -> Tensor:
-    """compare(a, b) as 1 or 0 in a's dtype, written straight into a tensor of that dtype:
-    one pass, where `(a > b).to(a.dtype)` takes two and its bool-to-float copy is the slow
-    one (and `torch.where` on the CPU is slower still, so the formulas blend with these
-    0/1 factors instead). Not while `torch.jit.trace` records: the TorchScript-based ONNX
-    exporter cannot translate an `out=` write."""
-    if torch.compiler.is_compiling() or transforms_active() or tracing_state() is not None:
-        return compare(a, b).to(a.dtype)  # no out= there; the compiler fuses it anyway
-    return compare(a, b, out=torch.empty_like(a))
-
-
-def _blend(mask: Tensor, on: Tensor | float, off: Tensor | float) -> Tensor:
-    """on where mask is 1, off where it is 0: mask * on + (1 - mask) * off, exact (one of
-    the two terms is 0) while on and off are finite. `mask` is the caller's temporary (an
-    `_indicator`): it is reused for the result when that is safe."""
-    rest = 1 - mask
-    first = mask if isinstance(on, float) and on == 1 else _times(mask, on)
-    if isinstance(off, float):
-        if _in_place():
-            return torch.add(first, rest, alpha=off, out=first)
-        return torch.add(first, rest, alpha=off)
-    rest = _times(rest, off)
-    return first.add_(rest) if _in_place() else first + rest
-
-
-def _apply(t: Tensor, name: str) -> Tensor:
-    """t.name() (exp, relu, ...), in place on the temporary t when that is safe."""
-    result: Tensor = getattr(t, f"{name}_")() if _in_place() else getattr(t, name)()
-    return result
-
-
-def _minus(k: float, t: Tensor, alpha: float) -> Tensor:
-    """k - alpha * t in one fused pass, written into the temporary t when that is safe."""
-    if _in_place():
-        return torch.sub(_scalar(t, k), t, alpha=alpha, out=t)
-    return torch.sub(_scalar(t, k), t, alpha=alpha)
+# The derivatives, the step and the probabilities of a sampled spike are the formulas of
+# `_formulas.surrogate`, written once over a backend: here they run with torch's (`TORCH`),
+# whose compositions are the fused kernels and in-place temporaries that keep the backward
+# as fast as hand-written code. A tensor alpha (a learned width) reaches only the proxies and
+# probabilities, whose ops take a tensor as well as a float; the derivatives are never called
+# with one (`_surrogate_width` has its own).
 
 
 def _set(value: float | Tensor | None) -> float:
     """A surrogate parameter `spike` has resolved (it is None only for the surrogates that do
-    not take it). A tensor alpha (a learned width) reaches only the proxies and
-    probabilities, whose ops take a tensor as well as a float; the derivatives here are never
-    called with one (`_surrogate_width` has its own)."""
+    not take it)."""
     assert value is not None
     return value  # type: ignore[return-value]
 
 
-def _arctan(g: Tensor, x: Tensor, r: spike) -> Tensor:
-    # s * (a/2) / (1 + (pi*a*x/2)^2) = g / (k0 + k1 * x^2)
-    a, s = _set(r.alpha), r.scale
-    k = s * a / 2
-    c = math.pi * a / 2
-    return _divide(g, torch.addcmul(_scalar(x, 1 / k), x, x, value=c * c / k))
+def _torch_step(name: str) -> _Proxy:
+    """The formula's smooth step `name` on torch tensors: a proxy that is also the
+    probability of a sampled spike."""
+    formula = F.PROBABILITIES[name]
 
+    def proxy(x: Tensor, r: spike) -> Tensor:
+        result: Tensor = formula(TORCH, x, r)
+        return result
 
-#: Where sigmoid(t) rounds to 1 in each dtype while exp(t) is still finite: above it
-#: softplus_backward passes its gradient unchanged (float16 and bfloat16: 10).
-_SATURATION = {torch.float64: 40.0, torch.float32: 20.0}
-
-
-def _sigmoid_product(g: Tensor, x: Tensor, a: float, k: float) -> Tensor:
-    """k * g * sigmoid(a x) * sigmoid(-a x), each factor relative-accurate everywhere (no
-    1 - sigmoid cancelling to 0 in bfloat16 for x > 1.4, as 1 - tanh^2 does too).
-
-    softplus_backward(g, x, beta, t) is g * sigmoid(beta x) in one fused pass (exp(beta x)
-    stays finite below the threshold t, above which sigmoid is 1 in the dtype), so the
-    product takes two passes where sigmoid, its mirror and the products take five."""
-    if g.dtype == x.dtype:
-        threshold = _SATURATION.get(x.dtype, 10.0)
-        once = torch.ops.aten.softplus_backward(g, x, a, threshold)
-        out = torch.ops.aten.softplus_backward(once, x, -a, threshold)
-    else:
-        ax = x * a
-        out = torch.sigmoid(ax) * torch.sigmoid(-ax) * g
-    return out if k == 1 else _times(out, k)
-
-
-def _sigmoid(g: Tensor, x: Tensor, r: spike) -> Tensor:
-    a = _set(r.alpha)
-    return _sigmoid_product(g, x, a, r.scale * a)
-
-
-def _fast_sigmoid(g: Tensor, x: Tensor, r: spike) -> Tensor:
-    # s * (a/2) / (1 + a|x|)^2 = g / d^2 with d = k (1 + a|x|), k = sqrt(2 / (s a))
-    a, s = _set(r.alpha), r.scale
-    k = math.sqrt(2 / (s * a))
-    d = torch.abs(x).mul_(a * k).add_(k)
-    return _divide(g, d.square_() if _in_place() else d * d)
-
-
-def _erf(g: Tensor, x: Tensor, r: spike) -> Tensor:
-    # s * a / sqrt(pi) * exp(-(a x)^2) = exp(log(s a / sqrt(pi)) - a^2 x^2)
-    a, s = _set(r.alpha), r.scale
-    log_k = math.log(s * a / _SQRT_PI)
-    return _times(_apply(torch.addcmul(_scalar(x, log_k), x, x, value=-a * a), "exp"), g)
-
-
-def _triangle(g: Tensor, x: Tensor, r: spike) -> Tensor:
-    # s * max(0, a - a^2 |x|)
-    a, s = _set(r.alpha), r.scale
-    k = s * a
-    return _times(_apply(_minus(k, torch.abs(x), k * a), "relu"), g)
-
-
-def _rectangular(g: Tensor, x: Tensor, r: spike) -> Tensor:
-    # s * a where |x| < 1/(2a), else s * leak (strict). A NaN input is outside, as
-    # SpikingJelly's `alpha * (x.abs() < 0.5 / alpha) * grad` has it, eager and compiled
-    # alike (the fused `hardtanh_backward` of the clip windows would pass it).
-    a, s, leak = _set(r.alpha), r.scale, _set(r.leak)
-    h = 0.5 / a
-    k = s * a
-    if leak != 0:
-        inside = _indicator(torch.lt, torch.abs(x), h)
-        return _times(_blend(inside, k, s * leak), g)
-    out = torch.where(x.abs() < h, g, 0)
-    return out if k == 1 else _times(out, k)
-
-
-def _piecewise_exp(g: Tensor, x: Tensor, r: spike) -> Tensor:
-    # s * (a/2) * exp(-a|x|) = exp(log(s a / 2) - a|x|)
-    a, s = _set(r.alpha), r.scale
-    log_k = math.log(s * a / 2)
-    return _times(_apply(_minus(log_k, torch.abs(x), a), "exp"), g)
-
-
-def _straight(g: Tensor, x: Tensor, r: spike) -> Tensor:
-    s = r.scale
-    return g if s == 1 else g * s
-
-
-def _circ(g: Tensor, x: Tensor, r: spike) -> Tensor:
-    # s (a/2) (1 + (a x)^2)^(-3/2) = g * rsqrt(d)^3 with d = c (1 + a^2 x^2) and
-    # c = (s a / 2)^(-2/3). The root comes first: d may overflow to inf (giving 0), its cube
-    # is never formed (in float16 it would overflow from |a x| = 40 on).
-    a, s = _set(r.alpha), r.scale
-    # c as exp(log): dynamo's guard on a float ** float of the recipe's numbers fails
-    c = math.exp(math.log(s * a / 2) * (-2 / 3))
-    d = torch.addcmul(_scalar(x, c), x, x, value=c * a * a)
-    if _in_place():
-        return d.rsqrt_().pow_(3).mul_(g)
-    return torch.rsqrt(d).pow(3) * g
-
-
-def _q_pseudo_spike(g: Tensor, x: Tensor, r: spike) -> Tensor:
-    # s (1 + 2|x| / (a - 1))^(-a) = g * d^(-a), d = k + k c |x|, c = 2/(a-1), k = s^(-1/a)
-    a, s = _set(r.alpha), r.scale
-    k = math.exp(-math.log(s) / a)  # s ** (-1/a), written so that dynamo's guard holds
-    d = _minus(k, torch.abs(x), -k * 2 / (a - 1))
-    return _times(d.pow_(-a) if _in_place() else d.pow(-a), g)
-
-
-def _s2nn(g: Tensor, x: Tensor, r: spike) -> Tensor:
-    # x < 0: s a sigmoid(a x) sigmoid(-a x), the sigmoid surrogate; x >= 0: s b / (1 + x),
-    # written with |x| so that the side not taken is finite too (no inf at x = -1, which the
-    # 0/1 blend, or a second derivative, would turn into NaN)
-    a, s, b = _set(r.alpha), r.scale, _set(r.beta)
-    negative = _indicator(torch.lt, x, 0.0)
-    left = _sigmoid_product(g, x, a, s * a)
-    if b == 0:
-        return _times(left, negative)
-    right = _divide(g, torch.abs(x).add_(1))
-    if s * b != 1:
-        right = _times(right, s * b)
-    return _blend(negative, left, right)
-
-
-def _squarewave_fourier(g: Tensor, x: Tensor, r: spike) -> Tensor:
-    # s (2a/pi) sum_{i=1..terms} cos((2i - 1) a x), the sum first, then the constant, then g
-    # (SpikingJelly's order, so its preset rounds as it does). A float16/bfloat16 input is
-    # computed in float32: a harmonic's argument would overflow float16 (|x| 1e4, a = 25) or
-    # lose the phase in bfloat16's 8 bits.
-    if x.dtype in _HALF:
-        return _squarewave_fourier(g.float(), x.float(), r).to(g.dtype)
-    a, s, n = _set(r.alpha), r.scale, int(_set(r.terms))
-    total = _cosine(x, a)
-    for i in range(2, n + 1):
-        term = _cosine(x, (2 * i - 1) * a)
-        total = total.add_(term) if _in_place() else total + term
-    return _times(_times(total, s * 2 * a / math.pi), g)
-
-
-def _cosine(x: Tensor, frequency: float) -> Tensor:
-    term = x * frequency
-    return term.cos_() if _in_place() else term.cos()
-
-
-def _nonzero_sign_log_abs(g: Tensor, x: Tensor, r: spike) -> Tensor:
-    # s a / (1 + a|x|) = g / d, d = |x| / s + 1 / (s a)
-    a, s = _set(r.alpha), r.scale
-    d = torch.abs(x)
-    if s != 1:
-        d = _times(d, 1 / s)
-    d = d.add_(1 / (s * a)) if _in_place() else d + 1 / (s * a)
-    return _divide(g, d)
-
-
-def _fake_numerical_gradient(g: Tensor, x: Tensor, r: spike) -> Tensor:
-    # s min(a, 1/|x|) = g / d, d = max(|x|, 1/a) / s: a at x = 0 and at x = -0 (where
-    # sign(x)/x, as SpikingJelly writes it, is -inf)
-    a, s = _set(r.alpha), r.scale
-    d = torch.abs(x)
-    d = d.clamp_min_(1 / a) if _in_place() else d.clamp(min=1 / a)
-    if s != 1:
-        d = _times(d, 1 / s)
-    return _divide(g, d)
-
-
-def _log_tailed_relu(g: Tensor, x: Tensor, r: spike) -> Tensor:
-    # s * (leak where x <= 0; 1 where 0 < x <= 1; 1/x where x > 1): 1/max(x, 1) on the right
-    s, leak = r.scale, _set(r.leak)
-    inverse = x.clamp(min=1)
-    if s != 1:
-        inverse = _times(inverse, 1 / s)
-    inverse = inverse.reciprocal_() if _in_place() else inverse.reciprocal()
-    right = _times(inverse, g)  # finite for every x but NaN, so the blend is exact
-    positive = _indicator(torch.gt, x, 0.0)
-    if leak == 0:
-        return _times(right, positive)
-    return _blend(positive, right, g * (s * leak))
-
-
-def _leaky_factor(x: Tensor, r: spike, silent: float | Tensor) -> Tensor:
-    """scale * (1 where the step fires, `silent` where it does not), and at x == 0 with a
-    fractional `at_zero` the blend at_zero * 1 + (1 - at_zero) * silent."""
-    s, z = r.scale, r.at_zero
-    fired = _indicator(torch.ge if z == 1 else torch.gt, x, 0.0)
-    off = s * silent if isinstance(silent, float) else _times(silent, s)
-    if isinstance(off, float) and off == 0:
-        factor = fired if s == 1 else _times(fired, s)
-    else:
-        factor = _blend(fired, s, off)
-    if 0 < z < 1:
-        factor = torch.where(x == 0, off * (1 - z) + z * s, factor)
-    return factor
-
-
-def _leaky_relu(g: Tensor, x: Tensor, r: spike, noise: Tensor | None = None) -> Tensor:
-    # s * (1 where the step fires; leak + spread (u - 1/2) where it does not, u ~ U[0, 1))
-    leak, spread = _set(r.leak), _set(r.spread)
-    silent: float | Tensor = leak
-    if noise is not None and spread != 0:
-        silent = torch.add(_scalar(noise, leak - spread / 2), noise, alpha=spread)
-    return _times(_leaky_factor(x, r, silent), g)
-
-
-def _sparse_fast_sigmoid(g: Tensor, x: Tensor, r: spike) -> Tensor:
-    # the fast sigmoid's where x > bound, else 0 (a product, so a NaN input stays NaN)
-    return _times(_fast_sigmoid(g, x, r), _indicator(torch.gt, x, _set(r.bound)))
+    return proxy
 
 
 # ---- proxies: the smooth function whose derivative is sg (autograd checks the backward) -------
-
-
-def _proxy_arctan(x: Tensor, r: spike) -> Tensor:
-    a = _set(r.alpha)
-    return 0.5 + torch.atan(x * (math.pi * a / 2)) / math.pi
-
-
-def _proxy_sigmoid(x: Tensor, r: spike) -> Tensor:
-    return torch.sigmoid(x * _set(r.alpha))
 
 
 def _proxy_fast_sigmoid(x: Tensor, r: spike) -> Tensor:
@@ -362,31 +98,6 @@ def _proxy_erf(x: Tensor, r: spike) -> Tensor:
     return 0.5 + 0.5 * torch.erf(_set(r.alpha) * x)
 
 
-def _proxy_triangle(x: Tensor, r: spike) -> Tensor:
-    a = _set(r.alpha)
-    inner = a * x - 0.5 * a * a * x * x.abs() + 0.5
-    return torch.where(x < -1 / a, 0.0, torch.where(x > 1 / a, 1.0, inner))
-
-
-def _proxy_rectangular(x: Tensor, r: spike) -> Tensor:
-    # The window is strict, as the rule's |x| < 1/(2a): torch.clamp would count its ends
-    # in (gradient a at x = ±1/(2a), where the rule gives the leak).
-    a, leak = _set(r.alpha), _set(r.leak)
-    h = 0.5 / a
-    inside = x.abs() < h
-    outside = torch.where(x > 0, 1 + leak * (x - h), leak * (x + h))
-    return torch.where(inside, a * x + 0.5, outside)
-
-
-def _proxy_piecewise_exp(x: Tensor, r: spike) -> Tensor:
-    # Each branch clamped to its side, so autograd gives a/2 at 0 (not |x|'s 0) and the
-    # branch not taken never overflows.
-    a = _set(r.alpha)
-    left = 0.5 * torch.exp(a * x.clamp(max=0))
-    right = 1 - 0.5 * torch.exp(-a * x.clamp(min=0))
-    return torch.where(x < 0, left, right)
-
-
 def _proxy_straight(x: Tensor, r: spike) -> Tensor:
     return x
 
@@ -394,14 +105,6 @@ def _proxy_straight(x: Tensor, r: spike) -> Tensor:
 def _proxy_circ(x: Tensor, r: spike) -> Tensor:
     u = _set(r.alpha) * x
     return 0.5 + 0.5 * u / torch.sqrt(1 + u * u)
-
-
-def _proxy_q_pseudo_spike(x: Tensor, r: spike) -> Tensor:
-    a = _set(r.alpha)
-    c = 2 / (a - 1)
-    left = 0.5 * (1 - c * x.clamp(max=0)) ** (1 - a)
-    right = 1 - 0.5 * (1 + c * x.clamp(min=0)) ** (1 - a)
-    return torch.where(x < 0, left, right)
 
 
 def _proxy_s2nn(x: Tensor, r: spike) -> Tensor:
@@ -441,8 +144,8 @@ def _proxy_leaky_relu(x: Tensor, r: spike) -> Tensor:
     # x times the piecewise-constant sg (without noise: its mean, leak): autograd gives sg,
     # at x == 0 too
     leak = _set(r.leak)
-    sg = torch.where(x > 0, _scalar(x, 1.0), _scalar(x, leak))
-    sg = torch.where(x == 0, _scalar(x, r.at_zero + (1 - r.at_zero) * leak), sg)
+    sg = torch.where(x > 0, x.new_full((), 1.0), x.new_full((), leak))
+    sg = torch.where(x == 0, x.new_full((), r.at_zero + (1 - r.at_zero) * leak), sg)
     return x * sg
 
 
@@ -452,82 +155,63 @@ def _proxy_sparse_fast_sigmoid(x: Tensor, r: spike) -> Tensor:
     return torch.where(x > bound, step, 0.0)
 
 
-# ---- the probability of a sampled spike (sample=True): the smooth step, finite everywhere -----
-
-
-def _probability_fast_sigmoid(x: Tensor, r: spike) -> Tensor:
-    tail = 0.5 / (1 + _set(r.alpha) * x.abs())  # a x / (1 + a|x|) would be inf / inf at inf
-    return torch.where(x < 0, tail, 1 - tail)
-
-
-def _probability_erf(x: Tensor, r: spike) -> Tensor:
-    return 0.5 * torch.erfc(-_set(r.alpha) * x)
-
-
-def _probability_circ(x: Tensor, r: spike) -> Tensor:
-    u = _set(r.alpha) * x  # u / sqrt(1 + u^2) written so that no u^2 overflows
-    return 0.5 + 0.5 * torch.sign(u) * torch.rsqrt(1 + 1 / (u * u))
-
-
-def _probability_straight(x: Tensor, r: spike) -> Tensor:
-    return x.clamp(0, 1)  # the input is the probability, as SpikingJelly's PoissonPass takes
-
-
-_Derivative = Callable[[Tensor, Tensor, "spike"], Tensor]
 _Proxy = Callable[[Tensor, "spike"], Tensor]
 
 
 class _Surrogate(NamedTuple):
-    derivative: _Derivative
+    derivative: F.Derivative
     proxy: _Proxy
     alpha: float | None  # the default alpha (sg(0) = 1 where the formula allows); None: unused
     formula: str  # sg(x) at scale 1
     params: tuple[str, ...] = ()  # its parameters besides alpha
-    probability: _Proxy | None = None  # its step from 0 to 1, for sample=True
+    probability: F.Step | None = None  # its step from 0 to 1, for sample=True
     alpha_above: float = 0.0  # alpha must exceed this
 
 
+_D, _P = F.DERIVATIVES, F.PROBABILITIES
+
 _SHAPES: dict[str, _Surrogate] = {
-    "arctan": _Surrogate(_arctan, _proxy_arctan, 2.0, "(a/2) / (1 + (pi a x / 2)^2)",
-                         probability=_proxy_arctan),
-    "sigmoid": _Surrogate(_sigmoid, _proxy_sigmoid, 4.0, "a sigmoid(a x) (1 - sigmoid(a x))",
-                          probability=_proxy_sigmoid),
-    "fast_sigmoid": _Surrogate(_fast_sigmoid, _proxy_fast_sigmoid, 2.0, "(a/2) / (1 + a|x|)^2",
-                               probability=_probability_fast_sigmoid),
-    "erf": _Surrogate(_erf, _proxy_erf, _SQRT_PI, "(a / sqrt(pi)) exp(-(a x)^2)",
-                      probability=_probability_erf),
-    "triangle": _Surrogate(_triangle, _proxy_triangle, 1.0, "max(0, a - a^2 |x|)",
-                           probability=_proxy_triangle),
-    "rectangular": _Surrogate(_rectangular, _proxy_rectangular, 1.0,
+    "arctan": _Surrogate(_D["arctan"], _torch_step("arctan"), 2.0,
+                         "(a/2) / (1 + (pi a x / 2)^2)", probability=_P["arctan"]),
+    "sigmoid": _Surrogate(_D["sigmoid"], _torch_step("sigmoid"), 4.0,
+                          "a sigmoid(a x) (1 - sigmoid(a x))", probability=_P["sigmoid"]),
+    "fast_sigmoid": _Surrogate(_D["fast_sigmoid"], _proxy_fast_sigmoid, 2.0,
+                               "(a/2) / (1 + a|x|)^2", probability=_P["fast_sigmoid"]),
+    "erf": _Surrogate(_D["erf"], _proxy_erf, _SQRT_PI, "(a / sqrt(pi)) exp(-(a x)^2)",
+                      probability=_P["erf"]),
+    "triangle": _Surrogate(_D["triangle"], _torch_step("triangle"), 1.0, "max(0, a - a^2 |x|)",
+                           probability=_P["triangle"]),
+    "rectangular": _Surrogate(_D["rectangular"], _torch_step("rectangular"), 1.0,
                               "a if |x| < 1/(2a) else leak", ("leak",),
-                              probability=_proxy_rectangular),
-    "piecewise_exp": _Surrogate(_piecewise_exp, _proxy_piecewise_exp, 2.0, "(a/2) exp(-a|x|)",
-                                probability=_proxy_piecewise_exp),
-    "straight_through": _Surrogate(_straight, _proxy_straight, 1.0, "1",
-                                   probability=_probability_straight),
-    "circ": _Surrogate(_circ, _proxy_circ, 2.0, "(a/2) / (1 + (a x)^2)^(3/2)",
-                       probability=_probability_circ),
-    "q_pseudo_spike": _Surrogate(_q_pseudo_spike, _proxy_q_pseudo_spike, 2.0,
-                                 "(1 + 2|x| / (a - 1))^(-a)", probability=_proxy_q_pseudo_spike,
+                              probability=_P["rectangular"]),
+    "piecewise_exp": _Surrogate(_D["piecewise_exp"], _torch_step("piecewise_exp"), 2.0,
+                                "(a/2) exp(-a|x|)", probability=_P["piecewise_exp"]),
+    "straight_through": _Surrogate(_D["straight_through"], _proxy_straight, 1.0, "1",
+                                   probability=_P["straight_through"]),
+    "circ": _Surrogate(_D["circ"], _proxy_circ, 2.0, "(a/2) / (1 + (a x)^2)^(3/2)",
+                       probability=_P["circ"]),
+    "q_pseudo_spike": _Surrogate(_D["q_pseudo_spike"], _torch_step("q_pseudo_spike"), 2.0,
+                                 "(1 + 2|x| / (a - 1))^(-a)", probability=_P["q_pseudo_spike"],
                                  alpha_above=1.0),
-    "s2nn": _Surrogate(_s2nn, _proxy_s2nn, 4.0,
+    "s2nn": _Surrogate(_D["s2nn"], _proxy_s2nn, 4.0,
                        "a sigmoid(a x) (1 - sigmoid(a x)) if x < 0 else beta / (1 + x)",
                        ("beta",)),
-    "squarewave_fourier": _Surrogate(_squarewave_fourier, _proxy_squarewave_fourier,
+    "squarewave_fourier": _Surrogate(_D["squarewave_fourier"], _proxy_squarewave_fourier,
                                      math.pi / 2, "(2a/pi) sum_{i=1..terms} cos((2i - 1) a x)",
                                      ("terms",)),
-    "nonzero_sign_log_abs": _Surrogate(_nonzero_sign_log_abs, _proxy_nonzero_sign_log_abs, 1.0,
-                                       "a / (1 + a|x|)"),
-    "fake_numerical_gradient": _Surrogate(_fake_numerical_gradient,
+    "nonzero_sign_log_abs": _Surrogate(_D["nonzero_sign_log_abs"], _proxy_nonzero_sign_log_abs,
+                                       1.0, "a / (1 + a|x|)"),
+    "fake_numerical_gradient": _Surrogate(_D["fake_numerical_gradient"],
                                           _proxy_fake_numerical_gradient, 1.0,
                                           "min(a, 1/|x|)"),
-    "log_tailed_relu": _Surrogate(_log_tailed_relu, _proxy_log_tailed_relu, None,
+    "log_tailed_relu": _Surrogate(_D["log_tailed_relu"], _proxy_log_tailed_relu, None,
                                   "leak if x <= 0, 1 if x <= 1, else 1/x", ("leak",)),
-    "leaky_relu": _Surrogate(_leaky_relu, _proxy_leaky_relu, None,
+    "leaky_relu": _Surrogate(_D["leaky_relu"], _proxy_leaky_relu, None,
                              "1 where the step fires, else leak + spread (u - 1/2)",
                              ("leak", "spread")),
-    "sparse_fast_sigmoid": _Surrogate(_sparse_fast_sigmoid, _proxy_sparse_fast_sigmoid, 2.0,
-                                      "(a/2) / (1 + a|x|)^2 if x > bound else 0", ("bound",)),
+    "sparse_fast_sigmoid": _Surrogate(_D["sparse_fast_sigmoid"], _proxy_sparse_fast_sigmoid,
+                                      2.0, "(a/2) / (1 + a|x|)^2 if x > bound else 0",
+                                      ("bound",)),
 }
 
 #: Other names for the same formula: SuperSpike's surrogate (Zenke & Ganguli, 2018) is the
@@ -629,7 +313,8 @@ def _spike(x: Tensor, recipe: spike) -> Tensor:
 
 @_spike.backward
 def _(grad: Tensor, *, x: Tensor, recipe: spike) -> Tensor:
-    return _shape(recipe).derivative(grad, recipe._centred(x), recipe)
+    result: Tensor = _shape(recipe).derivative(TORCH, grad, recipe._centred(x), recipe)
+    return result
 
 
 @custom_backward
@@ -644,7 +329,7 @@ def _(grad: Tensor, *, x: Tensor, recipe: spike, noise: Tensor | None,
       generator: torch.Generator | None) -> tuple[Tensor, None, None, None]:
     # Drawn here, in the backward, when not given: as snnTorch's SSO draws it.
     u = noise if noise is not None else _uniform(x, generator, x.dtype)
-    return _leaky_relu(grad, recipe._centred(x), recipe, u), None, None, None
+    return F.leaky_relu(TORCH, grad, recipe._centred(x), recipe, u), None, None, None
 
 
 @custom_backward
@@ -656,7 +341,7 @@ def _spike_sampled(
 
 @_spike_sampled.backward
 def _(grad: Tensor, *, x: Tensor, recipe: spike) -> tuple[Tensor, None, None, None]:
-    return _shape(recipe).derivative(grad, recipe._centred(x), recipe), None, None, None
+    return _shape(recipe).derivative(TORCH, grad, recipe._centred(x), recipe), None, None, None
 
 
 def _uniform(like: Tensor, generator: torch.Generator | None, dtype: torch.dtype) -> Tensor:
@@ -807,6 +492,9 @@ class spike(Recipe):
     as `torch.rand_like` does (on the CPU in float32 and float64 also what `torch.bernoulli`
     draws), so a seed reproduces a peer's run. Under `torch.compile` and `torch.func` pass
     `noise=`: a compiled graph draws its own numbers, and `vmap` refuses random draws.
+    On TensorFlow tensors it draws from TensorFlow's generator without `noise=`; on JAX
+    arrays, which have no global random state, `noise=` is required:
+    `noise=jax.random.uniform(key, x.shape)`, with a new key each step.
     """
 
     surrogate: str = "arctan"
@@ -925,11 +613,8 @@ class spike(Recipe):
     def step(self, x: Tensor) -> Tensor:
         """H(x) with H(0) = `at_zero`, in x's dtype (no gradient): the forward, unless
         `sample=True`."""
-        if self.at_zero == 0:
-            return _indicator(torch.gt, x, 0)
-        if self.at_zero == 1:
-            return _indicator(torch.ge, x, 0)
-        return torch.where(x == 0, self.at_zero, (x > 0).to(x.dtype)).to(x.dtype)
+        result: Tensor = F.step(TORCH, x, self.at_zero)
+        return result
 
     def probability(self, x: Tensor) -> Tensor:
         """The probability of a spike when `sample=True`: the surrogate's smooth step from 0
@@ -943,13 +628,15 @@ class spike(Recipe):
             )
             raise GradOverrideError(msg)
         xc = self._centred(x.detach().to(_compute_dtype(x)))
-        return shape.probability(xc, self)
+        result: Tensor = shape.probability(TORCH, xc, self)
+        return result
 
     def _sample(self, x: Tensor, noise: Tensor | None, generator: torch.Generator | None
                 ) -> Tensor:
         p = self.probability(x)
         u = _uniform(p, generator, p.dtype) if noise is None else noise.to(p.dtype)
-        return _indicator(torch.lt, u, p).to(x.dtype)
+        result: Tensor = F.sample(TORCH, u, p, x.dtype)
+        return result
 
     def gradient(self, x: Tensor, *, noise: Tensor | None = None,
                  generator: torch.Generator | None = None) -> Tensor:
@@ -959,10 +646,12 @@ class spike(Recipe):
         xc = self._centred(x)
         if self.spread:
             u = _uniform(x, generator, x.dtype) if noise is None else _check_noise(self, x, noise)
-            return _leaky_relu(ones, xc, self, u)
+            result: Tensor = F.leaky_relu(TORCH, ones, xc, self, u)
+            return result
         if isinstance(self.alpha, Tensor):
             return learned_gradient(x, self.alpha, self, _canonical(self.surrogate))
-        return _shape(self).derivative(ones, xc, self)
+        result = _shape(self).derivative(TORCH, ones, xc, self)
+        return result
 
     def proxy(self, x: Tensor) -> Tensor:
         """The function whose derivative is sg (a smooth step from 0 to 1 for the surrogates
@@ -972,10 +661,8 @@ class spike(Recipe):
 
     def __call__(self, x: Tensor, *, noise: Tensor | None = None,
                  generator: torch.Generator | None = None) -> Tensor:
-        if not isinstance(x, Tensor) and is_tensorflow(x):
-            if isinstance(self.alpha, Tensor):
-                refuse_on_tensorflow(self)
-            return tensorflow_call(self, x, noise=noise, generator=generator)
+        if not isinstance(x, Tensor) and foreign(x):  # a learned alpha is refused there
+            return array_call(self, x, noise=noise, generator=generator)
         if not (self.sample or self.spread):
             if noise is not None or generator is not None:
                 _refuse_noise(self)

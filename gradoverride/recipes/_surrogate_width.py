@@ -26,8 +26,8 @@ from torch import Tensor, nn
 
 from .._decorators import custom_backward
 from .._errors import GradOverrideError, GradOverrideTypeError
-from .._frameworks import is_tensorflow
 from .._jit import refuse_scripting
+from .._ops import foreign
 
 if TYPE_CHECKING:
     from ._surrogate import spike
@@ -39,7 +39,7 @@ __all__ = [
     "check_learned_alpha",
     "learned_gradient",
     "learned_spike",
-    "refuse_on_tensorflow",
+    "refuse_foreign",
 ]
 
 _SQRT_PI = math.sqrt(math.pi)
@@ -266,11 +266,14 @@ def check_learned_alpha(owner: str, surrogate: str, alpha: Tensor, sample: objec
         raise GradOverrideError(msg)
 
 
-def refuse_on_tensorflow(recipe: object) -> None:
+def refuse_foreign(recipe: object, framework: str) -> None:
+    """The error for a learned (torch tensor) alpha with a TensorFlow or JAX input."""
+    name, array = {"tensorflow": ("TensorFlow", "tensor"), "jax": ("JAX", "array")}.get(
+        framework, (framework, "array"))
     msg = (
         f"{recipe!r} has a torch tensor `alpha` (a learned width), and its input is a "
-        "TensorFlow tensor: a torch parameter cannot take TensorFlow's gradient. On "
-        "TensorFlow give a float alpha."
+        f"{name} {array}: a torch parameter cannot take {name}'s gradient. On {name} give a "
+        "float alpha (or learn the width with torch tensors)."
     )
     raise GradOverrideError(msg)
 
@@ -300,8 +303,9 @@ class LearnedAlphaSpike(nn.Module):
         refuse_scripting(f"the module form of {self.recipe!r}")
 
     def forward(self, x: Tensor) -> Tensor:
-        if not isinstance(x, Tensor) and is_tensorflow(x):
-            refuse_on_tensorflow(self)
+        framework = None if isinstance(x, Tensor) else foreign(x)
+        if framework is not None:
+            refuse_foreign(self, framework)
         return learned_spike(x, self.alpha, self.recipe, self._surrogate)
 
     def extra_repr(self) -> str:

@@ -8,6 +8,28 @@ recipe's class and runs it with that framework's backend `b`: the formula is the
 recipe's (`gradoverride.recipes._formulas`), the custom gradient `b.custom_gradient`
 (TensorFlow's `tf.custom_gradient`, JAX's `jax.custom_gradient`). The backend is imported
 with its framework, at the first such array, so `import gradoverride` imports neither.
+
+What every framework shares with torch: the formula and its order of operations, the
+defaults, the windows (both ends inclusive unless the recipe says, compared in the input's
+dtype), the value at 0, the reduction dtypes (float32 for float16/bfloat16 inputs where
+torch does so) and the output and gradient dtype (the input's). Where a framework's op
+differs from torch's at an edge, the backend writes torch's out (`sign(NaN)` is 0; a Python
+number times a half-precision gradient is applied in float32 and rounded once; a division
+by a Python number stays a correctly rounded division where TensorFlow's graph optimizer,
+XLA and TFLite would multiply by the reciprocal). Every forward and backward is the
+framework's ops only, with no Python branch on a value, so each recipe runs eagerly, under
+`tf.function`, XLA and `jax.jit`; settings are Python values closed over by the custom
+gradient, never its arguments; variables are read before it (so they still get their
+gradient through the read); an `IndexedSlices` upstream gradient is made dense first.
+
+What cannot be the same, each documented where it applies: TensorFlow's and JAX's `exp`,
+`sigmoid` and reductions are not torch's kernels, so surrogate gradients and norms agree to
+a few float32 ulps, not to the bit (XLA on the CPU also fuses multiply-adds); TensorFlow and
+JAX have no global generator torch's `torch.Generator` could drive (JAX has none at all:
+stochastic recipes take their draws as `noise=` there); under XLA `reduce_max`/`reduce_min`
+skip NaN; `sanitize_grad(mode="raise")` cannot check inside XLA (`jit_compile=True`,
+`jax.jit`), where it is refused. The recipes that call a Python solver, `rotation_trick` and
+the torch-state module forms are torch-only (`unsupported` names the alternative).
 """
 
 from __future__ import annotations
@@ -137,20 +159,12 @@ def check_floating(b: Backend, recipe: object, x: Any, argument: str = "x") -> N
     raise GradOverrideTypeError(msg)
 
 
-def _old_tensorflow() -> Any:  # TRANSITIONAL: removed once every family is here
-    import importlib
-
-    return importlib.import_module("gradoverride._tensorflow.recipes")
-
-
 def call(recipe: object, x: Any, /, *args: Any, **kwargs: Any) -> Any:
     """`recipe(x, ...)` for another framework's `x` (the recipe's call sends it here)."""
     b = backend_for(x)
     b.check_call(f"`{recipe!r}`")
     implementation = _lookup(_CALLS, recipe)
     if implementation is None:
-        if b.name == "TensorFlow":  # the families not yet on the protocol
-            return _old_tensorflow().call(recipe, x, *args, **kwargs)
         raise unsupported(b, recipe, x)
     if isinstance(recipe, _FLOATING_ONLY):
         check_floating(b, recipe, x)
@@ -165,7 +179,5 @@ def transform(recipe: Any, grad: Any, /, **kwargs: Any) -> Any:
     grad = b.asarray(grad)
     implementation = _lookup(_TRANSFORMS, recipe)
     if implementation is None:
-        if b.name == "TensorFlow":  # the families not yet on the protocol
-            return _old_tensorflow().transform(recipe, grad, **kwargs)
         return recipe.transform(grad, **kwargs)
     return implementation(b, recipe, grad, **kwargs)
