@@ -53,9 +53,13 @@ default, float16 under `keras.mixed_precision.set_global_policy("mixed_float16")
 output has that dtype; its gradient flows back through the cast in the input's dtype. Pass
 `autocast=False` to keep whatever floating dtype arrives (float64, say).
 
-Requires Keras 3 with the TensorFlow backend (`KERAS_BACKEND=tensorflow`, Keras' default)
-and TensorFlow (`pip install 'gradoverride[tensorflow]'`). Importing `gradoverride.keras`
-imports TensorFlow and Keras; `import gradoverride` does not.
+Requires Keras 3 (`pip install 'gradoverride[tensorflow]'`). On Keras' TensorFlow backend
+(`KERAS_BACKEND=tensorflow`, Keras' default) importing `gradoverride.keras` imports
+TensorFlow and Keras; `import gradoverride` does not. `Layer` works on Keras' JAX and
+torch backends too (there `gradoverride.keras` does not import TensorFlow itself); the
+recipe layers call their recipe on the backend's tensors (torch's recipes, or the recipes
+that take JAX arrays); `copy_overrides` and `LayerHandle`, like `go.override_backward` and
+`go.grad_hook` on Keras layers, need the TensorFlow backend.
 """
 
 from __future__ import annotations
@@ -66,26 +70,58 @@ from typing import Any
 
 try:
     import keras
-    import tensorflow as tf
+
+    if keras.backend.backend() == "tensorflow":
+        import tensorflow as tf
 except ImportError as error:
     raise ImportError(
         "gradoverride.keras needs TensorFlow and Keras 3: pip install 'gradoverride[tensorflow]' "
         "(from a clone: pip install -e '.[tensorflow]')."
     ) from error
 
+from ._errors import GradOverrideError
+from ._keras._layer import Layer
 from ._straight_through import Keep
-from ._tensorflow._inventory import copy_overrides
-from ._tensorflow._keras_modules import LayerHandle
-from ._tensorflow._layer import Layer
 from .recipes import ganin_ramp, quantize, reverse_grad, spike
 
-if keras.backend.backend() != "tensorflow":
+_BACKEND: str = keras.backend.backend()
+
+if _BACKEND == "tensorflow":
+    from ._tensorflow._inventory import copy_overrides
+    from ._tensorflow._keras_modules import LayerHandle
+elif _BACKEND not in ("jax", "torch"):
     raise ImportError(
-        "gradoverride.keras needs Keras' TensorFlow backend; this Keras runs on "
-        f"{keras.backend.backend()!r}. Set KERAS_BACKEND=tensorflow before Keras is imported."
+        "gradoverride.keras needs Keras' TensorFlow, JAX or torch backend; this Keras runs on "
+        f"{_BACKEND!r}. Set KERAS_BACKEND before Keras is imported."
     )
+else:
+
+    def copy_overrides(source: Any, target: Any) -> list[Any]:  # type: ignore[misc]
+        """Refused on Keras' JAX and torch backends (see `go.override_backward`)."""
+        msg = (
+            f"copy_overrides: the Keras model {getattr(source, 'name', source)!r} runs on "
+            f"Keras' {_BACKEND!r} backend; go.override_backward and go.grad_hook (whose "
+            "overrides this copies) support Keras layers on the TensorFlow backend only. Set "
+            "KERAS_BACKEND=tensorflow before Keras is imported, or write the gradient as a "
+            "gradoverride.keras.Layer subclass, which works on every backend."
+        )
+        raise GradOverrideError(msg)
+
+    def __getattr__(name: str) -> Any:
+        if name == "LayerHandle":
+            msg = (
+                "gradoverride.keras.LayerHandle is what go.override_backward and go.grad_hook "
+                f"return for a Keras layer, which they support on Keras' TensorFlow backend "
+                f"only; this Keras runs on {_BACKEND!r}."
+            )
+            raise AttributeError(msg)
+        msg = f"module 'gradoverride.keras' has no attribute {name!r}"
+        raise AttributeError(msg)
+
 
 __all__ = ["GradientReversal", "Layer", "LayerHandle", "Quantize", "Spike", "copy_overrides"]
+if _BACKEND != "tensorflow":
+    __all__.remove("LayerHandle")
 
 
 class _RecipeLayer(keras.layers.Layer):  # type: ignore[misc]  # Keras is untyped (Any)
@@ -171,6 +207,11 @@ class GradientReversal(_RecipeLayer):
     def call(self, inputs: Any, training: bool | None = None) -> Any:
         if not self.scheduled:
             return self.recipe(inputs)
+        if _BACKEND != "tensorflow":  # (JAX and torch: the value is an array already)
+            outputs = self.recipe(inputs, step=self.steps.value)
+            if training:
+                self.steps.assign_add(1)
+            return outputs
         # Read as a tensor here (`Variable.value` is the tf.Variable itself), so that the
         # increment below is ordered after the read (automatic control dependencies in
         # tf.function) and the backward uses the scale of this forward.
@@ -286,7 +327,10 @@ class Spike(_RecipeLayer):
 
     def call(self, inputs: Any) -> Any:
         if self.threshold != 0:
-            inputs = inputs - tf.constant(self.threshold, inputs.dtype)
+            if _BACKEND == "tensorflow":
+                inputs = inputs - tf.constant(self.threshold, inputs.dtype)
+            else:
+                inputs = inputs - keras.ops.cast(self.threshold, inputs.dtype)
         return self.recipe(inputs)
 
     def get_config(self) -> dict[str, Any]:
