@@ -56,8 +56,10 @@ def require_tensorflow_keras(layer: Any, api: str) -> None:
         msg = (
             f"{api}: the Keras layer {type(layer).__name__} `{layer.name}` runs on Keras' "
             f"{name!r} backend; gradoverride supports Keras layers on the TensorFlow backend "
-            "only. Set KERAS_BACKEND=tensorflow before Keras is imported, or, staying on "
-            f"{name!r}, write the gradient with `go.custom_backward` on the layer's tensors."
+            "only for installing a rule or a hook on an existing layer. Set "
+            "KERAS_BACKEND=tensorflow before Keras is imported, or, staying on "
+            f"{name!r}, write the layer as a `gradoverride.keras.Layer` subclass with its own "
+            "`backward` (or the gradient with `go.custom_backward` on the layer's tensors)."
         )
         raise GradOverrideError(msg)
 

@@ -23,6 +23,9 @@ __all__ = [
     "JAX_KINDS",
     "JAX_NOTES",
     "JAX_REFUSED",
+    "KERAS_BACKENDS",
+    "KERAS_BACKEND_KINDS",
+    "KERAS_BACKEND_REFUSED",
     "KINDS",
     "NOTES",
     "REFUSED",
@@ -537,6 +540,49 @@ JAX_NOTES: dict[tuple[str, str], str] = {
 }
 
 
+# ---- Keras 3 backends -----------------------------------------------------------------------
+#
+# `gradoverride.keras` by Keras backend: `tests/test_keras_backends.py` runs the JAX and torch
+# columns (one interpreter per backend, as Keras fixes its backend at import); the TensorFlow
+# column is the TensorFlow table above.
+
+#: Keras kinds: (key, what it is).
+KERAS_BACKEND_KINDS: tuple[tuple[str, str], ...] = (
+    ("gradoverride.keras.Layer", "a Keras layer whose `backward` gives its input's and its "
+     "variables' gradients, trained by one `model.fit` step"),
+    ("recipe layers", "`GradientReversal` (with a `ganin_ramp` schedule counting `fit`'s "
+     "steps), `Spike`, `Quantize`"),
+    ("override_backward", "a rule given to an existing Keras layer"),
+    ("grad_hook", "a transform at an existing Keras layer's variables"),
+)
+
+#: Keras backends: (key, what runs).
+KERAS_BACKENDS: tuple[tuple[str, str], ...] = (
+    ("tensorflow", "`KERAS_BACKEND=tensorflow`: the TensorFlow table above"),
+    ("jax", "`KERAS_BACKEND=jax`: `model.fit` and `jax.grad` over `model.stateless_call`; "
+     "the rule runs on JAX arrays"),
+    ("torch", "`KERAS_BACKEND=torch`: `model.fit` and `loss.backward()`; the rule runs on "
+     "torch tensors, the variables being torch parameters"),
+)
+
+_KERAS_MODULE_SIDE = Refusal(
+    "Installing a rule or a hook on an existing Keras layer uses TensorFlow's graph and "
+    "variables; on the other backends it raises, naming the layer and saying to set "
+    "`KERAS_BACKEND=tensorflow` or to write the layer as a `gradoverride.keras.Layer` (or "
+    "the gradient with `go.custom_backward` on its tensors).",
+    match=r"runs on Keras' '(jax|torch)' backend; gradoverride supports Keras layers on the "
+    r"TensorFlow backend only for installing a rule or a hook on an existing layer\. Set "
+    r"KERAS_BACKEND=tensorflow .* write the layer as a `gradoverride\.keras\.Layer` "
+    r"subclass",
+)
+
+#: The refused Keras-backend cells, by (kind, backend).
+KERAS_BACKEND_REFUSED: dict[tuple[str, str], Refusal] = {
+    (kind, backend): _KERAS_MODULE_SIDE
+    for kind in ("override_backward", "grad_hook") for backend in ("jax", "torch")
+}
+
+
 def _cell(kind: str, context: str) -> str:
     refusal = REFUSED.get((kind, context))
     if refusal is not None:
@@ -624,6 +670,7 @@ def markdown() -> str:
         "",
         *_tensorflow_markdown(),
         *_jax_markdown(),
+        *_keras_backends_markdown(),
     ]
     return "\n".join(lines)
 
@@ -707,6 +754,33 @@ def _jax_markdown() -> list[str]:
     for (kind, context), text in JAX_NOTES.items():
         grouped.setdefault(text, []).append(f"{kind} in {context}")
     lines += [f"- {'; '.join(cells)}: {text}" for text, cells in grouped.items()]
+    lines.append("")
+    return lines
+
+
+def _keras_backends_markdown() -> list[str]:
+    """The Keras-backend section of the page."""
+    lines = [
+        "## Keras 3 backends",
+        "",
+        "`gradoverride.keras` by Keras backend. **yes**: supported, and tested to give the "
+        "gradients (and the `fit` step) worked out by hand; **refused**: the call raises the "
+        "error given below. The JAX and torch columns run in `tests/test_keras_backends.py`; "
+        "the TensorFlow column is the TensorFlow table above.",
+        "",
+    ]
+
+    def cell(kind: str, backend: str) -> str:
+        return "refused" if (kind, backend) in KERAS_BACKEND_REFUSED else "yes"
+
+    lines += _grid(KERAS_BACKEND_KINDS, KERAS_BACKENDS, cell, "### Kinds (Keras)",
+                   "### Backends (Keras)")
+    lines += ["", "### Refused cells (Keras)", ""]
+    seen: dict[Refusal, list[str]] = {}
+    for (kind, backend), refusal in KERAS_BACKEND_REFUSED.items():
+        seen.setdefault(refusal, []).append(f"{kind} on {backend}")
+    lines += [f"- {'; '.join(cells)}: `{refusal.error}`. {refusal.reason}"
+              for refusal, cells in seen.items()]
     lines.append("")
     return lines
 

@@ -226,11 +226,17 @@ put("override_backward", error_text(
     lambda: go.override_backward(layer, lambda g, *, inputs: g)))
 put("copy_overrides", error_text(lambda: go.keras.copy_overrides(layer, layer)))
 
-try:
-    gx = jax.grad(lambda x: jnp.sum(GradientReversal(0.5)(x) * C))(jnp.asarray(X))
-    put("reversal", numpy(gx).tolist())
-except go.GradOverrideTypeError as error:
-    put("reversal", "unsupported: " + str(error).splitlines()[-1][:200])
+for name, recipe_layer in (("reversal", GradientReversal(0.5)), ("quantize", Quantize(bits=8)),
+                           ("spike", Spike())):
+    gx = jax.jit(jax.grad(lambda x: jnp.sum(recipe_layer(x) * C)))(jnp.asarray(X))
+    put(name, {"out": numpy(recipe_layer(jnp.asarray(X))).tolist(), "x": numpy(gx).tolist()})
+
+ramp = GradientReversal(go.recipes.ganin_ramp(total_steps=10))
+model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(2), Spike(), Quantize(),
+                          ramp, SineSTE(), keras.layers.Dense(1)])
+model.compile(optimizer="sgd", loss="mse")
+model.fit(np.ones((4, 2), "float32"), np.zeros((4, 1), "float32"), batch_size=2, verbose=0)
+put("ramp steps", float(numpy(ramp.steps)))
 
 fit_step()
 run_docs_example()
@@ -283,6 +289,9 @@ x = torch.tensor(X, requires_grad=True)
 put("frozen", numpy(x.grad).tolist())
 put("frozen w grad", stat.w.value.grad is None)
 put("assigns", float(numpy(counts.calls)))
+put("grad_hook", error_text(lambda: go.grad_hook(stat, lambda g: g, at="variables")))
+put("override_backward", error_text(
+    lambda: go.override_backward(stat, lambda g, *, inputs: g)))
 
 for name, recipe_layer in (("reversal", GradientReversal(0.5)), ("quantize", Quantize(bits=8)),
                            ("spike", Spike())):
@@ -392,8 +401,8 @@ def test_jax_mistakes_are_named(on_jax: dict[str, Any]) -> None:
 def test_jax_keras_module_side_is_refused_by_name(on_jax: dict[str, Any]) -> None:
     assert on_jax["grad_hook"].startswith(
         "grad_hook: the Keras layer SineSTE `sine_ste` runs on Keras' 'jax' backend; "
-        "gradoverride supports Keras layers on the TensorFlow backend only. Set "
-        "KERAS_BACKEND=tensorflow"
+        "gradoverride supports Keras layers on the TensorFlow backend only for installing a "
+        "rule or a hook on an existing layer. Set KERAS_BACKEND=tensorflow"
     ), on_jax["grad_hook"]
     assert on_jax["override_backward"].startswith(
         "override_backward: the Keras layer SineSTE `sine_ste` runs on Keras' 'jax' backend"
@@ -408,11 +417,8 @@ def test_gradoverride_keras_on_jax_does_not_import_tensorflow(on_jax: dict[str, 
     assert on_jax["tensorflow imported"] is False
 
 
-def test_jax_recipe_layer_routes_to_the_recipe(on_jax: dict[str, Any]) -> None:
-    got = on_jax["reversal"]
-    if isinstance(got, str):
-        pytest.skip(f"reverse_grad does not take JAX arrays yet ({got})")
-    _close(got, -0.5 * C)
+def test_jax_recipe_layers_call_the_recipes_on_jax_arrays(on_jax: dict[str, Any]) -> None:
+    _check_recipe_layers(on_jax)
 
 
 def test_jax_page_example_prints_what_the_page_shows(on_jax: dict[str, Any]) -> None:
@@ -464,18 +470,70 @@ def test_torch_assignments_in_call_are_applied(on_torch: dict[str, Any]) -> None
 
 
 def test_torch_recipe_layers_call_the_torch_recipes(on_torch: dict[str, Any]) -> None:
-    _close(on_torch["reversal"]["out"], X)
-    _close(on_torch["reversal"]["x"], -0.5 * C)
+    _check_recipe_layers(on_torch)
+
+
+def _check_recipe_layers(results: dict[str, Any]) -> None:
+    """The recipe layers' outputs and input gradients, worked out by hand (the same on
+    every backend), and a `fit` counting the schedule's steps."""
+    _close(results["reversal"]["out"], X)
+    _close(results["reversal"]["x"], -0.5 * C)
     # 8-bit symmetric over max|x| = 3: nothing is clamped, the gradient passes straight.
     step = 3.0 / 127
-    _close(on_torch["quantize"]["out"], np.round(X / step) * step)
-    _close(on_torch["quantize"]["x"], C)
+    _close(results["quantize"]["out"], np.round(X / step) * step)
+    _close(results["quantize"]["x"], C)
     # The arctan surrogate at its default sharpness (alpha = 2, sg(0) = 1): 1 / (1 + (pi x)^2).
-    _close(on_torch["spike"]["out"], (X > 0).astype(np.float32))
-    _close(on_torch["spike"]["x"], C / (1 + (np.pi * X) ** 2))
-    assert on_torch["ramp steps"] == 2.0  # two training batches
+    _close(results["spike"]["out"], (X > 0).astype(np.float32))
+    _close(results["spike"]["x"], C / (1 + (np.pi * X) ** 2))
+    assert results["ramp steps"] == 2.0  # two training batches
 
 
 def test_torch_page_example_prints_what_the_page_shows(on_torch: dict[str, Any]) -> None:
     assert on_torch["docs"]["shown"], "docs/keras.md's example shows no output"
     assert on_torch["docs"]["printed"] == on_torch["docs"]["shown"]
+
+
+# ---- the support matrix's Keras-backend table ------------------------------------------------
+
+
+def _matrix_cells() -> list[tuple[str, str]]:
+    from gradoverride._support_matrix import KERAS_BACKEND_KINDS, KERAS_BACKENDS
+
+    return [(kind, backend) for kind, _ in KERAS_BACKEND_KINDS for backend, _ in KERAS_BACKENDS
+            if backend != "tensorflow"]
+
+
+@pytest.mark.parametrize(("kind", "backend"), _matrix_cells(),
+                         ids=[f"{k} | {b}" for k, b in _matrix_cells()])
+def test_keras_backend_matrix_cell(kind: str, backend: str, request: pytest.FixtureRequest
+                                   ) -> None:
+    """Each cell of the support matrix's Keras-backend table, from the backend's run (the
+    TensorFlow column is the TensorFlow table's, tested by
+    tests/test_support_matrix_tensorflow.py)."""
+    import re
+
+    from gradoverride._support_matrix import KERAS_BACKEND_REFUSED
+
+    results = request.getfixturevalue("on_jax" if backend == "jax" else "on_torch")
+    refusal = KERAS_BACKEND_REFUSED.get((kind, backend))
+    if refusal is not None:
+        assert re.search(refusal.match, results[kind]), results[kind]
+    elif kind == "gradoverride.keras.Layer":
+        _close_all(results["fit"], _fit_step())
+    else:
+        assert kind == "recipe layers"
+        _check_recipe_layers(results)
+
+
+def test_the_tensorflow_column_is_the_tensorflow_table() -> None:
+    from gradoverride._support_matrix import KERAS_BACKEND_KINDS, TF_KINDS, TF_REFUSED
+
+    tf_kinds = {kind for kind, _ in TF_KINDS}
+    for kind, _ in KERAS_BACKEND_KINDS:
+        if kind == "recipe layers":
+            assert "recipe: surrogate spike" in tf_kinds  # the recipes inside a Keras layer
+        elif kind == "grad_hook":
+            assert {"grad_hook inputs", "grad_hook variables"} <= tf_kinds
+        else:
+            assert kind in tf_kinds
+            assert (kind, "eager") not in TF_REFUSED

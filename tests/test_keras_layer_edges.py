@@ -390,7 +390,9 @@ def test_a_keras_layer_on_the_torch_backend_is_refused_by_name() -> None:
     assert len(lines) == 2, done.stdout + done.stderr
     assert lines[0].startswith("grad_hook: the Keras layer Dense `dense` runs on Keras' "
                                "'torch' backend; gradoverride supports Keras layers on the "
-                               "TensorFlow backend only. Set KERAS_BACKEND=tensorflow")
+                               "TensorFlow backend only for installing a rule or a hook on "
+                               "an existing layer. Set KERAS_BACKEND=tensorflow")
+    assert "write the layer as a `gradoverride.keras.Layer` subclass" in lines[0]
     assert lines[1].startswith("override_backward: the Keras layer Dense `dense` runs on")
 
 
