@@ -16,7 +16,7 @@ from .._frameworks import any_jax
 from ._compare import compare, format_index, tolerances
 from ._inputs import Call, function_name
 from ._reference import FINITE_DIFFERENCES, Reference, reference_gradients
-from ._report import BackwardReport, GradientRow
+from ._report import BackwardReport, GradientRow, mismatch_message
 from ._vjp import GradOutputs, backward, describe_upstream, forward, upstream
 
 if TYPE_CHECKING:
@@ -169,7 +169,7 @@ def check_backward(
         call.fn_name, rows, reference=description, upstream=describe_upstream(grad_outputs, seed)
     )
     if raise_on_mismatch and not report.ok:
-        raise GradOverrideError(_mismatch_message(report, reference))
+        raise GradOverrideError(mismatch_message(report, reference, "`torch.where`, `clamp`"))
     return report
 
 
@@ -226,32 +226,3 @@ def _finiteness_problems(grad: Tensor) -> list[str]:
     ]
 
 
-def _mismatch_message(report: BackwardReport, reference: Reference | None) -> str:
-    first = next(row for row in report.rows if not row.ok)
-    others = [name for name in report.mismatches if name != first.name]
-    also = f" (and for {', '.join(f'`{n}`' for n in others)})" if others else ""
-    problem = first.problems[0]
-    # (With allow_nonfinite=True a gradient that is not finite fails only by its values.)
-    if problem.startswith("its gradient is not finite"):
-        fix = (
-            "Make the rule safe where it divides or takes a log or square root (`torch.where`, "
-            "`clamp`), or pass `allow_nonfinite=True` if infinite gradients are intended."
-        )
-    else:
-        fix = (
-            f"Fix the rule's formula for `{first.name}`, or, if the reference only "
-            "approximates the rule, loosen `atol=`/`rtol=` (or check only the direction "
-            "with `min_cosine=`)."
-        )
-        if isinstance(reference, str) and reference == FINITE_DIFFERENCES:
-            fix += (
-                " Finite differences need a smooth forward: check a straight-through or "
-                "surrogate rule against a proxy function instead. The step can also be the "
-                "cause: too large for a strongly curved forward, too small for its "
-                "precision; try another `step=`."
-            )
-    return (
-        f"check_backward(`{report.fn_name}`): the gradient for `{first.name}` fails{also}: "
-        f"{problem} {fix} Pass `raise_on_mismatch=False` to get "
-        f"the report without raising.\n\n{report!r}"
-    )

@@ -43,7 +43,7 @@ from .._errors import GradOverrideError
 from ._compare import Difference, compare, format_index, tolerances
 from ._inputs import function_name, input_names, module_of
 from ._reference import FINITE_DIFFERENCES
-from ._report import BackwardReport, GradientRow
+from ._report import BackwardReport, GradientRow, mismatch_message
 
 __all__ = ["JaxGradOutputs", "JaxReference", "check_backward_jax"]
 
@@ -573,39 +573,6 @@ def _finiteness_problems(grad: Any) -> list[str]:
     ]
 
 
-def _mismatch_message(report: BackwardReport, reference: Any) -> str:
-    first = next(row for row in report.rows if not row.ok)
-    others = [name for name in report.mismatches if name != first.name]
-    also = f" (and for {', '.join(f'`{n}`' for n in others)})" if others else ""
-    problem = first.problems[0]
-    # (With allow_nonfinite=True a gradient that is not finite fails only by its values.)
-    if problem.startswith("its gradient is not finite"):
-        fix = (
-            "Make the rule safe where it divides or takes a log or square root (`jnp.where`, "
-            "`jnp.clip`), or pass `allow_nonfinite=True` if infinite gradients are intended."
-        )
-    elif problem.startswith("its gradient has"):
-        fix = f"Make the rule return a gradient of `{first.name}`'s shape and dtype."
-    else:
-        fix = (
-            f"Fix the rule's formula for `{first.name}`, or, if the reference only "
-            "approximates the rule, loosen `atol=`/`rtol=` (or check only the direction "
-            "with `min_cosine=`)."
-        )
-        if isinstance(reference, str) and reference == FINITE_DIFFERENCES:
-            fix += (
-                " Finite differences need a smooth forward: check a straight-through or "
-                "surrogate rule against a proxy function instead. The step can also be the "
-                "cause: too large for a strongly curved forward, too small for its "
-                "precision; try another `step=`."
-            )
-    return (
-        f"check_backward(`{report.fn_name}`): the gradient for `{first.name}` fails{also}: "
-        f"{problem} {fix} Pass `raise_on_mismatch=False` to get "
-        f"the report without raising.\n\n{report!r}"
-    )
-
-
 def _torch_dtype(dtype: Any) -> torch.dtype | None:
     """The torch dtype of the same name (for `torch.testing`'s default tolerances)."""
     found = getattr(torch, np.dtype(dtype).name, None)
@@ -695,5 +662,5 @@ def check_backward_jax(
         upstream=_describe_upstream(grad_outputs, seed),
     )
     if raise_on_mismatch and not report.ok:
-        raise GradOverrideError(_mismatch_message(report, reference))
+        raise GradOverrideError(mismatch_message(report, reference, "`jnp.where`, `jnp.clip`"))
     return report

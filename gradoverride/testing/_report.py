@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from ._compare import Difference, describe_dtype
+from ._reference import FINITE_DIFFERENCES
 
 __all__ = ["BackwardReport", "GradientRow"]
 
@@ -151,3 +152,39 @@ class BackwardReport:
         return "\n".join([title, *lines, *problems])
 
     __str__ = __repr__
+
+
+def mismatch_message(report: BackwardReport, reference: object, safe_ops: str) -> str:
+    """The error `check_backward` raises for a failed report: the first failing input, the
+    others, the problem and its fix (`safe_ops`: the framework's ops that make a rule safe
+    where it divides or takes a log, as the hint names them)."""
+    first = next(row for row in report.rows if not row.ok)
+    others = [name for name in report.mismatches if name != first.name]
+    also = f" (and for {', '.join(f'`{n}`' for n in others)})" if others else ""
+    problem = first.problems[0]
+    # (With allow_nonfinite=True a gradient that is not finite fails only by its values.)
+    if problem.startswith("its gradient is not finite"):
+        fix = (
+            f"Make the rule safe where it divides or takes a log or square root ({safe_ops}), "
+            "or pass `allow_nonfinite=True` if infinite gradients are intended."
+        )
+    elif problem.startswith("its gradient has"):
+        fix = f"Make the rule return a gradient of `{first.name}`'s shape and dtype."
+    else:
+        fix = (
+            f"Fix the rule's formula for `{first.name}`, or, if the reference only "
+            "approximates the rule, loosen `atol=`/`rtol=` (or check only the direction "
+            "with `min_cosine=`)."
+        )
+        if isinstance(reference, str) and reference == FINITE_DIFFERENCES:
+            fix += (
+                " Finite differences need a smooth forward: check a straight-through or "
+                "surrogate rule against a proxy function instead. The step can also be the "
+                "cause: too large for a strongly curved forward, too small for its "
+                "precision; try another `step=`."
+            )
+    return (
+        f"check_backward(`{report.fn_name}`): the gradient for `{first.name}` fails{also}: "
+        f"{problem} {fix} Pass `raise_on_mismatch=False` to get "
+        f"the report without raising.\n\n{report!r}"
+    )
