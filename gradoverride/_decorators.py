@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import sys
 import types
 import weakref
 from collections.abc import Callable, Iterable, Sequence
@@ -14,8 +15,8 @@ from typing_extensions import ParamSpec
 
 from ._backends import backend
 from ._errors import GradOverrideError, GradOverrideTypeError
-from ._frameworks import any_jax, any_tensorflow, autograph_artifact
-from ._function import RECORDERS, OpPlan, Route, build_route
+from ._frameworks import autograph_artifact
+from ._function import RECORDERS, OpPlan, Route, any_other_framework, build_route
 from ._internals import transforms_active
 from ._jit import refuse_scripting
 from ._pickling import found_at_its_name, require_importable
@@ -161,22 +162,27 @@ class CustomBackward(Generic[P, R]):
     def _watched_call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """A call to check (the first eager call with grad enabled: captured tensors, inputs
         changed in place; see `_audit`) or to record (see `_recorder`)."""
-        if is_dynamo_compiling() or any_tensorflow(args, kwargs) or any_jax(args, kwargs):
+        # (Every recorded call comes here: the checks cost one Python call unless TensorFlow
+        # or JAX was imported, when the arguments are searched for their values.)
+        if is_dynamo_compiling() or (
+            ("tensorflow" in sys.modules or "jax" in sys.modules)
+            and any_other_framework(args, kwargs)
+        ):
             return self._run(args, kwargs)
-        run: Callable[[], Any]
+        run: Callable[[tuple[Any, ...], dict[str, Any]], Any]
         if not self._check_next or transforms_active() or not torch.is_grad_enabled():
-            run = functools.partial(self._run, args, kwargs)
+            run = self._run
         else:
             from ._audit import audit_call  # imported at the first check, not with the package
 
-            def run() -> Any:  # (the check, then the call)
+            def run(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:  # (check, call)
                 result = audit_call(self, args, kwargs)
                 self._check_next = False
                 return result
 
         if RECORDERS:
             return RECORDERS[0].op_call(self, args, kwargs, run)
-        return run()
+        return run(args, kwargs)
 
     @overload
     def backward(

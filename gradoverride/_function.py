@@ -79,6 +79,7 @@ __all__ = [
     "CallState",
     "OpPlan",
     "Route",
+    "any_other_framework",
     "build_route",
     "check_output_count",
     "current_parameter",
@@ -976,7 +977,7 @@ def _twin(plan: OpPlan, common: _Common, pieces: dict[str, Any], attach: bool = 
         "run_general": pieces["run_general"], "run_bound": pieces["run_bound"],
         # The twin looks for another framework's values only when its first value is not a
         # torch tensor, and hands such a call to the general `run`, which tells them apart.
-        "run_tensorflow": pieces["run_general"], "any_tensorflow": _any_other_framework,
+        "run_tensorflow": pieces["run_general"], "any_tensorflow": any_other_framework,
         "finish": pieces["finish"], "is_grad_enabled": torch.is_grad_enabled,
         "tracing_state": tracing_state, "is_dynamo_compiling": is_dynamo_compiling,
         "transforms_active": transforms_active, "FAST_APPLY": FAST_APPLY,
@@ -994,7 +995,7 @@ def _raise(message: str) -> None:
     raise GradOverrideError(message)
 
 
-def _any_other_framework(args: Sequence[Any], kwargs: dict[str, Any] | None = None) -> bool:
+def any_other_framework(args: Sequence[Any], kwargs: dict[str, Any] | None = None) -> bool:
     """Whether any argument is TensorFlow's or JAX's (free when neither was imported)."""
     return any_tensorflow(args, kwargs) or any_jax(args, kwargs)
 
@@ -1070,9 +1071,11 @@ def _build_attaching(plan: OpPlan, common: _Common) -> Route:
             "run_tensorflow": None, "finish": None,
         }, attach=True)
         if twin is not None and twin.forward_given is not None:
-            fast = raw_apply(
-                _classic_function_class(name, plan.module, op, twin.forward_given, twin.backward)
-            )
+            fast_cls = _classic_function_class(name, plan.module, op, twin.forward_given,
+                                               twin.backward)
+            # (as `cls`: what go.monitor reads, to leave the passed-on gradients out)
+            fast_cls._gradoverride_attaches = True  # type: ignore[attr-defined]
+            fast = raw_apply(fast_cls)
 
     def attach(values: tuple[Any, ...], state: CallState, out: Any,
                seen: tuple[Any, ...] = ()) -> Any:
@@ -1082,7 +1085,7 @@ def _build_attaching(plan: OpPlan, common: _Common) -> Route:
         if (
             fast is not None and type(out) is Tensor and out._base is None
             and state.layout is None and state.versions is None and not AUDITS
-            and not RECORDERS and FAST_APPLY and not is_dynamo_compiling()
+            and FAST_APPLY and not is_dynamo_compiling()
             and not transforms_active()
             and not any(out is v for v in values) and not any(out is v for v in seen)
         ):

@@ -60,7 +60,7 @@ from torch.nn.modules.module import (
 
 from .._decorators import CustomBackward
 from .._errors import GradOverrideError, GradOverrideWarning
-from .._function import RECORDERS
+from .._function import RECORDERS, CallState
 from .._internals import graph_task_id, graph_task_reader, transforms_active
 from .._module import Module
 from .._signature import describe
@@ -305,16 +305,32 @@ class Recorder:
     # -- the ops' consult point ---------------------------------------------------------------
 
     def op_call(self, op: CustomBackward[..., Any], args: tuple[Any, ...],
-                kwargs: dict[str, Any], run: Callable[[], Any]) -> Any:
-        """An op called while recording (eager): `run()` makes the call."""
+                kwargs: dict[str, Any],
+                run: Callable[[tuple[Any, ...], dict[str, Any]], Any]) -> Any:
+        """An op called while recording (eager): `run(args, kwargs)` makes the call."""
         if self.substitute is not None:
             site = self._site_of(op, args)
             if site is not None:
                 return self.substitute(site, op, args, kwargs)
-        out = run()
+        out = run(args, kwargs)
         if not transforms_active():
             if torch.is_grad_enabled():
-                self._observe(op, args, out, None)
+                # (`_observe`, inline for the common call, one tensor out made by a forward
+                # outside a backward pass: each op call of a recorded model comes here)
+                node: Any = out.grad_fn if isinstance(out, Tensor) else None
+                if (
+                    node is not None and _pass_now() < 0
+                    and getattr(node, "gradoverride", None) is not None  # (our Function's)
+                    and not getattr(node._forward_cls, "_gradoverride_attaches", False)
+                ):
+                    thread = _THREAD
+                    stack = (thread.stack if getattr(thread, "generation", -1) == _GENERATION
+                             else _stack())
+                    if stack:  # (else called outside any module call: not the model's)
+                        self._count += 1
+                        node.register_hook(_Call(self, op, args, tuple(stack), self._count))
+                else:
+                    self._observe(op, args, out, None)
             elif _stack():
                 # Under no_grad (a checkpoint's first forward): the row its recomputation,
                 # inside the backward pass, will belong to.
@@ -322,6 +338,18 @@ class Recorder:
         if self.on_call is not None:
             self._called(op, args)
         return out
+
+    def recipe_call(self, recipe: Any, call: Callable[..., Any], args: tuple[Any, ...],
+                    kwargs: dict[str, Any]) -> Any:
+        """A recipe called while recording (eager): its ops' rows name it."""
+        thread = _THREAD  # (`_stack()`, inline: every recipe call reads it)
+        stack = thread.stack if getattr(thread, "generation", -1) == _GENERATION else _stack()
+        stack.append(recipe)
+        try:
+            return call(recipe, *args, **kwargs)
+        finally:
+            if stack and stack[-1] is recipe:
+                stack.pop()
 
     def module_call(self, module: nn.Module, op: Any, args: tuple[Any, ...],
                     kwargs: dict[str, Any], run: Callable[[], Any]) -> Any:
@@ -438,14 +466,22 @@ class Recorder:
                 if not stack:
                     return  # called outside any module call: not the model's
                 self._count += 1
-                site = _Call(op, _extras(args), tuple(stack), self._count)
+                site = _Call(self, op, args, tuple(stack), self._count)
         # One gradient per tensor input (None where the input needs none); an attaching
         # Function (a rule owning some inputs) then passes its outputs' gradients on into
         # the ordinary graph, which are not the rule's: only its first `span` are.
         span = None
         if getattr(getattr(node, "_forward_cls", None), "_gradoverride_attaches", False):
-            span = node.gradoverride[0].n_tensor_in
-        node.register_hook(_NodeHook(self, site, span, outer))
+            state = node.gradoverride[0]
+            # (The generated twin keeps no CallState: its inputs are the call's values, then
+            # its one output, the last tensor input.)
+            span = (state.n_tensor_in if isinstance(state, CallState)
+                    else len(node.next_functions) - 1)
+        if type(site) is _Call:
+            site.span, site.task = span, outer
+            node.register_hook(site)
+        else:
+            node.register_hook(_NodeHook(self, site, span, outer))
 
     def _place(self, stack: Sequence[Any] | None = None) -> tuple[str | None, list[Any]]:
         """Where an op called now runs: the path of the innermost module of the model whose
@@ -622,8 +658,15 @@ class Recorder:
         groups: dict[tuple[Site, int], Gradients] = {}
         step = run.step
         for site, returned, arriving in run.entries:
-            gave = [g for g in returned if g is not None]
-            got = [g for g in arriving if g is not None]
+            # (loops, not comprehensions: no Python call per entry)
+            gave: list[Tensor] = []
+            for g in returned:
+                if g is not None:
+                    gave.append(g)
+            got: list[Tensor] = []
+            for g in arriving:
+                if g is not None:
+                    got.append(g)
             group = groups.get((site, step))
             if group is None:
                 group = groups[(site, step)] = Gradients()
@@ -699,17 +742,31 @@ class _NodeHook:
 _NOT_RECORDED: Any = object()
 
 
-class _Call:
+class _Call(_NodeHook):
     """What an op call leaves for its row to be found when a recorded pass reaches its
-    node: the op, its arguments other than tensors, and the call stack then."""
+    node: the op, its arguments other than tensors, and the call stack then. It is the
+    node's hook itself (its `site` is itself until the row is read): one object made per
+    op call."""
 
     __slots__ = ("extras", "index", "op", "placed", "stack")
 
-    def __init__(self, op: Any, extras: tuple[Any, ...], stack: tuple[Any, ...],
-                 index: int) -> None:
+    def __init__(self, recorder: Recorder, op: Any, args: tuple[Any, ...],
+                 stack: tuple[Any, ...], index: int) -> None:
+        self.recorder = recorder
+        self.site = self
+        self.span = None
+        self.task = -1
         self.op = op
         self.index = index
-        self.extras = extras
+        # The arguments other than tensors (what the row is read from, later): the tensors
+        # are not kept. (`_extras`, inline: the loop makes no Python call.)
+        self.extras: tuple[Any, ...] = ()
+        if len(args) != 1 or not isinstance(args[0], Tensor):
+            extras = []
+            for a in args:
+                if not isinstance(a, Tensor):
+                    extras.append(a)
+            self.extras = tuple(extras)
         self.stack = stack
         self.placed: tuple[str | None, list[Any]] | None = None  # (path, recipes)
 
@@ -717,10 +774,6 @@ class _Call:
         if self.placed is None:
             self.placed = recorder._place(self.stack)
         return self.placed[0] is not None
-
-    def key(self) -> tuple[int, ...]:
-        """What its row is read from, by identity: the op, the arguments, the stack."""
-        return (id(self.op), len(self.extras), *map(id, self.extras), *map(id, self.stack))
 
     def row(self, recorder: Recorder) -> tuple[Site | None, Any]:
         if not self.in_model(recorder):
@@ -738,13 +791,15 @@ class _Pass:
         self.step = step
         self.recorded = recorded
         self.entries: list[tuple[Any, tuple[Any, ...], tuple[Any, ...]]] = []
-        # The rows of the calls met in this pass, by `_Call.key` (many calls share one:
-        # a spiking neuron's at each time step). Each holds the call read, which keeps the
-        # objects of its key alive (their ids stay theirs) until the pass ends.
+        # The rows of the calls met in this pass, by what they are read from (see `row_of`;
+        # many calls share one: a spiking neuron's at each time step). Each holds the call
+        # read, which keeps the objects of its key alive (their ids stay theirs) until the
+        # pass ends.
         self.rows: dict[tuple[int, ...], tuple[Site | None, Any, _Call]] = {}
 
     def row_of(self, call: _Call, recorder: Recorder) -> Site | None:
-        key = call.key()
+        # What its row is read from, by identity: the op, the arguments, the stack.
+        key = (id(call.op), len(call.extras), *map(id, call.extras), *map(id, call.stack))
         known = self.rows.get(key)
         if known is None:
             site, late = call.row(recorder)
@@ -815,14 +870,6 @@ def _node_of(out: Any) -> Any:
         if isinstance(leaf, Tensor) and leaf.grad_fn is not None:
             return leaf.grad_fn
     return None
-
-
-def _extras(args: tuple[Any, ...]) -> tuple[Any, ...]:
-    """A call's arguments other than tensors (what its row is read from, later): the
-    tensors are not kept."""
-    if len(args) == 1 and isinstance(args[0], Tensor):
-        return ()
-    return tuple([a for a in args if not isinstance(a, Tensor)])
 
 
 def _leaves(out: Any) -> Iterator[Any]:
@@ -1103,18 +1150,6 @@ def _pop(stack: list[Any], module: nn.Module) -> None:
         if entry is module or (isinstance(entry, _Late) and entry.module is module):
             del stack[k:]
             break
-
-
-def recipe_call(recipe: Any, call: Callable[..., Any], args: tuple[Any, ...],
-                kwargs: dict[str, Any]) -> Any:
-    """A recipe called while recording: its ops' rows name it."""
-    stack = _stack()
-    stack.append(recipe)
-    try:
-        return call(recipe, *args, **kwargs)
-    finally:
-        if stack and stack[-1] is recipe:
-            stack.pop()
 
 
 class _Never:

@@ -1,0 +1,102 @@
+"""What an op call costs while `go.monitor` records, counted rather than timed: the Python
+calls of gradoverride's own code that a recorded call adds, and the generated fast path a
+module's rule owning some inputs keeps while recorded (its gradients measured as tensor
+hooks see them)."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import gradoverride as go
+from gradoverride import recipes
+from gradoverride._function import CallState
+
+_PACKAGE = go.__file__.rsplit("__init__.py", 1)[0]
+
+
+def _own_calls(run: Any) -> int:
+    """Python calls of gradoverride's code (not torch's, not the test's) that `run()` makes."""
+    calls = [0]
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        if event == "call" and frame.f_code.co_filename.startswith(_PACKAGE):
+            calls[0] += 1
+
+    sys.setprofile(profile)
+    try:
+        run()
+    finally:
+        sys.setprofile(None)
+    return calls[0]
+
+
+class _Steps(nn.Module):
+    """Two recipes called at each of `n` steps (one held, one made at each call)."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.n = n
+        self.act = recipes.spike("arctan", alpha=2.0)
+        self.fc = nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = x
+        for _ in range(self.n):
+            out = self.act(self.fc(out) - 0.5) + recipes.ste_round()(out)
+        return out
+
+
+@pytest.mark.parametrize("every", [1, 10])
+def test_a_recorded_op_call_adds_a_few_calls_of_gradoverride(every: int) -> None:
+    # Per op call while recording: the recipe's call told to the recorder, the op's watched
+    # entry, the recorder's consult, and the snapshot of the call that is its node's hook.
+    # (Each read of the stack, each check of another framework's values, each helper is
+    # one more: what a change to the path would add.)
+    torch.manual_seed(0)
+    model = _Steps(n=6)
+    x = torch.randn(4, 6, requires_grad=True)
+
+    def forward() -> None:
+        model(x)
+
+    model(x).sum().backward()  # (the first call of each op is checked: done before)
+    plain = _own_calls(forward)
+    with go.monitor(model, every=every):
+        for _ in range(2):
+            model(x).sum().backward()
+        recorded = _own_calls(forward)
+    ops = 2 * model.n  # (each a recipe's call, which calls one op)
+    # (and per forward, the model's module hooks: its entry, its exit, a new forward)
+    assert recorded - plain <= 4 * ops + 3, (recorded, plain)
+
+
+def test_a_rule_owning_some_inputs_keeps_its_fast_path_while_recorded() -> None:
+    # The module's rule owns the input only; the weight keeps autograd's gradient, passed on
+    # through the forward's graph, which is not what the rule returned.
+    torch.manual_seed(0)
+    layer = nn.Linear(5, 3, bias=False)
+    go.override_backward(layer, lambda g, *, module: 0.5 * (g @ module.weight), owns="input")
+    model = nn.Sequential(layer)
+    x = torch.randn(4, 5, requires_grad=True)
+    with go.monitor(model) as mon:
+        for step in range(2):
+            x.grad = None
+            y = model(x)
+            # The generated twin (no CallState kept on the node), as without the monitor.
+            assert not isinstance(y.grad_fn.gradoverride[0], CallState)
+            y.retain_grad()
+            (y * torch.arange(3.0)).square().sum().backward()
+            assert y.grad is not None and x.grad is not None
+            record = mon.history["0: Linear"][step]
+            assert record.calls == 1
+            assert record.grad_in == pytest.approx(float(y.grad.norm()), rel=1e-6)
+            # Returned: the input's gradient only (0.5 * g @ W), computed here from y.grad.
+            expected = 0.5 * (y.grad @ layer.weight.detach())
+            assert torch.allclose(x.grad, expected)
+            assert record.grad_out == pytest.approx(float(expected.norm()), rel=1e-6)
+            assert record.zeroed is None  # (the input's shape is not the output's)
