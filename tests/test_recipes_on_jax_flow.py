@@ -398,8 +398,8 @@ def test_gumbel_softmax_noise_errors_on_jax() -> None:
 
 def test_discrete_input_errors_on_jax() -> None:
     with pytest.raises(GradOverrideTypeError, match=re.escape(
-        "`x` must be a floating-point tensor (float16, bfloat16, float32 or float64); got a "
-        "JAX int32 tensor, which gets no gradient. Convert it first: `x.astype(jnp.float32)`"
+        "`x` must be a floating-point array (float16, bfloat16, float32 or float64); got a "
+        "JAX int32 array, which gets no gradient. Convert it first: `x.astype(jnp.float32)`"
     )):
         R.ste_argmax()(jnp.arange(3))
     with pytest.raises(GradOverrideError, match=re.escape(
@@ -426,3 +426,27 @@ def test_a_torch_grad_scaler_on_a_jax_gradient_says_to_unscale_first() -> None:
         r"recipe sees them, and give no scaler\.$"
     )):
         clip_grad_norm(1.0, scaler=scaler)(jnp.ones(3))
+
+
+def test_a_transform_written_without_dataclass_works_on_jax() -> None:
+    class Double(GradientTransform):  # no @dataclass: a user's plain subclass
+        def transform(self, grad: Any) -> Any:
+            return grad * 2
+
+    np.testing.assert_array_equal(jax.grad(lambda v: Double()(v).sum())(jnp.ones(3)), [2.0] * 3)
+    assert repr(Double()) == "Double()"
+
+
+@pytest.mark.parametrize("step", [37, 37.5, np.int64(2**40)], ids=["int", "float", "large"])
+def test_a_schedule_takes_the_step_as_torch_does(step: Any) -> None:
+    # A fractional step is not truncated, a large numpy integer does not wrap: the same
+    # factor as torch's recipe, and as the closed form with the progress in float32.
+    recipe = go.recipes.scale_grad(go.recipes.ganin_ramp(total_steps=100))
+    got = float(jax.grad(lambda u: recipe(u, step=step))(1.0))
+    p = min(max(float(np.float32(float(step)) / np.float32(100)), 0.0), 1.0)
+    closed = 2.0 / (1.0 + math.exp(-10.0 * p)) - 1.0
+    x = torch.tensor(1.0, requires_grad=True)
+    recipe(x, step=int(step) if isinstance(step, np.integer) else step).backward()
+    assert x.grad is not None
+    np.testing.assert_allclose(got, float(x.grad), rtol=1e-6)
+    np.testing.assert_allclose(got, closed, rtol=1e-6)

@@ -318,7 +318,7 @@ def test_lsq_codes_at_ties_are_torchs(mode: str) -> None:
                          ids=repr)
 def test_integer_input_is_refused(recipe: Any) -> None:
     with pytest.raises(GradOverrideTypeError,
-                       match=r"`x` must be a floating-point tensor .* got a JAX int32 tensor, "
+                       match=r"`x` must be a floating-point array .* got a JAX int32 array, "
                              r"which gets no gradient\. Convert it first: "
                              r"`x\.astype\(jnp\.float32\)`"):
         recipe(jnp.arange(4))
@@ -345,7 +345,7 @@ def test_lsq_step_must_be_a_jax_array(step: Any) -> None:
 
 def test_lsq_integer_step_is_refused() -> None:
     with pytest.raises(GradOverrideTypeError,
-                       match=r"`step` must be a floating-point tensor .* JAX int32"):
+                       match=r"`step` must be a floating-point array .* JAX int32"):
         R.lsq()(jnp.asarray(X), jnp.asarray(1))
 
 
@@ -359,3 +359,42 @@ def test_the_module_form_of_lsq_refuses_jax() -> None:
 def test_recipe_arguments_are_checked_as_for_torch() -> None:
     with pytest.raises(GradOverrideError, match=r"lsq got window='half'"):
         R.lsq(window="half")
+
+
+# ---- learned bounds, a step larger than x, complex inputs ---------------------------------
+
+
+def test_array_bounds_being_differentiated_get_no_gradient_and_leak_no_tracer() -> None:
+    # A learned clip (PACT-style): the bounds are traced by jax.grad; torch gives them none.
+    low = jnp.asarray([-0.5, -0.1, 0.0, 0.1, 0.2])
+    x = jnp.asarray([-1.5, -0.2, 0.0, 0.3, 2.5])
+    for outside in ("zero", "pass"):
+
+        def loss(lo: Any, outside: str = outside) -> Any:
+            return go.recipes.ste_clamp(lo, 1.0, outside)(x).sum()
+
+        np.testing.assert_array_equal(jax.grad(loss)(low), np.zeros(5, np.float32))
+        np.testing.assert_array_equal(jax.jit(jax.grad(loss))(low), np.zeros(5, np.float32))
+    # x's gradient: inside [low, 1] (both ends in), by hand
+    got = jax.grad(lambda x: go.recipes.ste_clamp(low, 1.0, "zero")(x).sum())(x)
+    np.testing.assert_array_equal(got, [0.0, 0.0, 1.0, 1.0, 0.0])
+
+
+def test_a_step_larger_than_x_gives_x_a_gradient_of_its_own_shape() -> None:
+    # The step broadcasts x from (3, 4) to (2, 3, 4): x's gradient is summed back, as
+    # torch's autograd does; compared with torch's.
+    x = np.full((3, 4), 0.1, np.float32)
+    step = np.full((2, 3, 4), 0.1, np.float32)
+    got = jax.grad(lambda x: go.recipes.lsq(8)(x, jnp.asarray(step)).sum())(jnp.asarray(x))
+    xt = torch.tensor(x, requires_grad=True)
+    go.recipes.lsq(8)(xt, torch.tensor(step)).sum().backward()
+    assert got.shape == (3, 4)
+    np.testing.assert_array_equal(np.asarray(got), xt.grad.numpy())
+
+
+def test_a_complex_input_is_refused_saying_why() -> None:
+    with pytest.raises(GradOverrideTypeError, match=(
+        r"^ste_round\(\): `x` must be a floating-point array \(float16, bfloat16, float32 or "
+        r"float64\); got a JAX complex64 array \(the recipes are defined on real numbers\)\.$"
+    )):
+        go.recipes.ste_round()(jnp.ones(2, jnp.complex64))

@@ -52,9 +52,9 @@ class Backend:
         """The code that converts `argument` to float32, for error messages."""
         raise NotImplementedError
 
-    def check_call(self, what: str) -> None:
-        """Refuse a recipe call in a context this framework cannot differentiate it in
-        (TensorFlow: `tf.vectorized_map`); `what` names the recipe."""
+    def check_call(self, recipe: object) -> None:
+        """Refuse a call of `recipe` in a context this framework cannot differentiate it in
+        (TensorFlow: `tf.vectorized_map`), naming it only then."""
 
     def cast(self, x: Any, dtype: Any) -> Any:
         raise NotImplementedError

@@ -21,7 +21,7 @@ import numpy as np
 from .._errors import GradOverrideError
 from .._frameworks import autograph_artifact
 from .._ops._protocol import Backend
-from ._tracing import refuse_vectorized_map
+from ._tracing import in_vectorized_map, refuse_vectorized_map
 
 # TensorFlow has no type stubs: its values are typed `Any` throughout.
 tf: Any = importlib.import_module("tensorflow")
@@ -53,8 +53,9 @@ class TensorFlowBackend(Backend):
     def cast_hint(self, argument: str) -> str:
         return f"tf.cast({argument}, tf.float32)"
 
-    def check_call(self, what: str) -> None:
-        refuse_vectorized_map(what)
+    def check_call(self, recipe: object) -> None:
+        if in_vectorized_map():
+            refuse_vectorized_map(f"`{recipe!r}`")
 
     def cast(self, x: Any, dtype: Any) -> Any:
         return tf.cast(x, dtype)

@@ -70,9 +70,11 @@ class Recipe:
         return RecipeModule(self)
 
     def __repr__(self) -> str:
+        if not dataclasses.is_dataclass(self):  # a user's subclass without @dataclass
+            return f"{type(self).__name__}()"
         fields = ", ".join(
             f"{f.name}={getattr(self, f.name)!r}"
-            for f in dataclasses.fields(self)  # type: ignore[arg-type]
+            for f in dataclasses.fields(self)
             if f.repr
         )
         return f"{type(self).__name__}({fields})"

@@ -24,7 +24,9 @@ gradient through the read); an `IndexedSlices` upstream gradient is made dense f
 
 What cannot be the same, each documented where it applies: TensorFlow's and JAX's `exp`,
 `sigmoid` and reductions are not torch's kernels, so surrogate gradients and norms agree to
-a few float32 ulps, not to the bit (XLA on the CPU also fuses multiply-adds); TensorFlow and
+a few float32 ulps, not to the bit (XLA on the CPU also fuses multiply-adds, flushes
+subnormal results to zero, and turns a product with a 0/1 mask into a select, so a NaN
+input can get a 0 gradient under `jax.jit` or `jit_compile=True`); TensorFlow and
 JAX have no global generator torch's `torch.Generator` could drive (JAX has none at all:
 stochastic recipes take their draws as `noise=` there); under XLA `reduce_max`/`reduce_min`
 skip NaN; `sanitize_grad(mode="raise")` cannot check inside XLA (`jit_compile=True`,
@@ -149,10 +151,12 @@ def check_floating(b: Backend, recipe: object, x: Any, argument: str = "x") -> N
     kind = b.dtype_kind(x)
     if kind == "floating":
         return
-    why = "defined on real numbers" if kind == "complex" else "gets no gradient"
+    array = "tensor" if b.name == "TensorFlow" else "array"
+    why = (" (the recipes are defined on real numbers)" if kind == "complex"
+           else ", which gets no gradient")
     msg = (
-        f"{recipe!r}: `{argument}` must be a floating-point tensor (float16, bfloat16, "
-        f"float32 or float64); got a {b.name} {b.dtype_name(x)} tensor, which {why}."
+        f"{recipe!r}: `{argument}` must be a floating-point {array} (float16, "
+        f"bfloat16, float32 or float64); got a {b.name} {b.dtype_name(x)} {array}{why}."
     )
     if kind != "complex":
         msg += f" Convert it first: `{b.cast_hint(argument)}`."
@@ -162,7 +166,7 @@ def check_floating(b: Backend, recipe: object, x: Any, argument: str = "x") -> N
 def call(recipe: object, x: Any, /, *args: Any, **kwargs: Any) -> Any:
     """`recipe(x, ...)` for another framework's `x` (the recipe's call sends it here)."""
     b = backend_for(x)
-    b.check_call(f"`{recipe!r}`")
+    b.check_call(recipe)
     implementation = _lookup(_CALLS, recipe)
     if implementation is None:
         raise unsupported(b, recipe, x)

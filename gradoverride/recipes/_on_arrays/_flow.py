@@ -21,6 +21,7 @@ a user's own `GradientTransform`, and the constant `ScaledGradientModule`.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable
 from typing import Any
 
@@ -78,7 +79,14 @@ def _factor(b: Backend, recipe: _ScaledGradient, step: Any) -> Any:
         # A number, or the torch recipe's own error (a schedule without a step, a step
         # without a schedule); neither touches an array.
         return recipe.factor(step)
-    step = b.integer_array(step)
+    if isinstance(step, numbers.Real) and not isinstance(step, numbers.Integral):
+        step = b.asarray(float(step))  # a fractional step stays one (torch divides it as is)
+    elif isinstance(step, numbers.Integral):
+        # A Python or numpy integer: as float32, which is what torch's true division of a
+        # step count computes with (an int32 array would wrap past 2**31 without JAX's x64).
+        step = b.asarray(float(step))
+    elif b.dtype_kind(b.asarray(step)) != "floating":
+        step = b.integer_array(step)  # a step counter (a variable) follows the training
     if isinstance(scale, ganin_ramp):
         value = flow.ganin_ramp(b, step, scale.total_steps, scale.gamma, scale.max_scale)
     else:

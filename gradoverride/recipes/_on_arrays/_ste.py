@@ -52,31 +52,43 @@ def _straight_through(b: Backend, x: Any, forward: Callable[[Any], Any]) -> Any:
 def _windowed(
     b: Backend,
     x: Any,
-    forward: Callable[[Any], Any],
-    window: tuple[Any, Any] | None,
+    forward: Callable[[Any, Any, Any], Any],
+    bounds: tuple[Any, Any] | None,
+    zero_outside: bool,
     keep: str,
     inclusive: tuple[bool, bool],
     broadcast: bool = False,
 ) -> Any:
-    """`forward(x)` whose gradient is the upstream gradient inside the window, else 0
-    (everywhere when `window` is None). With `broadcast` (tensor bounds) the output has the
-    broadcast shape of x and the bounds, and the gradient is summed back to x's shape."""
-    by_mask = window is not None and keep == "mask"
-    low, high = (None, None) if window is None else window
+    """`forward(x, low, high)` whose gradient is the upstream gradient inside the window
+    from `low` to `high`, else 0 (everywhere unless `zero_outside`). With `broadcast`
+    (array bounds) the output has the broadcast shape of x and the bounds, and the gradient
+    is summed back to x's shape.
 
-    def op(x: Any) -> Any:
+    Array bounds are arguments of the custom gradient (which gives them none, as torch
+    does), never values it closes over: a bound being differentiated (a learned clip) is a
+    tracer under JAX's transforms, which must not leak out of the custom gradient."""
+    by_mask = zero_outside and keep == "mask"
+    given = () if bounds is None else bounds
+    arrays = tuple(v for v in given if not isinstance(v, (int, float)))
+
+    def op(x: Any, *bound_arrays: Any) -> Any:
+        it = iter(bound_arrays)
+        low, high = (None, None) if bounds is None else tuple(
+            v if isinstance(v, (int, float)) else next(it) for v in bounds
+        )
         kept = F.window_outside(b, x, low, high, inclusive) if by_mask else x
 
         def gradient(dy: Any) -> Any:
             dy = b.asarray(dy)
-            if window is not None:
+            if zero_outside:
                 outside = kept if by_mask else F.window_outside(b, kept, low, high, inclusive)
                 dy = b.select(outside, 0, dy)
-            return b.sum_to_shape(dy, x) if broadcast else dy
+            grad = b.sum_to_shape(dy, x) if broadcast else dy
+            return (grad, *(None for _ in bound_arrays)) if bound_arrays else grad
 
-        return forward(x), gradient
+        return forward(x, low, high), gradient
 
-    return b.custom_gradient(op)(b.asarray(x))
+    return b.custom_gradient(op)(b.asarray(x), *arrays)
 
 
 # ---- rounding and sign ---------------------------------------------------------------------
@@ -122,11 +134,11 @@ _KINDS = {"tensorflow": "TensorFlow tensor", "jax": "JAX array"}
 _ARRAY = {"TensorFlow": "tensor", "JAX": "array"}
 
 
-def _clamped(b: Backend, low: Any, high: Any) -> Callable[[Any], Any]:
+def _clamped(b: Backend) -> Callable[[Any, Any, Any], Any]:
     """`torch.clamp(v, low, high)`: number bounds rounded once to v's dtype, array bounds
     cast to it and broadcast against v (the maximum with low first: high where low > high)."""
 
-    def clamp(v: Any) -> Any:
+    def clamp(v: Any, low: Any, high: Any) -> Any:
         if isinstance(low, (int, float)) and isinstance(high, (int, float)):
             return b.clamp(v, low, high)
         dtype = b.dtype(v)
@@ -140,14 +152,14 @@ def _clamped(b: Backend, low: Any, high: Any) -> Callable[[Any], Any]:
 def _ste_clamp(b: Backend, recipe: ste_clamp, x: Any) -> Any:
     low = _bound(b, recipe, "low", recipe.low, x)
     high = _bound(b, recipe, "high", recipe.high, x)
-    window = (low, high) if recipe.outside == "zero" else None
-    return _windowed(b, x, _clamped(b, low, high), window, recipe.keep, recipe._ends,
-                     broadcast=recipe._window is None)
+    return _windowed(b, x, _clamped(b), (low, high), recipe.outside == "zero", recipe.keep,
+                     recipe._ends, broadcast=recipe._window is None)
 
 
 def _binarize(b: Backend, recipe: binarize, x: Any) -> Any:
-    return _windowed(b, x, lambda v: F.binary_sign(b, v), recipe._window, recipe.keep,
-                     recipe._ends)
+    window = recipe._window
+    return _windowed(b, x, lambda v, low, high: F.binary_sign(b, v), window,
+                     window is not None, recipe.keep, recipe._ends)
 
 
 def _abs_subgradient(b: Backend, recipe: abs_subgradient, x: Any) -> Any:
@@ -227,7 +239,8 @@ def _lsq(b: Backend, recipe: lsq, x: Any, step: Any) -> Any:
             dtype = b.dtype(grad_step)
             wide = b.cast(grad_step, b.compute_dtype(dtype))
             grad_step = b.cast(b.cast(b.sum_to_shape(wide, step), dtype), b.dtype(step))
-            return b.cast(grad_x, b.dtype(x)), grad_step
+            # x's gradient summed to its shape too: a step may broadcast x to a larger shape.
+            return b.cast(b.sum_to_shape(grad_x, x), b.dtype(x)), grad_step
 
         return F.lsq_forward(b, x, step, code_range), gradient
 
