@@ -115,7 +115,7 @@ class JaxBackend(Backend):
         return decorated
 
 
-    # ---- surrogate primitives -----------------------------------------------------------
+    # ---- more elementwise ops, random draws, shapes ------------------------------------------
 
     def atan(self, x: Any) -> Any:
         return jnp.arctan(x)
@@ -141,7 +141,7 @@ class JaxBackend(Backend):
     def static_shape(self, x: Any) -> tuple[int | None, ...] | None:
         return tuple(jnp.shape(x))
 
-    # ---- ste primitives -------------------------------------------------------------------
+    # ---- rounding, whole-array reductions, torch's dtype rules -------------------------------
 
     def round(self, x: Any) -> Any:
         return jnp.round(x)  # halves to even, as torch.round
@@ -210,7 +210,7 @@ class JaxBackend(Backend):
         compute = self.compute_dtype(result)
         return (a.astype(compute) * c.astype(compute)).astype(result)
 
-    # ---- flow and discrete primitives ----------------------------------------------------
+    # ---- limits, reductions along an axis, checks, the identity with a gradient --------------
 
     def finfo(self, dtype: Any) -> Any:
         info: Any = _FINFO(dtype)
@@ -325,7 +325,7 @@ class JaxBackend(Backend):
 OPS = JaxBackend()
 
 
-# ---- ste helpers ------------------------------------------------------------------------------
+# ---- module helpers --------------------------------------------------------------------------
 
 
 def _torch_result_dtype(a: Any, c: Any) -> Any:

@@ -153,7 +153,7 @@ class Backend:
         out = self.sigmoid(ax) * self.sigmoid(-ax) * g
         return out if k == 1 else out * k
 
-    # ---- surrogate primitives -----------------------------------------------------------
+    # ---- more elementwise ops, random draws, shapes ------------------------------------------
 
     #: Whether `uniform` draws from a global generator (TensorFlow's); JAX has none: its
     #: random numbers come from a key the caller holds, so a recipe takes them as an array.
@@ -219,7 +219,7 @@ class Backend:
             y = self.constant(y, self.dtype(x))
         return self.where(condition, x, y)
 
-    # ---- ste primitives -------------------------------------------------------------------
+    # ---- rounding, whole-array reductions, torch's dtype rules -------------------------------
 
     def round(self, x: Any) -> Any:
         """Rounded to the nearest integer, halves to even (`torch.round`)."""
@@ -283,7 +283,7 @@ class Backend:
         """a * c for two floating arrays, with torch's type promotion (see `div`)."""
         raise NotImplementedError
 
-    # ---- flow and discrete primitives ----------------------------------------------------
+    # ---- limits, reductions along an axis, checks, the identity with a gradient --------------
 
     def finfo(self, dtype: Any) -> Any:
         """The limits of a floating dtype as Python floats: `.max`, `.min` (the lowest),

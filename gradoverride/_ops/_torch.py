@@ -156,7 +156,7 @@ class TorchBackend(Backend):
             out = torch.sigmoid(ax) * torch.sigmoid(-ax) * g
         return out if k == 1 else self.times(out, k)
 
-    # ---- surrogate primitives -----------------------------------------------------------
+    # ---- more elementwise ops, random draws, shapes ------------------------------------------
 
     def atan(self, x: Any) -> Any:
         return torch.atan(x)
@@ -194,7 +194,7 @@ class TorchBackend(Backend):
     def select(self, condition: Any, x: Any, y: Any) -> Any:
         return torch.where(condition, x, y)  # takes a Python number for either branch
 
-    # ---- flow and discrete primitives ----------------------------------------------------
+    # ---- limits, reductions along an axis, checks, the identity with a gradient --------------
 
     def finfo(self, dtype: Any) -> Any:
         return torch.finfo(dtype)
@@ -277,7 +277,7 @@ class TorchBackend(Backend):
             return _SOFTMAX_BACKWARD(grad, soft, dim, soft.dtype)
         return soft * (grad - (grad * soft).sum(dim, keepdim=True))
 
-    # ---- ste primitives -------------------------------------------------------------------
+    # ---- rounding, whole-array reductions, torch's dtype rules -------------------------------
 
     def round(self, x: Any) -> Any:
         return torch.round(x)

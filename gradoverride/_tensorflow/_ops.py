@@ -112,7 +112,7 @@ class TensorFlowBackend(Backend):
         return decorated
 
 
-    # ---- surrogate primitives -----------------------------------------------------------
+    # ---- more elementwise ops, random draws, shapes ------------------------------------------
 
     global_random = True
 
@@ -143,7 +143,7 @@ class TensorFlowBackend(Backend):
     def static_shape(self, x: Any) -> tuple[int | None, ...] | None:
         return None if x.shape.rank is None else tuple(x.shape.as_list())
 
-    # ---- ste primitives -------------------------------------------------------------------
+    # ---- rounding, whole-array reductions, torch's dtype rules -------------------------------
 
     def round(self, x: Any) -> Any:
         return tf.round(x)  # halves to even, as torch.round
@@ -224,7 +224,7 @@ class TensorFlowBackend(Backend):
         compute = self.compute_dtype(result)
         return tf.cast(op(tf.cast(a, compute), tf.cast(c, compute)), result)
 
-    # ---- flow and discrete primitives ----------------------------------------------------
+    # ---- limits, reductions along an axis, checks, the identity with a gradient --------------
 
     def finfo(self, dtype: Any) -> Any:
         info = np.finfo(tf.as_dtype(dtype).as_numpy_dtype)
@@ -344,7 +344,7 @@ class TensorFlowBackend(Backend):
 OPS = TensorFlowBackend()
 
 
-# ---- ste helpers ------------------------------------------------------------------------------
+# ---- module helpers --------------------------------------------------------------------------
 
 
 def _torch_result_dtype(a: Any, c: Any) -> Any:
