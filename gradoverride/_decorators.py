@@ -162,10 +162,12 @@ class CustomBackward(Generic[P, R]):
     def _watched_call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """A call to check (the first eager call with grad enabled: captured tensors, inputs
         changed in place; see `_audit`) or to record (see `_recorder`)."""
-        # (Every recorded call comes here: the checks cost one Python call unless TensorFlow
-        # or JAX was imported, when the arguments are searched for their values.)
+        # (Every recorded call comes here: the checks cost no Python call when the first
+        # argument is a torch tensor, as the route's own entry decides; otherwise, once
+        # TensorFlow or JAX was imported, the arguments are searched for their values.)
         if is_dynamo_compiling() or (
-            ("tensorflow" in sys.modules or "jax" in sys.modules)
+            not (args and isinstance(args[0], torch.Tensor))
+            and ("tensorflow" in sys.modules or "jax" in sys.modules)
             and any_other_framework(args, kwargs)
         ):
             return self._run(args, kwargs)
