@@ -13,7 +13,7 @@ from torch import Tensor
 
 from .._errors import GradOverrideError
 from .._frameworks import any_jax
-from ._compare import compare, format_index, tolerances
+from ._compare import compare, difference_problems, format_index, tolerances
 from ._inputs import Call, function_name
 from ._reference import FINITE_DIFFERENCES, Reference, reference_gradients
 from ._report import BackwardReport, GradientRow, mismatch_message
@@ -150,19 +150,7 @@ def check_backward(
             difference = compare(
                 got, torch.zeros_like(tensor) if want is None else want, rtol_, atol_
             )
-            if not difference.close:
-                problems.append(
-                    f"it differs from {description}: the largest difference is "
-                    f"{difference.max_abs:.3g}{format_index(difference.worst)} (got "
-                    f"{difference.got:.6g}, expected {difference.expected:.6g}), over "
-                    f"atol={atol_:g} + rtol={rtol_:g} * |expected|; max relative difference "
-                    f"{difference.max_rel:.3g}, cosine similarity {difference.cosine:.6f}."
-                )
-            if min_cosine is not None and difference.cosine < min_cosine:
-                problems.append(
-                    f"its cosine similarity with {description} is {difference.cosine:.6f}, "
-                    f"below min_cosine={min_cosine:g}."
-                )
+            problems += difference_problems(difference, description, atol_, rtol_, min_cosine)
         rows.append(GradientRow(name, grad, expected.get(name), difference, tuple(problems)))
 
     report = BackwardReport(

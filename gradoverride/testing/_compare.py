@@ -124,3 +124,24 @@ def format_index(index: tuple[int, ...]) -> str:
 def describe_dtype(dtype: torch.dtype) -> str:
     """`float32` for `torch.float32`."""
     return str(dtype).removeprefix("torch.")
+
+
+def difference_problems(difference: Difference, description: str, atol: float, rtol: float,
+                        min_cosine: float | None) -> list[str]:
+    """A report row's problems from comparing a gradient with `description` (the proxy,
+    finite differences, the given gradient): the same texts for every framework."""
+    problems: list[str] = []
+    if not difference.close:
+        problems.append(
+            f"it differs from {description}: the largest difference is "
+            f"{difference.max_abs:.3g}{format_index(difference.worst)} (got "
+            f"{difference.got:.6g}, expected {difference.expected:.6g}), over "
+            f"atol={atol:g} + rtol={rtol:g} * |expected|; max relative difference "
+            f"{difference.max_rel:.3g}, cosine similarity {difference.cosine:.6f}."
+        )
+    if min_cosine is not None and difference.cosine < min_cosine:
+        problems.append(
+            f"its cosine similarity with {description} is {difference.cosine:.6f}, "
+            f"below min_cosine={min_cosine:g}."
+        )
+    return problems

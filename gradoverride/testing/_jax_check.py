@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from .._errors import GradOverrideError
-from ._compare import Difference, compare, format_index, tolerances
+from ._compare import Difference, compare, difference_problems, format_index, tolerances
 from ._inputs import function_name, input_names, module_of
 from ._reference import FINITE_DIFFERENCES
 from ._report import BackwardReport, GradientRow, mismatch_message
@@ -640,19 +640,7 @@ def check_backward_jax(
             difference = compare(
                 _as_torch(grad), zeros if want is None else _as_torch(want), rtol_, atol_
             )
-            if not difference.close:
-                problems.append(
-                    f"it differs from {description}: the largest difference is "
-                    f"{difference.max_abs:.3g}{format_index(difference.worst)} (got "
-                    f"{difference.got:.6g}, expected {difference.expected:.6g}), over "
-                    f"atol={atol_:g} + rtol={rtol_:g} * |expected|; max relative difference "
-                    f"{difference.max_rel:.3g}, cosine similarity {difference.cosine:.6f}."
-                )
-            if min_cosine is not None and difference.cosine < min_cosine:
-                problems.append(
-                    f"its cosine similarity with {description} is {difference.cosine:.6f}, "
-                    f"below min_cosine={min_cosine:g}."
-                )
+            problems += difference_problems(difference, description, atol_, rtol_, min_cosine)
         want_value = expected.get(name)
         rows.append(JaxGradientRow(name, cast(Any, grad), cast(Any, want_value), difference,
                                    tuple(problems)))
