@@ -4,16 +4,29 @@ activations (width 96, batch 128) and of the spiking and binarized examples
 optimizer's step, with and without the monitor recording.
 
 The same model runs in both cases. Each round times a block of steps without the monitor
-and a block inside `with go.monitor(model, every=N)`, in a shuffled order (seeded); entering
-and leaving the monitor happen outside the timed block. The ratio is the median, over
-rounds, of the monitored block's time over the plain block's in that round.
+and a block inside `with go.monitor(model, every=N)`, in a shuffled order (seeded). The
+monitored block is a monitor's steady state, what a training run of many steps pays per
+step: entering the monitor and its first steps (the first forward, which also learns which
+modules to hook, and the first recorded step, which makes the rows) run before the timed
+block, and leaving it after. The ratio is the median, over rounds, of the monitored
+block's time over the plain block's in that round. What a monitor's first step costs once
+is reported on its own: the median, over rounds, of the first step's time under a new
+monitor less a plain step's.
 
     python benchmarks/monitor.py [--quick] [--device cuda] [--rounds N] [--calls]
+                                 [--instructions]
 
 `--calls` counts instead of timing: the Python function calls (and calls of C functions from
 Python) a step makes, plain and under the monitor, as `sys.setprofile` sees them. The counts
 do not depend on the machine's load, so they show a change to the monitor's own code where
 the timings of a shared machine cannot.
+
+`--instructions` counts the machine instructions of a step (CPU only; needs valgrind): each
+case runs in a process of its own under `valgrind --tool=callgrind`, which counts only
+while the steps run (from `callgrind_control -i on` to `-i off`: not the imports, the
+warm-up, or a monitor's first steps), plain and in a monitor's steady state; the ratio is
+monitored over plain. Deterministic at any load, and weighted as the timings are (a C++
+hook costs what it costs), unlike the call counts; about 10 minutes in all.
 """
 
 from __future__ import annotations
@@ -82,16 +95,22 @@ def small_mlp(device: str) -> tuple[nn.Module, Callable[[], Any]]:
     return _training(make_data, 128, model, 1e-2, device)
 
 
+# Steps run inside a new monitor before its timed block: its first forward and first
+# recorded step, and one more of each kind (`every=10`: a step not recorded).
+_SETTLE = 3
+
+
 def measure(model: nn.Module, step: Callable[[], Any], every: int, *, rounds: int,
-            number: int, sync: Callable[[], None]) -> tuple[float, float]:
-    """Median seconds per plain step and the median monitored / plain ratio."""
+            number: int, sync: Callable[[], None]) -> tuple[float, float, float]:
+    """Median seconds per plain step, the median monitored / plain ratio in a monitor's
+    steady state, and the median extra seconds of a new monitor's first step."""
     for _ in range(3):
         step()
     with go.monitor(model, every=every):
         for _ in range(3):
             step()
     order = random.Random(0)
-    plain, ratios = [], []
+    plain, ratios, first = [], [], []
     for _ in range(rounds):
         cases = ["plain", "monitored"]
         order.shuffle(cases)
@@ -101,10 +120,14 @@ def measure(model: nn.Module, step: Callable[[], Any], every: int, *, rounds: in
                 block[case] = _time_block(step, number, sync)
             else:
                 with go.monitor(model, every=every):
+                    first.append(_time_block(step, 1, sync))
+                    for _ in range(_SETTLE - 1):
+                        step()
                     block[case] = _time_block(step, number, sync)
         plain.append(block["plain"])
         ratios.append(block["monitored"] / block["plain"])
-    return statistics.median(plain), statistics.median(ratios)
+    extra = statistics.median(f - p for f, p in zip(first, plain, strict=True))
+    return statistics.median(plain), statistics.median(ratios), extra
 
 
 def count_calls(model: nn.Module, step: Callable[[], Any], every: int,
@@ -148,24 +171,37 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     parser.add_argument("--rounds", type=int, default=None)
     parser.add_argument("--calls", action="store_true",
                         help="count the Python calls of a step instead of timing it")
+    parser.add_argument("--instructions", action="store_true",
+                        help="count the instructions of a step under valgrind (CPU)")
+    # (what one `--instructions` case runs, under valgrind: MODEL EVERY STEPS, EVERY 0 plain)
+    parser.add_argument("--counted-steps", nargs=3, help=argparse.SUPPRESS)
     add_device_argument(parser)
     args = parser.parse_args(argv)
     if args.calls:
         return _main_calls(args.device)
+    if args.counted_steps:
+        name, every, steps = args.counted_steps
+        _counted_steps(name, int(every), int(steps))
+        return {}
+    if args.instructions:
+        return _main_instructions()
     rounds = args.rounds or (3 if args.quick else 15)
     number = 3 if args.quick else 20
     sync = synchronizer(args.device)
     torch.set_num_threads(1)  # steadier timings; the ratio is what is reported
     results: dict[str, float] = {}
     print(f"torch {torch.__version__}, device {args.device}, {rounds} rounds of {number} steps")
-    print(f"{'model':<12} {'every':>5} {'plain step':>12} {'monitored / plain':>18}")
+    print(f"{'model':<12} {'every':>5} {'plain step':>12} {'monitored / plain':>18} "
+          f"{'first step adds':>16}")
     for name, make in (("small MLP", small_mlp), ("spiking", spiking), ("binarized", binarized)):
         for every in (1, 10):
             model, step = make(args.device)
-            seconds, ratio = measure(model, step, every, rounds=rounds, number=number,
-                                     sync=sync)
+            seconds, ratio, extra = measure(model, step, every, rounds=rounds, number=number,
+                                            sync=sync)
             results[f"{name} every={every}"] = ratio
-            print(f"{name:<12} {every:>5} {seconds * 1e3:>9.2f} ms {ratio:>17.3f}x")
+            results[f"{name} every={every} first step"] = extra
+            print(f"{name:<12} {every:>5} {seconds * 1e3:>9.2f} ms {ratio:>17.3f}x "
+                  f"{extra * 1e3:>13.2f} ms")
     return results
 
 
@@ -183,6 +219,70 @@ def _main_calls(device: str) -> dict[str, float]:
             results[f"{name} every={every} c"] = monitored_c - c
             print(f"{name:<12} {every:>5} {py:>6.0f} +{c:>5.0f} {monitored_py:>6.0f} +"
                   f"{monitored_c:>5.0f} {monitored_py - py:>6.0f} +{monitored_c - c:>5.0f}")
+    return results
+
+
+_MODELS = {"small MLP": small_mlp, "spiking": spiking, "binarized": binarized}
+
+
+def _counted_steps(name: str, every: int, steps: int) -> None:
+    """`steps` steps of model `name` (plain when `every` is 0, else in a monitor's steady
+    state), callgrind counting only while they run."""
+    import subprocess
+
+    torch.set_num_threads(1)
+    model, step = _MODELS[name]("cpu")
+
+    def counting(on: bool) -> None:
+        subprocess.run(["callgrind_control", "-i", "on" if on else "off", str(os.getpid())],
+                       check=True, capture_output=True)
+
+    for _ in range(5):
+        step()
+    if every == 0:
+        counting(True)
+        for _ in range(steps):
+            step()
+        counting(False)
+        return
+    with go.monitor(model, every=every):
+        for _ in range(_SETTLE + 2):
+            step()
+        counting(True)
+        for _ in range(steps):
+            step()
+        counting(False)
+
+
+def _main_instructions() -> dict[str, float]:
+    import re
+    import shutil
+    import subprocess
+
+    if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
+        sys.exit("--instructions needs valgrind (callgrind and callgrind_control) on PATH.")
+    steps = {"small MLP": 20, "spiking": 10, "binarized": 10}
+
+    def per_step(name: str, every: int) -> float:
+        command = ["valgrind", "--tool=callgrind", "--instr-atstart=no",
+                   "--callgrind-out-file=/dev/null", sys.executable, os.path.abspath(__file__),
+                   "--counted-steps", name, str(every), str(steps[name])]
+        done = subprocess.run(command, capture_output=True, text=True, check=True)
+        match = re.search(r"I\s+refs:\s+([\d,]+)", done.stderr)
+        if match is None:
+            sys.exit(f"no instruction count from valgrind:\n{done.stderr[-2000:]}")
+        return int(match.group(1).replace(",", "")) / steps[name]
+
+    results: dict[str, float] = {}
+    print(f"torch {torch.__version__}, cpu: instructions per step (valgrind), a monitor's "
+          "steady state")
+    print(f"{'model':<12} {'plain':>12} {'every=1':>9} {'every=10':>9}")
+    for name in _MODELS:
+        plain = per_step(name, 0)
+        ratios = [per_step(name, every) / plain for every in (1, 10)]
+        results[f"{name} plain"] = plain
+        results[f"{name} every=1"], results[f"{name} every=10"] = ratios
+        print(f"{name:<12} {plain / 1e6:>10.2f} M {ratios[0]:>8.3f}x {ratios[1]:>8.3f}x")
     return results
 
 

@@ -75,11 +75,13 @@ from ._passthrough import AUDITS, as_output, related, shows_input
 from ._rule import RuleSpec
 
 __all__ = [
+    "RECORDED_CALL",
     "RECORDERS",
     "CallState",
     "OpPlan",
     "Route",
     "any_other_framework",
+    "backward_recorded",
     "build_route",
     "check_output_count",
     "current_parameter",
@@ -94,8 +96,31 @@ __all__ = [
 _CONTAINERS = (tuple, list, dict)
 
 #: The diagnostics recorder running now, if any (`go.monitor`, `go.overrides` with inputs,
-#: `gradient_report`): every op and module call consults it, in eager mode.
+#: `gradient_report`): every op and module call consults it, in eager mode, and so does
+#: every backward of an op's Function (see `backward_recorded`).
 RECORDERS: list[Any] = []
+
+#: The attribute of an op's backward node (its `ctx`) where a recorder leaves what the node's
+#: backward hands it (see `backward_recorded`).
+RECORDED_CALL = "gradoverride_recorded"
+
+
+def backward_recorded(ctx: Any, body: Callable[..., Any], grads: tuple[Any, ...],
+                      span: int | None = None) -> Any:
+    """The backward of an op's Function while a recorder records: `body(ctx, *grads)`, the
+    backward itself, and then, if the recorder left something on the node at the op's call,
+    that is handed what the backward returned for the rule's inputs (its first `span`
+    entries; all when None) and the gradients it got. Every Function gradoverride makes
+    comes here, from the head of its backward (one read of `RECORDERS` when nothing
+    records): it is how a recorder sees an override's gradients, with no hook registered
+    on each node at each call."""
+    if is_dynamo_compiling():
+        return body(ctx, *grads)  # (a compiled call is not recorded: it left nothing)
+    returned = body(ctx, *grads)
+    recorded = ctx.__dict__.get(RECORDED_CALL)
+    if recorded is not None:
+        recorded(returned if span is None else returned[:span], grads)
+    return returned
 
 
 class CallState:
@@ -849,6 +874,11 @@ def _build_owning(plan: OpPlan, common: _Common) -> Route:
         return [i for slot in requested for i in range(ranges[slot][0], ranges[slot][1])]
 
     def backward(ctx: Any, *grads: Any) -> Any:
+        if RECORDERS:
+            return backward_recorded(ctx, backward_body, grads)
+        return backward_general(ctx, grads)
+
+    def backward_body(ctx: Any, *grads: Any) -> Any:
         return backward_general(ctx, grads)
 
     def finish(out: Any, state: CallState) -> Any:
@@ -967,6 +997,7 @@ def _twin(plan: OpPlan, common: _Common, pieces: dict[str, Any], attach: bool = 
         "Tensor": Tensor, "CallState": CallState, "as_output": as_output,
         "shape_output": pieces["shape_output"], "setup": pieces["setup"],
         "backward_general": common.backward_general, "saved_for": saved_for,
+        "RECORDERS": RECORDERS, "backward_recorded": backward_recorded,
         "call_rule": call_rule, "check_gradient": check_gradient,
         "flat_gradients": flat_gradients, "GradOverrideError": GradOverrideError,
         "SKIP": SKIP, "FORM": form, "OWNED": rule.owned, "autocast_state": _autocast_state,
@@ -1039,6 +1070,14 @@ def _build_attaching(plan: OpPlan, common: _Common) -> Route:
         setup(ctx, state, inputs[1 : 1 + n_in], outs, inputs[1 + n_in + state.n_out :])
 
     def backward(ctx: Any, *grads: Any) -> Any:
+        if RECORDERS:
+            # (what the rule returned: the gradients for the Function's first inputs, the
+            # call's; the outputs' passed on after them are not the rule's)
+            return backward_recorded(ctx, backward_body, grads,
+                                     1 + ctx.gradoverride[0].n_in)
+        return backward_body(ctx, *grads)
+
+    def backward_body(ctx: Any, *grads: Any) -> Any:
         state = ctx.gradoverride[0]
         n_res = sum(1 for r in state.residuals if type(r) is int)
         record = ctx.gradoverride
@@ -1047,10 +1086,9 @@ def _build_attaching(plan: OpPlan, common: _Common) -> Route:
         return (None, *rule_grads, *passed, *([None] * n_res))
 
     name = f"CustomBackward_{_identifier(op)}"
-    cls = _function_class(name, plan.module, op, forward, setup_context, backward)
-    # Its backward also returns the outputs' gradients, passed on into the ordinary graph:
-    # what `go.monitor` leaves out of the gradients the rule returned.
-    cls._gradoverride_attaches = True  # type: ignore[attr-defined]
+    # (Its backward also returns the outputs' gradients, passed on into the ordinary graph.)
+    cls = _function_class(name, plan.module, op, forward, setup_context, backward,
+                          attaches=True)
     apply: Callable[..., Any] = cls.apply
     raw = raw_apply(cls)
 
@@ -1072,9 +1110,7 @@ def _build_attaching(plan: OpPlan, common: _Common) -> Route:
         }, attach=True)
         if twin is not None and twin.forward_given is not None:
             fast_cls = _classic_function_class(name, plan.module, op, twin.forward_given,
-                                               twin.backward)
-            # (as `cls`: what go.monitor reads, to leave the passed-on gradients out)
-            fast_cls._gradoverride_attaches = True  # type: ignore[attr-defined]
+                                               twin.backward, attaches=True)
             fast = raw_apply(fast_cls)
 
     def attach(values: tuple[Any, ...], state: CallState, out: Any,
@@ -1489,12 +1525,19 @@ def _function_class(
     forward: Callable[..., Any],
     setup_context: Callable[..., None],
     backward: Callable[..., Any],
+    *,
+    attaches: bool = False,
 ) -> type[torch.autograd.Function]:
+    """`attaches`: its backward also returns its outputs' gradients, passed on into the
+    ordinary graph (a rule owning some inputs only), which `go.monitor` leaves out of the
+    gradients the rule returned; every Function class says (the monitor reads it at each
+    recorded call: an attribute found costs less than one missing)."""
     namespace: dict[str, Any] = {
         "generate_vmap_rule": True,
         "forward": staticmethod(forward),
         "setup_context": staticmethod(setup_context),
         "backward": staticmethod(backward),
+        "_gradoverride_attaches": attaches,
         "__module__": module,
         "__qualname__": name,
         "__doc__": f"The autograd.Function gradoverride generated for `{op}`.",
@@ -1541,15 +1584,18 @@ def _classic_function_class(
     op: str,
     forward: Callable[..., Any],
     backward: Callable[..., Any],
+    *,
+    attaches: bool = False,
 ) -> type[torch.autograd.Function]:
     """The eager-only twin of an op's Function, in the classic `forward(ctx, ...)` form.
 
     Same name and backward; used only through `raw_apply` in eager mode with no transform,
-    where nothing needs the `setup_context` form.
+    where nothing needs the `setup_context` form. `attaches`: as `_function_class`'s.
     """
     namespace: dict[str, Any] = {
         "forward": staticmethod(forward),
         "backward": staticmethod(backward),
+        "_gradoverride_attaches": attaches,
         "jvp": staticmethod(_no_forward_mode(op)),
         "__module__": module,
         "__qualname__": name,

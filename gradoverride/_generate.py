@@ -20,7 +20,9 @@ specialised to the op's slot count and the names its rule asks for:
   only for a gradient that needs fixing or reporting), anything else through
   `flat_gradients`. For a module's op it also gives the rule the module holding the
   parameters its forward saw (the general steps do it when they are not the module's
-  now, or one was changed in place), and refuses a rule that wrote a parameter's `.grad`;
+  now, or one was changed in place), and refuses a rule that wrote a parameter's `.grad`.
+  While a diagnostics recorder records, it runs as `backward_body` (the same source)
+  through the route's `backward_recorded`, which hands the recorder the gradients;
 * `run(args, kwargs)`: an op's entry for a positional call (padded with defaults), which
   hands anything else (keywords, containers, TensorFlow tensors) to the route's general
   entry.
@@ -157,12 +159,19 @@ def forward_given(ctx, _go_state, {values}, _go_out):
 """
 
 _BACKWARD_HEAD = """
-def backward(ctx, _go_g0, *_go_rest):
+def {name}(ctx, _go_g0, *_go_rest):{check}
     _go_record = ctx.gradoverride
     if _go_record[0] is not _go_FAST:  # recorded by the route's general steps
         return _go_backward_general(ctx, (_go_g0, *_go_rest))
     {unpack} = _go_record
 """
+
+# While a recorder records, the backward runs as `backward_body` (the same function without
+# this check) through `backward_recorded`, which hands the recorder what it returned for the
+# rule's inputs (the first `span` entries).
+_BACKWARD_CHECK = """
+    if _go_RECORDERS:
+        return _go_backward_recorded(ctx, backward_body, (_go_g0, *_go_rest), {span})"""
 
 _SAVED = """
     try:
@@ -246,11 +255,12 @@ def generate(
     stay in the module); `defaults`: every slot's default, `inspect.Parameter.empty` where
     it has none (`run` is generated for an op called by users, not for a module's).
     `namespace` provides, without the `_go_` prefix: fn, rule, rule_name, Tensor,
-    CallState, as_output, shape_output, setup, backward_general, saved_for, call_rule,
-    check_gradient, flat_gradients, GradOverrideError, SKIP, FORM (the op's ModuleForm or
-    None), OWNED, autocast_state, any_autocast_enabled; for a module op module_rule,
-    parameter_at, single_thread, in_backward, wrote_grad; for `run` run_general, run_bound,
-    run_tensorflow, any_tensorflow, finish, is_grad_enabled, tracing_state, is_dynamo_compiling,
+    CallState, as_output, shape_output, setup, backward_general, RECORDERS,
+    backward_recorded, saved_for, call_rule, check_gradient, flat_gradients,
+    GradOverrideError, SKIP, FORM (the op's ModuleForm or None), OWNED, autocast_state,
+    any_autocast_enabled; for a module op module_rule, parameter_at, single_thread,
+    in_backward, wrote_grad; for `run` run_general, run_bound, run_tensorflow,
+    any_tensorflow, finish, is_grad_enabled, tracing_state, is_dynamo_compiling,
     transforms_active, FAST_APPLY (and `_go_raw`, set afterwards: see `Twin`).
     """
     n = len(names)
@@ -313,11 +323,13 @@ def generate(
               "_go_autocast"]
     if module is not None:
         unpack += ["_go_module", "_go_held", "_go_versions"]
-    source += _BACKWARD_HEAD.format(unpack=", ".join(unpack))
+    # (The body is written twice: as `backward`, after its check for a recorder, and as
+    # `backward_body`; the attaching form's last gradient is passed on, not the rule's.)
+    body = ""
     if saved:
         read = [name for name, _ in requested] + (["output"] if wants_output else [])
-        source += _SAVED.format(saved=_tuple([f"_go_s{k}" for k in range(len(saved))]),
-                                read=tuple(read))
+        body += _SAVED.format(saved=_tuple([f"_go_s{k}" for k in range(len(saved))]),
+                              read=tuple(read))
     lines: list[str] = []
     keywords: list[tuple[str, str]] = []  # (rule keyword, local holding its value)
     for k, (name, _) in enumerate(requested):
@@ -328,15 +340,15 @@ def generate(
     if module is not None:
         for j, (slot, _) in enumerate(module.params):
             lines.append(f"v{slot} = _go_held[{j}]")
-    source += "".join(f"    {line}\n" for line in lines)
+    body += "".join(f"    {line}\n" for line in lines)
 
     first = ["_go_module"] if module is not None and module.method else []
     call = ", ".join([*first, "_go_g0", *(f"{kw}={local}" for kw, local in keywords)])
     call_args = _tuple([*first, "_go_g0"])
     call_kwargs = "{" + ", ".join(f"{kw!r}: {local}" for kw, local in keywords) + "}"
     if module is None:
-        source += _CALL.format(try_rule=_TRY_RULE.format(call=call), call_args=call_args,
-                               call_kwargs=call_kwargs)
+        body += _CALL.format(try_rule=_TRY_RULE.format(call=call), call_args=call_args,
+                             call_kwargs=call_kwargs)
     else:
         holds = " and ".join(
             [_holds(slot, name) for slot, name in module.params]
@@ -351,12 +363,16 @@ def generate(
             f"            _go_wrote_grad({name!r})\n"
             for j, (slot, name) in enumerate(owned)
         )
-        source += _MODULE_CALL.format(
+        body += _MODULE_CALL.format(
             holds=holds, try_rule=_TRY_RULE.format(call=call), call_kwargs=call_kwargs,
             enter="\n        _go_in_backward()" if owned else "",
             grads_before=grads_before, grad_checks=grad_checks,
         )
-    source += _results(names, saved_slot, module)
+    body += _results(names, saved_slot, module)
+    span = -1 if module is not None and module.attach else None
+    for name, check in (("backward", _BACKWARD_CHECK.format(span=span)), ("backward_body", "")):
+        source += _BACKWARD_HEAD.format(name=name, check=check, unpack=", ".join(unpack))
+        source += body
 
     # ---- run ------------------------------------------------------------------------------
     if defaults is not None:

@@ -51,7 +51,7 @@ class Tapped(nn.Module):
         return y
 
 
-def test_after_the_first_forward_torch_layers_run_without_hooks_and_none_is_left() -> None:
+def test_after_the_first_forward_torch_layers_and_recipe_modules_run_without_hooks() -> None:
     model = nn.Sequential(nn.Linear(4, 4), recipes.binarize().module(), nn.Linear(4, 1))
     globals_before = (len(torch_module._global_forward_pre_hooks),
                       len(torch_module._global_forward_hooks))
@@ -64,7 +64,8 @@ def test_after_the_first_forward_torch_layers_run_without_hooks_and_none_is_left
                         len(torch_module._global_forward_hooks)) == globals_before
             assert not model[0]._forward_pre_hooks and not model[0]._forward_hooks
             assert not model[2]._forward_pre_hooks and not model[2]._forward_hooks
-            assert len(model[1]._forward_pre_hooks) == len(model[1]._forward_hooks) == 1
+            # A recipe's module form keeps itself on the recorder's stack: no hooks either.
+            assert not model[1]._forward_pre_hooks and not model[1]._forward_hooks
     for m in model.modules():
         assert not m._forward_pre_hooks and not m._forward_hooks
     assert [r.step for r in mon.history[f"1: {BIN}"]] == [0, 1, 2]
@@ -160,19 +161,19 @@ def test_a_model_copied_or_saved_after_the_first_forward_carries_no_working_hook
     model = nn.Sequential(nn.Linear(4, 4), recipes.binarize().module())
     x = torch.randn(3, 4)
     with go.monitor(model):
-        model(x).sum().backward()  # the recorder's hooks are on model and model[1] now
+        model(x).sum().backward()  # the recorder's hooks are on the model now
         twin = copy.deepcopy(model)
         buffer = io.BytesIO()
         torch.save(model, buffer)
     buffer.seek(0)
     loaded = torch.load(buffer, weights_only=False)
     for copied in (twin, loaded):
-        for m in (copied, copied[1]):
+        for m, hooked in ((copied, 2), (copied[1], 0)):  # (a recipe module: none)
             hooks = [*m._forward_pre_hooks.values(), *m._forward_hooks.values()]
             # (a hook that does nothing: not one that keeps a recorder's call stack)
             assert all(h(m, (x,)) is None for h in m._forward_pre_hooks.values())
             assert all(h(m, (x,), x) is None for h in m._forward_hooks.values())
-            assert len(hooks) == 2
+            assert len(hooks) == hooked
         assert torch.equal(copied(x), model(x))
         # Monitored itself, the copy's rows are what the model's were.
         with go.monitor(copied) as mon:

@@ -47,12 +47,26 @@ def test_argmax_forward_is_the_one_hot_and_backward_the_softmax(
     temperature: float, x: torch.Tensor, dim: int
 ) -> None:
     recipe = R.ste_argmax(dim=dim, temperature=temperature)
-    g = torch.randn(x.shape, dtype=torch.float64).to(x.dtype)
+    # (an upstream gradient drawn from a seeded generator: the example alone decides the
+    # outcome, as Hypothesis requires)
+    g = torch.randn(x.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    g = g.to(x.dtype)
     y, gx = _grad(recipe, x, g)
     assert y.dtype == x.dtype and gx.dtype == x.dtype
     assert torch.equal(y, _one_hot(x, dim))
-    _, expected = _grad(lambda t: torch.softmax(t / temperature, dim), x, g)
-    torch.testing.assert_close(gx, expected, **tolerance(x.dtype))
+    if x.dtype in (torch.float16, torch.bfloat16):
+        # Softmax's backward, s * (g - sum(g * s)) / T, in float64 from the same values: a
+        # half-precision result is within a few roundings of its terms' size (a comparison
+        # with autograd in half precision compares two roundings of a cancellation).
+        s = torch.softmax(x.double() / temperature, dim)
+        g64 = g.double()
+        exact = s * (g64 - (g64 * s).sum(dim, keepdim=True)) / temperature
+        size = s * (g64.abs() + (g64.abs() * s).sum(dim, keepdim=True)) / temperature
+        bound = 8 * torch.finfo(x.dtype).eps * size + torch.finfo(x.dtype).tiny
+        assert ((gx.double() - exact).abs() <= bound).all(), (gx, exact)
+    else:
+        _, expected = _grad(lambda t: torch.softmax(t / temperature, dim), x, g)
+        torch.testing.assert_close(gx, expected, **tolerance(x.dtype))
     _, identity = _grad(R.ste_argmax(dim=dim, backward="identity"), x, g)
     assert torch.equal(identity, g)
 

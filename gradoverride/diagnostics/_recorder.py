@@ -5,13 +5,16 @@ While a recorder is started:
 
 * every op call (each `custom_backward` / `straight_through` op, the recipes' ops, the ops
   of `go.Module` and `override_backward`) consults the recorder (`RECORDERS`, read by the
-  ops' entries), which registers a hook on the backward node of the op's output (autograd's
-  `Node.register_hook`): it hands what that node got and returned to the recorder, exactly
-  the override's own gradients, whatever else reads its inputs, with no identity op added
-  and no tensor copied;
+  ops' entries), which leaves an object on the backward node of the op's output (an
+  attribute of the Function's `ctx`); the node's backward, which reads `RECORDERS` first,
+  hands it what the rule returned and what the node got (`backward_recorded`): exactly the
+  override's own gradients, whatever else reads its inputs, with no identity op added, no
+  tensor copied, and no hook registered on each node (torch's node hooks cost about as
+  much as the rest of a recorded call together);
 * the row of an op called in a module's forward is that module's path: module forward
   hooks, registered only while recording, keep each thread's stack of running module
-  calls, and the recipes push themselves on it (`recipe_call`), so the row is the
+  calls, and the recipes and their module forms push themselves on it (`recipe_call`,
+  so a recipe's module form needs no hooks), so the row is the
   innermost module of the model on it and the recipe that made the call, however deep
   below the module's forward the op is called. During the first forward they are torch's
   global hooks (every module call, a compiled wrapper of the model's included); once it
@@ -60,7 +63,7 @@ from torch.nn.modules.module import (
 
 from .._decorators import CustomBackward
 from .._errors import GradOverrideError, GradOverrideWarning
-from .._function import RECORDERS, CallState
+from .._function import RECORDED_CALL, RECORDERS
 from .._internals import graph_task_id, graph_task_reader, transforms_active
 from .._module import Module
 from .._signature import describe
@@ -321,14 +324,14 @@ class Recorder:
                 if (
                     node is not None and _pass_now() < 0
                     and getattr(node, "gradoverride", None) is not None  # (our Function's)
-                    and not getattr(node._forward_cls, "_gradoverride_attaches", False)
                 ):
                     thread = _THREAD
                     stack = (thread.stack if getattr(thread, "generation", -1) == _GENERATION
                              else _stack())
                     if stack:  # (else called outside any module call: not the model's)
                         self._count += 1
-                        node.register_hook(_Call(self, op, args, tuple(stack), self._count))
+                        node.__dict__[RECORDED_CALL] = _Call(self, op, args, tuple(stack),
+                                                             self._count)
                 else:
                     self._observe(op, args, out, None)
             elif _stack():
@@ -341,7 +344,8 @@ class Recorder:
 
     def recipe_call(self, recipe: Any, call: Callable[..., Any], args: tuple[Any, ...],
                     kwargs: dict[str, Any]) -> Any:
-        """A recipe called while recording (eager): its ops' rows name it."""
+        """A recipe, or a recipe's module form, called while recording (eager): its ops'
+        rows name it (and the module form's path)."""
         thread = _THREAD  # (`_stack()`, inline: every recipe call reads it)
         stack = thread.stack if getattr(thread, "generation", -1) == _GENERATION else _stack()
         stack.append(recipe)
@@ -467,21 +471,12 @@ class Recorder:
                     return  # called outside any module call: not the model's
                 self._count += 1
                 site = _Call(self, op, args, tuple(stack), self._count)
-        # One gradient per tensor input (None where the input needs none); an attaching
-        # Function (a rule owning some inputs) then passes its outputs' gradients on into
-        # the ordinary graph, which are not the rule's: only its first `span` are.
-        span = None
-        if getattr(getattr(node, "_forward_cls", None), "_gradoverride_attaches", False):
-            state = node.gradoverride[0]
-            # (The generated twin keeps no CallState: its inputs are the call's values, then
-            # its one output, the last tensor input.)
-            span = (state.n_tensor_in if isinstance(state, CallState)
-                    else len(node.next_functions) - 1)
+        # (The node's backward hands it what the rule returned: see `backward_recorded`.)
         if type(site) is _Call:
-            site.span, site.task = span, outer
-            node.register_hook(site)
+            site.task = outer
+            node.__dict__[RECORDED_CALL] = site
         else:
-            node.register_hook(_NodeHook(self, site, span, outer))
+            node.__dict__[RECORDED_CALL] = _NodeHook(self, site, outer)
 
     def _place(self, stack: Sequence[Any] | None = None) -> tuple[str | None, list[Any]]:
         """Where an op called now runs: the path of the innermost module of the model whose
@@ -667,6 +662,11 @@ class Recorder:
             for g in arriving:
                 if g is not None:
                     got.append(g)
+            if len(got) > 1:
+                # Several outputs: one that got no gradient arrives as the zeros the rule
+                # is given (`materialize_grads`); an output whose gradient is all zeros is
+                # left out of what the zeroed fraction pairs (it has no element to zero).
+                got = [g for g in got if g.layout != torch.strided or bool(g.any())]
             group = groups.get((site, step))
             if group is None:
                 group = groups[(site, step)] = Gradients()
@@ -690,19 +690,19 @@ class Recorder:
 
 
 class _NodeHook:
-    """On an op's backward node while recording: hands what the node got and returned (for
-    its tensor inputs; the first `span` of them for an attaching Function, whose others are
-    its outputs' gradients passed on) to the entries of the backward pass running."""
+    """Left on an op's backward node while recording (see `backward_recorded`): the node's
+    backward hands it what the rule returned (None where an input is no tensor or needs no
+    gradient) and what the node got, which it adds to the entries of the backward pass
+    running."""
 
-    __slots__ = ("recorder", "site", "span", "task")
+    __slots__ = ("recorder", "site", "task")
 
-    def __init__(self, recorder: Recorder, site: Any, span: int | None, task: int) -> None:
+    def __init__(self, recorder: Recorder, site: Any, task: int) -> None:
         self.recorder = recorder
         self.site = site
-        self.span = span  # how many of the gradients are the rule's (None: all)
         self.task = task
 
-    def __call__(self, grad_inputs: tuple[Any, ...], grad_outputs: tuple[Any, ...]) -> None:
+    def __call__(self, returned: tuple[Any, ...], grad_outputs: tuple[Any, ...]) -> None:
         recorder = self.recorder
         if not recorder.started:
             return  # a graph built while recording, run backward after
@@ -734,8 +734,7 @@ class _NodeHook:
             run = recorder._open(task)
             if not run.recorded:
                 return
-        returned = grad_inputs if self.span is None else grad_inputs[: self.span]
-        run.entries.append((site, tuple(returned), tuple(grad_outputs)))
+        run.entries.append((site, returned, grad_outputs))
 
 
 # A node hook's row when its calls are not recorded (see `_NodeHook`).
@@ -754,7 +753,6 @@ class _Call(_NodeHook):
                  stack: tuple[Any, ...], index: int) -> None:
         self.recorder = recorder
         self.site = self
-        self.span = None
         self.task = -1
         self.op = op
         self.index = index
@@ -971,11 +969,15 @@ _CALLS_GIVEN = "torch.nn.modules.transformer"
 
 
 def _own_hooks(module: nn.Module) -> bool:
-    """Whether the module's calls keep the call stack after the first forward: the model
-    itself, and every module whose own code (its forward, or its hooks) may call an
-    override, that is every module but torch's plain layers and containers."""
+    """Whether the module's calls keep the call stack after the first forward through hooks
+    of the recorder's: the model itself, and every module whose own code (its forward, or
+    its hooks) may call an override, that is every module but torch's plain layers and
+    containers, and but a recipe's module form, whose forward keeps itself on the stack
+    (see `Recorder.recipe_call`)."""
     if module._forward_hooks or module._forward_pre_hooks or "forward" in module.__dict__:
         return True  # (hooks, or a forward set on the module itself)
+    if type(module) is _recipe_module_type():
+        return False
     where = type(module).__module__
     return not where.startswith(_TORCH_LAYERS) or where == _CALLS_GIVEN
 

@@ -60,6 +60,12 @@ class GradientStatistics:
         self._scratch = {}
 
     def __call__(self, groups: dict[K, Gradients]) -> dict[K, list[float]]:
+        # (Gradients of a pass run with create_graph=True have a graph of their own: the
+        # reduction records none, and writes into buffers, which autograd would refuse.)
+        with torch.no_grad():
+            return self._reduce(groups)
+
+    def _reduce(self, groups: dict[K, Gradients]) -> dict[K, list[float]]:
         results: dict[K, list[float]] = {}
         aligned: list[tuple[K, Tensor, Tensor]] = []
         for key, grads in groups.items():

@@ -141,6 +141,14 @@ class RecipeModule(nn.Module):
         self.recipe = recipe
 
     def forward(self, x: Tensor, *args: Any, **kwargs: Any) -> Any:
+        if RECORDERS and not is_dynamo_compiling():
+            # A recorder keeps the call on its stack, as it keeps a recipe's: the module
+            # needs no module hooks of the recorder's (each sends a call down torch's slow
+            # path).
+            return RECORDERS[0].recipe_call(self, RecipeModule._run, (x, *args), kwargs)
+        return self._run(x, *args, **kwargs)
+
+    def _run(self, x: Tensor, *args: Any, **kwargs: Any) -> Any:
         recipe = self.recipe
         if isinstance(recipe, GradientTransform) and isinstance(x, Tensor) and not (
             args or kwargs
