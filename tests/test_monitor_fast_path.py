@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -21,12 +22,12 @@ from gradoverride._function import CallState
 _PACKAGE = go.__file__.rsplit("__init__.py", 1)[0]
 
 
-def _own_calls(run: Any) -> int:
-    """Python calls of gradoverride's code (not torch's, not the test's) that `run()` makes."""
+def _calls(run: Any, counted: Callable[[Any], bool]) -> int:
+    """Python calls that `run()` makes of the functions whose code `counted` accepts."""
     calls = [0]
 
     def profile(frame: Any, event: str, arg: Any) -> None:
-        if event == "call" and frame.f_code.co_filename.startswith(_PACKAGE):
+        if event == "call" and counted(frame.f_code):
             calls[0] += 1
 
     sys.setprofile(profile)
@@ -35,6 +36,11 @@ def _own_calls(run: Any) -> int:
     finally:
         sys.setprofile(None)
     return calls[0]
+
+
+def _own_calls(run: Any) -> int:
+    """Python calls of gradoverride's code (not torch's, not the test's) that `run()` makes."""
+    return _calls(run, lambda code: code.co_filename.startswith(_PACKAGE))
 
 
 class _Steps(nn.Module):
@@ -110,19 +116,8 @@ def test_a_rule_owning_some_inputs_keeps_its_fast_path_while_recorded() -> None:
 
 def _torch_hook_registrations(run: Any) -> int:
     """Calls of torch's registration of a hook on a backward node that `run()` makes."""
-    calls = [0]
-
-    def profile(frame: Any, event: str, arg: Any) -> None:
-        if (event == "call" and frame.f_code.co_name == "_register_hook"
-                and frame.f_code.co_filename.endswith("function.py")):
-            calls[0] += 1
-
-    sys.setprofile(profile)
-    try:
-        run()
-    finally:
-        sys.setprofile(None)
-    return calls[0]
+    return _calls(run, lambda code: code.co_name == "_register_hook"
+                  and code.co_filename.endswith("function.py"))
 
 
 @go.custom_backward
