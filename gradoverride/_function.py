@@ -1086,9 +1086,7 @@ def _build_attaching(plan: OpPlan, common: _Common) -> Route:
         return (None, *rule_grads, *passed, *([None] * n_res))
 
     name = f"CustomBackward_{_identifier(op)}"
-    # (Its backward also returns the outputs' gradients, passed on into the ordinary graph.)
-    cls = _function_class(name, plan.module, op, forward, setup_context, backward,
-                          attaches=True)
+    cls = _function_class(name, plan.module, op, forward, setup_context, backward)
     apply: Callable[..., Any] = cls.apply
     raw = raw_apply(cls)
 
@@ -1110,7 +1108,7 @@ def _build_attaching(plan: OpPlan, common: _Common) -> Route:
         }, attach=True)
         if twin is not None and twin.forward_given is not None:
             fast_cls = _classic_function_class(name, plan.module, op, twin.forward_given,
-                                               twin.backward, attaches=True)
+                                               twin.backward)
             fast = raw_apply(fast_cls)
 
     def attach(values: tuple[Any, ...], state: CallState, out: Any,
@@ -1525,19 +1523,12 @@ def _function_class(
     forward: Callable[..., Any],
     setup_context: Callable[..., None],
     backward: Callable[..., Any],
-    *,
-    attaches: bool = False,
 ) -> type[torch.autograd.Function]:
-    """`attaches`: its backward also returns its outputs' gradients, passed on into the
-    ordinary graph (a rule owning some inputs only), which `go.monitor` leaves out of the
-    gradients the rule returned; every Function class says (the monitor reads it at each
-    recorded call: an attribute found costs less than one missing)."""
     namespace: dict[str, Any] = {
         "generate_vmap_rule": True,
         "forward": staticmethod(forward),
         "setup_context": staticmethod(setup_context),
         "backward": staticmethod(backward),
-        "_gradoverride_attaches": attaches,
         "__module__": module,
         "__qualname__": name,
         "__doc__": f"The autograd.Function gradoverride generated for `{op}`.",
@@ -1584,18 +1575,15 @@ def _classic_function_class(
     op: str,
     forward: Callable[..., Any],
     backward: Callable[..., Any],
-    *,
-    attaches: bool = False,
 ) -> type[torch.autograd.Function]:
     """The eager-only twin of an op's Function, in the classic `forward(ctx, ...)` form.
 
     Same name and backward; used only through `raw_apply` in eager mode with no transform,
-    where nothing needs the `setup_context` form. `attaches`: as `_function_class`'s.
+    where nothing needs the `setup_context` form.
     """
     namespace: dict[str, Any] = {
         "forward": staticmethod(forward),
         "backward": staticmethod(backward),
-        "_gradoverride_attaches": attaches,
         "jvp": staticmethod(_no_forward_mode(op)),
         "__module__": module,
         "__qualname__": name,
