@@ -115,7 +115,7 @@ def current_pass() -> int:
     return -1 if task is None else task
 
 
-# `current_pass` as one call of torch's own (what every op call and node hook reads).
+# `current_pass` as one call of torch's own (what every op call and recorded backward reads).
 _pass_now: Callable[[], int] = graph_task_reader() or current_pass
 
 Sink = Callable[[dict[tuple[Site, int], Gradients]], None]
@@ -476,7 +476,7 @@ class Recorder:
             site.task = outer
             node.__dict__[RECORDED_CALL] = site
         else:
-            node.__dict__[RECORDED_CALL] = _NodeHook(self, site, outer)
+            node.__dict__[RECORDED_CALL] = _NodeRecord(self, site, outer)
 
     def _place(self, stack: Sequence[Any] | None = None) -> tuple[str | None, list[Any]]:
         """Where an op called now runs: the path of the innermost module of the model whose
@@ -689,7 +689,7 @@ class Recorder:
         self.sink(groups)
 
 
-class _NodeHook:
+class _NodeRecord:
     """Left on an op's backward node while recording (see `backward_recorded`): the node's
     backward hands it what the rule returned (None where an input is no tensor or needs no
     gradient) and what the node got, which it adds to the entries of the backward pass
@@ -737,14 +737,14 @@ class _NodeHook:
         run.entries.append((site, returned, grad_outputs))
 
 
-# A node hook's row when its calls are not recorded (see `_NodeHook`).
+# A node record's row when its calls are not recorded (see `_NodeRecord`).
 _NOT_RECORDED: Any = object()
 
 
-class _Call(_NodeHook):
+class _Call(_NodeRecord):
     """What an op call leaves for its row to be found when a recorded pass reaches its
     node: the op, its arguments other than tensors, and the call stack then. It is the
-    node's hook itself (its `site` is itself until the row is read): one object made per
+    node's record itself (its `site` is itself until the row is read): one object made per
     op call."""
 
     __slots__ = ("extras", "index", "op", "placed", "stack")
