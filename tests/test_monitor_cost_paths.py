@@ -72,6 +72,10 @@ def _groups(seed: int) -> tuple[dict[tuple[Site, int], Gradients],
     cases["float64"] = [got], [gave]
     got, gave = _pair((50,), generator, torch.float16)
     cases["float16"] = [got], [gave]
+    # Not contiguous (a transposed view, as a matmul's backward gives), beside a contiguous
+    # gradient of the same shape: paired element by element all the same.
+    got, gave = _pair((96, 128), generator)
+    cases["transposed"] = [got.t()], [gave.t().contiguous()]
     # NaN and infinity in one override of the pass: counted, the others unaffected.
     got, gave = _pair((30, 7), generator)
     got[0, 0], gave[1, 1], gave[2, 2] = float("nan"), float("inf"), float("nan")
@@ -100,6 +104,27 @@ def test_the_reduction_matches_statistics_computed_from_the_gradients() -> None:
             for field in ("in_sq", "out_sq"):
                 assert got[field] == pytest.approx(expected[field], rel=1e-6), (
                     site.path, field)
+
+
+def test_float32_and_float64_on_a_cpu_are_reduced_without_torch_kernels(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # The numpy reduction takes them (each torch kernel launch costs more in a training
+    # step than the arithmetic); the torch one is left for other dtypes, devices and
+    # non-finite sums.
+    groups, cases = _groups(0)
+    del cases["float16"], cases["nonfinite"]
+    groups = {key: grads for key, grads in groups.items() if key[0].path in cases}
+
+    def refused(*args: object) -> None:
+        raise AssertionError("the torch reduction ran")
+
+    monkeypatch.setattr(GradientStatistics, "_aligned", refused)
+    results = GradientStatistics()(groups)
+    for (site, _), numbers in results.items():
+        expected = _expected(*cases[site.path])
+        got = dict(zip(FIELDS, numbers, strict=True))
+        assert (got["zeroed"], got["paired"]) == (expected["zeroed"], expected["paired"])
+        assert got["in_sq"] == pytest.approx(expected["in_sq"], rel=1e-6)
 
 
 def test_a_vanishing_gradient_keeps_its_norm() -> None:

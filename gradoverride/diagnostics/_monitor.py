@@ -20,7 +20,7 @@ from .._errors import GradOverrideError, GradOverrideTypeError
 from .._internals import is_grad_scaler, loss_scale_value
 from .._table import format_table
 from ._recorder import Gradients, Recorder, Site
-from ._statistics import FIELDS, GradientStatistics
+from ._statistics import GradientStatistics
 
 __all__ = ["Monitor", "MonitorSummary", "StepRecord", "SummaryRow", "monitor"]
 
@@ -354,17 +354,18 @@ class MonitorSummary:
 
 
 def _record(step: int, numbers: list[float], scale: float = 1.0) -> StepRecord:
-    v = dict(zip(FIELDS, numbers, strict=True))
+    # (in the order of FIELDS)
+    calls, in_sq, out_sq, zeroed, paired, nan_in, inf_in, nan_out, inf_out = numbers
     return StepRecord(
         step=step,
-        calls=int(v["calls"]),
-        grad_in=math.sqrt(v["in_sq"]) / scale,
-        grad_out=math.sqrt(v["out_sq"]) / scale,
-        zeroed=v["zeroed"] / v["paired"] if v["paired"] else None,
-        nan_in=int(v["nan_in"]),
-        inf_in=int(v["inf_in"]),
-        nan_out=int(v["nan_out"]),
-        inf_out=int(v["inf_out"]),
+        calls=int(calls),
+        grad_in=math.sqrt(in_sq) / scale,
+        grad_out=math.sqrt(out_sq) / scale,
+        zeroed=zeroed / paired if paired else None,
+        nan_in=int(nan_in),
+        inf_in=int(inf_in),
+        nan_out=int(nan_out),
+        inf_out=int(inf_out),
     )
 
 

@@ -1,22 +1,26 @@
 """Reducing each override's gradients of one backward pass to the numbers `go.monitor`
 keeps: sums of squares, nonzero counts (for the zeroed fraction), NaN/inf counts.
 
-This runs at every recorded step, so it is built for few kernel launches and few passes
-over memory:
+This runs at every recorded step, so it is built for few calls and few passes over memory:
 
 * the gradients of an override called many times in a step (a spiking neuron at each time
   step) are stacked into one tensor per side;
-* each sum of squares is a dot product of the gradient with itself, and each nonzero count
-  the dot product of its signs with themselves (BLAS calls at memory speed, more precise
-  than a float32 norm; `count_nonzero` branches on each element, several times slower on a
-  CPU for gradients with many zeros, and a multi-tensor norm costs more than the dot
-  products on a CPU); the results of all overrides of the pass are read back once;
-* on a CPU, large temporaries (the signs, the stacked calls) go to buffers kept for the
+* on a CPU (float32 and float64), numpy reduces them on the same memory: each sum of
+  squares is a dot product (BLAS, at memory speed, more precise than a float32 norm), and
+  each count the count of a boolean mask (vectorized comparisons; counting a float array's
+  nonzeros branches on each element, several times slower for gradients with many zeros).
+  A call into numpy costs a fraction of a torch kernel's launch, and a recorded step of a
+  small model spends most on launches: in a training step, each of a dozen launches per
+  override costs several times what it does in a loop of its own;
+* elsewhere (an accelerator, other dtypes) torch does the same with dot products, a count
+  being the dot product of signs with themselves; the results of all overrides of the pass
+  are read back once;
+* on a CPU, large temporaries (the masks, the stacked calls) go to buffers kept for the
   monitor's lifetime: a fresh one would be faulted in page by page, which costs more than
   the arithmetic. On an accelerator the caching allocator already reuses memory.
 
 A compiled (fused) reduction is not used: on a CPU, a `torch.compile`d reduction of one
-override's gradients costs more per call than these few eager calls, after seconds of
+override's gradients costs more per call than these few calls, after seconds of
 compilation at the first recorded step.
 """
 
@@ -24,8 +28,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Hashable
-from typing import TypeVar
+from typing import Any, TypeVar
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -49,21 +54,31 @@ _SCRATCH_FROM = 2**14
 
 K = TypeVar("K", bound=Hashable)
 
+# The dtypes `_on_cpu` reduces with numpy (its float32 and float64 dot products are BLAS's).
+_NUMPY_DTYPES = frozenset({torch.float32, torch.float64})
+
 
 class GradientStatistics:
     """`statistics(groups)`: the `FIELDS` numbers of each group of gradients."""
 
     def __init__(self) -> None:
         self._scratch: dict[tuple[str, torch.dtype, torch.device], Tensor] = {}
+        self._kept_masks: tuple[Any, Any] | None = None  # (numpy's, see `_on_cpu`)
 
     def release(self) -> None:
         self._scratch = {}
+        self._kept_masks = None
 
     def __call__(self, groups: dict[K, Gradients]) -> dict[K, list[float]]:
-        # (Gradients of a pass run with create_graph=True have a graph of their own: the
-        # reduction records none, and writes into buffers, which autograd would refuse.)
-        with torch.no_grad():
-            return self._reduce(groups)
+        # (numpy's dot products overflow to infinity for gradients past 1e19: read as such,
+        # not warned of; see `_on_cpu`.)
+        with np.errstate(over="ignore", invalid="ignore"):
+            if not torch.is_grad_enabled():
+                return self._reduce(groups)  # (what a pass's end runs in, but create_graph)
+            # (Gradients of a pass run with create_graph=True have a graph of their own:
+            # the reduction records none, and writes into buffers, which autograd refuses.)
+            with torch.no_grad():
+                return self._reduce(groups)
 
     def _reduce(self, groups: dict[K, Gradients]) -> dict[K, list[float]]:
         results: dict[K, list[float]] = {}
@@ -73,7 +88,11 @@ class GradientStatistics:
             if grads.aligned and grads.arriving:
                 got = self._stack("got", grads.arriving, len(aligned))
                 gave = self._stack("gave", grads.returned, len(aligned))
-                aligned.append((key, *_common(got, gave)))
+                numbers = self._on_cpu(got, gave) if got.device.type == "cpu" else None
+                if numbers is None:
+                    aligned.append((key, *_common(got, gave)))
+                else:
+                    results[key] = [float(grads.calls), *numbers]
             else:
                 results[key] = [float(grads.calls), *_general(grads)]
         if aligned:
@@ -110,6 +129,45 @@ class GradientStatistics:
                                               pairs=[(gave, got)])))
         return out
 
+    def _on_cpu(self, got: Tensor, gave: Tensor) -> list[float] | None:
+        """`_aligned`'s numbers of one group on a CPU, by numpy on the same memory (see
+        the module docstring). None, for `_aligned` to take, where numpy cannot read the
+        tensors (another dtype, a tensor subclass, a gradient with a graph) or where a sum
+        of squares is not finite (NaN or infinity in them, or squares past float32's
+        range: the general reduction counts them, in float64)."""
+        if got.dtype not in _NUMPY_DTYPES or gave.dtype != got.dtype:
+            return None
+        try:
+            a = got.numpy().reshape(-1)
+            b = gave.numpy().reshape(-1)
+        except (RuntimeError, TypeError):
+            return None
+        # (A square past float32's range is infinite here, and taken in float64 by the
+        # general reduction: numpy does not warn of it, see `__call__`.)
+        in_sq = float(np.dot(a, a))
+        out_sq = float(np.dot(b, b))
+        if not (math.isfinite(in_sq) and math.isfinite(out_sq)):
+            return None
+        # Nonzero masks, counted (comparisons and counts of booleans are vectorized in
+        # numpy, where counting a float array's nonzeros branches on each element); where
+        # both are nonzero, a mask, not the product: two float32 gradients of 1e-23
+        # multiply to an exact zero. Into kept buffers (see `_temporary`).
+        nonzero_a, nonzero_b = self._masks(a.size)
+        np.not_equal(a, 0, out=nonzero_a)
+        np.not_equal(b, 0, out=nonzero_b)
+        nonzero = int(np.count_nonzero(nonzero_a))
+        kept = int(np.count_nonzero(np.logical_and(nonzero_a, nonzero_b, out=nonzero_b)))
+        return [_unless_underflowed(in_sq, got), _unless_underflowed(out_sq, gave),
+                float(nonzero - kept), float(nonzero), 0.0, 0.0, 0.0, 0.0]
+
+    def _masks(self, size: int) -> tuple[Any, Any]:
+        """Two boolean numpy arrays of `size` elements (views of kept buffers)."""
+        masks = self._kept_masks
+        if masks is None or masks[0].size < size:
+            masks = self._kept_masks = (np.empty(size, dtype=np.bool_),
+                                        np.empty(size, dtype=np.bool_))
+        return masks[0][:size], masks[1][:size]
+
     def _temporary(self, name: str, k: int, like: Tensor) -> Tensor:
         """A tensor of `like`'s size (flat) to write into: a kept buffer on a CPU from
         `_SCRATCH_FROM` elements, else a new one."""
@@ -139,8 +197,15 @@ def _plain(grads: Gradients) -> Gradients:
     """`grads` with complex gradients as their elements' magnitudes (the same sums of
     squares, zeros, NaN and infinities) and sparse ones as their stored values (the same
     sums of squares; a pair is compared where both store the same elements, else dense)."""
-    if not any(map(_special, grads.arriving)) and not any(map(_special, grads.returned)):
-        return grads
+    # (loops, not `any(map(...))`: no Python call per tensor at each recorded step)
+    for tensors in (grads.arriving, grads.returned):
+        for t in tensors:
+            if t.layout != torch.strided or t.is_complex():
+                return _plain_values(grads)
+    return grads
+
+
+def _plain_values(grads: Gradients) -> Gradients:
     pairs = [_stored_pair(gave, got) for gave, got in grads.pairs]
     sparse = any(t.layout != torch.strided for t in (*grads.arriving, *grads.returned))
     return Gradients(
@@ -150,10 +215,6 @@ def _plain(grads: Gradients) -> Gradients:
         pairs=pairs,
         aligned=grads.aligned and not sparse,
     )
-
-
-def _special(t: Tensor) -> bool:
-    return t.is_complex() or t.layout != torch.strided
 
 
 def _values(t: Tensor) -> Tensor:
