@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -125,6 +126,38 @@ def test_float32_and_float64_on_a_cpu_are_reduced_without_torch_kernels(
         got = dict(zip(FIELDS, numbers, strict=True))
         assert (got["zeroed"], got["paired"]) == (expected["zeroed"], expected["paired"])
         assert got["in_sq"] == pytest.approx(expected["in_sq"], rel=1e-6)
+
+
+def test_a_large_float32_gradient_is_summed_in_float64() -> None:
+    # 2**22 positive elements: a float32 sum of squares is off by about 5e-7 there (and
+    # 3e-4 at 2**26), a float64 one by about 1e-13.
+    generator = torch.Generator().manual_seed(0)
+    got = torch.rand(2**22, generator=generator) + 0.5
+    gave = got * (torch.rand(2**22, generator=generator) > 0.25)
+    site = Site("large", "large", "op")
+    numbers = dict(zip(FIELDS, GradientStatistics()({(site, 0): _group([got], [gave])})[
+        (site, 0)], strict=True))
+    expected = _expected([got], [gave])
+    assert numbers["in_sq"] == pytest.approx(expected["in_sq"], rel=1e-10)
+    assert numbers["out_sq"] == pytest.approx(expected["out_sq"], rel=1e-10)
+    assert (numbers["zeroed"], numbers["paired"]) == (expected["zeroed"], expected["paired"])
+
+
+def test_a_numpy_error_state_that_raises_is_not_tripped() -> None:
+    # A user's `np.seterr(all="raise")`: squares that underflow (a vanishing gradient) or
+    # overflow (a huge one) are read, not raised; the user's state is left as it was.
+    site = Site("tiny", "tiny", "op")
+    for value in (1e-25, 1e20):
+        got = torch.full((200,), value)
+        gave = got.clone()
+        gave[:50] = 0.0
+        with np.errstate(all="raise"):
+            numbers = dict(zip(FIELDS, GradientStatistics()({(site, 0): _group([got], [gave])})[
+                (site, 0)], strict=True))
+            assert np.geterr()["under"] == "raise"
+        expected = _expected([got], [gave])
+        assert numbers["in_sq"] == pytest.approx(expected["in_sq"], rel=1e-6)
+        assert (numbers["zeroed"], numbers["paired"]) == (50.0, 200.0)
 
 
 def test_a_vanishing_gradient_keeps_its_norm() -> None:

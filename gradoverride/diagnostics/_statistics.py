@@ -42,8 +42,9 @@ __all__ = ["FIELDS", "GradientStatistics"]
 FIELDS = ("calls", "in_sq", "out_sq", "zeroed", "paired", "nan_in", "inf_in", "nan_out",
           "inf_out")
 
-# Below this many elements, a count read as the squared float32 2-norm of signs is exact
-# once rounded (the square root's relative error is below 2**-23).
+# From this many elements, float32 gradients are reduced in float64: below it, a count read
+# as a float32 dot product of signs is exact once rounded, and a float32 sum of squares
+# keeps six digits; above it, 2**26 elements lost 3e-4 of their sum.
 _EXACT_FLOAT32 = 2**22
 # Below this float32 sum of squares, some elements' squares may have been denormal or zero
 # (float32's smallest normal number is about 1.2e-38): such a sum is taken again in float64.
@@ -70,9 +71,11 @@ class GradientStatistics:
         self._kept_masks = None
 
     def __call__(self, groups: dict[K, Gradients]) -> dict[K, list[float]]:
-        # (numpy's dot products overflow to infinity for gradients past 1e19: read as such,
-        # not warned of; see `_on_cpu`.)
-        with np.errstate(over="ignore", invalid="ignore"):
+        # (numpy's dot products overflow to infinity for gradients past 1e19, read as such,
+        # see `_on_cpu`, and underflow for vanishing ones, taken again in float64, see
+        # `_unless_underflowed`: neither is warned of, nor raised under a user's
+        # `np.seterr(all="raise")`.)
+        with np.errstate(all="ignore"):
             if not torch.is_grad_enabled():
                 return self._reduce(groups)  # (what a pass's end runs in, but create_graph)
             # (Gradients of a pass run with create_graph=True have a graph of their own:
@@ -132,11 +135,15 @@ class GradientStatistics:
     def _on_cpu(self, got: Tensor, gave: Tensor) -> list[float] | None:
         """`_aligned`'s numbers of one group on a CPU, by numpy on the same memory (see
         the module docstring). None, for `_aligned` to take, where numpy cannot read the
-        tensors (another dtype, a tensor subclass, a gradient with a graph) or where a sum
-        of squares is not finite (NaN or infinity in them, or squares past float32's
-        range: the general reduction counts them, in float64)."""
-        if got.dtype not in _NUMPY_DTYPES or gave.dtype != got.dtype:
-            return None
+        tensors (another dtype, a tensor subclass, a gradient with a graph), for float32
+        ones of `_EXACT_FLOAT32` elements or more (whose float32 sums of squares would lose
+        digits: `_aligned` takes them in float64), or where a sum of squares is not finite
+        (NaN or infinity in them, or squares past float32's range: the general reduction
+        counts them, in float64)."""
+        if got.dtype not in _NUMPY_DTYPES or gave.dtype != got.dtype or (
+            got.dtype == torch.float32 and got.numel() >= _EXACT_FLOAT32
+        ):
+            return None  # (a large float32 one: its sums are taken in float64 there)
         try:
             a = got.numpy().reshape(-1)
             b = gave.numpy().reshape(-1)
