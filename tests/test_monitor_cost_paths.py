@@ -128,15 +128,20 @@ def test_float32_and_float64_on_a_cpu_are_reduced_without_torch_kernels(
         assert got["in_sq"] == pytest.approx(expected["in_sq"], rel=1e-6)
 
 
+def _numbers_of(got: torch.Tensor, gave: torch.Tensor) -> dict[str, float]:
+    """The FIELDS numbers of one call that got `got` and gave `gave`, by the reduction."""
+    site = Site("one", "one", "op")
+    return dict(zip(FIELDS, GradientStatistics()({(site, 0): _group([got], [gave])})[(site, 0)],
+                    strict=True))
+
+
 def test_a_large_float32_gradient_is_summed_in_float64() -> None:
     # 2**22 positive elements: a float32 sum of squares is off by about 5e-7 there (and
     # 3e-4 at 2**26), a float64 one by about 1e-13.
     generator = torch.Generator().manual_seed(0)
     got = torch.rand(2**22, generator=generator) + 0.5
     gave = got * (torch.rand(2**22, generator=generator) > 0.25)
-    site = Site("large", "large", "op")
-    numbers = dict(zip(FIELDS, GradientStatistics()({(site, 0): _group([got], [gave])})[
-        (site, 0)], strict=True))
+    numbers = _numbers_of(got, gave)
     expected = _expected([got], [gave])
     assert numbers["in_sq"] == pytest.approx(expected["in_sq"], rel=1e-10)
     assert numbers["out_sq"] == pytest.approx(expected["out_sq"], rel=1e-10)
@@ -146,14 +151,12 @@ def test_a_large_float32_gradient_is_summed_in_float64() -> None:
 def test_a_numpy_error_state_that_raises_is_not_tripped() -> None:
     # A user's `np.seterr(all="raise")`: squares that underflow (a vanishing gradient) or
     # overflow (a huge one) are read, not raised; the user's state is left as it was.
-    site = Site("tiny", "tiny", "op")
     for value in (1e-25, 1e20):
         got = torch.full((200,), value)
         gave = got.clone()
         gave[:50] = 0.0
         with np.errstate(all="raise"):
-            numbers = dict(zip(FIELDS, GradientStatistics()({(site, 0): _group([got], [gave])})[
-                (site, 0)], strict=True))
+            numbers = _numbers_of(got, gave)
             assert np.geterr()["under"] == "raise"
         expected = _expected([got], [gave])
         assert numbers["in_sq"] == pytest.approx(expected["in_sq"], rel=1e-6)
@@ -165,9 +168,7 @@ def test_a_vanishing_gradient_keeps_its_norm() -> None:
     got = torch.full((200,), 1e-25)
     gave = got.clone()
     gave[:50] = 0.0
-    site = Site("tiny", "tiny", "op")
-    numbers = dict(zip(FIELDS, GradientStatistics()({(site, 0): _group([got], [gave])})[
-        (site, 0)], strict=True))
+    numbers = _numbers_of(got, gave)
     expected = _expected([got], [gave])
     assert numbers["in_sq"] == pytest.approx(expected["in_sq"], rel=1e-6)
     assert numbers["out_sq"] == pytest.approx(expected["out_sq"], rel=1e-6)
