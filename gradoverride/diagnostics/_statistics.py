@@ -5,14 +5,16 @@ This runs at every recorded step, so it is built for few calls and few passes ov
 
 * the gradients of an override called many times in a step (a spiking neuron at each time
   step) are stacked into one tensor per side;
-* on a CPU (float32 and float64), numpy reduces them on the same memory: each sum of
+* on a CPU (float64, and float32 below `_EXACT_FLOAT32` elements, whose larger sums are
+  taken in float64 by torch), numpy reduces them on the same memory: each sum of
   squares is a dot product (BLAS, at memory speed, more precise than a float32 norm), and
   each count the count of a boolean mask (vectorized comparisons; counting a float array's
   nonzeros branches on each element, several times slower for gradients with many zeros).
   A call into numpy costs a fraction of a torch kernel's launch, and a recorded step of a
   small model spends most on launches: in a training step, each of a dozen launches per
   override costs several times what it does in a loop of its own;
-* elsewhere (an accelerator, other dtypes) torch does the same with dot products, a count
+* elsewhere (an accelerator, other dtypes, large float32 gradients) torch does the same
+  with dot products, a count
   being the dot product of signs with themselves; the results of all overrides of the pass
   are read back once;
 * on a CPU, large temporaries (the masks, the stacked calls) go to buffers kept for the
@@ -213,6 +215,7 @@ def _plain(grads: Gradients) -> Gradients:
 
 
 def _plain_values(grads: Gradients) -> Gradients:
+    """`_plain` of gradients some of which are complex or sparse."""
     pairs = [_stored_pair(gave, got) for gave, got in grads.pairs]
     sparse = any(t.layout != torch.strided for t in (*grads.arriving, *grads.returned))
     return Gradients(
