@@ -14,9 +14,8 @@ This runs at every recorded step, so it is built for few calls and few passes ov
   small model spends most on launches: in a training step, each of a dozen launches per
   override costs several times what it does in a loop of its own;
 * elsewhere (an accelerator, other dtypes, large float32 gradients) torch does the same
-  with dot products, a count
-  being the dot product of signs with themselves; the results of all overrides of the pass
-  are read back once;
+  with dot products, a count being the dot product of signs with themselves; the results
+  of all overrides of the pass are read back once;
 * on a CPU, large temporaries (the masks, the stacked calls) go to buffers kept for the
   monitor's lifetime: a fresh one would be faulted in page by page, which costs more than
   the arithmetic. On an accelerator the caching allocator already reuses memory.
