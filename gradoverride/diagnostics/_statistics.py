@@ -92,7 +92,7 @@ class GradientStatistics:
             if grads.aligned and grads.arriving:
                 got = self._stack("got", grads.arriving, len(aligned))
                 gave = self._stack("gave", grads.returned, len(aligned))
-                numbers = self._on_cpu(got, gave) if got.device.type == "cpu" else None
+                numbers = self._on_cpu(got, gave)
                 if numbers is None:
                     aligned.append((key, *_common(got, gave)))
                 else:
@@ -123,10 +123,7 @@ class GradientStatistics:
         for k, (_, got, gave) in enumerate(groups):
             in_sq, out_sq, nonzero, kept = values[4 * k: 4 * k + 4]
             if math.isfinite(in_sq) and math.isfinite(out_sq):
-                in_sq = _unless_underflowed(in_sq, got)
-                out_sq = _unless_underflowed(out_sq, gave)
-                out.append([in_sq, out_sq, float(round(nonzero) - round(kept)),
-                            float(round(nonzero)), 0.0, 0.0, 0.0, 0.0])
+                out.append(_finite(in_sq, out_sq, round(nonzero), round(kept), got, gave))
             else:
                 # NaN or infinity in them: the general reduction, which counts them.
                 out.append(_general(Gradients(arriving=[got], returned=[gave],
@@ -135,23 +132,24 @@ class GradientStatistics:
 
     def _on_cpu(self, got: Tensor, gave: Tensor) -> list[float] | None:
         """`_aligned`'s numbers of one group on a CPU, by numpy on the same memory (see
-        the module docstring). None, for `_aligned` to take, where numpy cannot read the
-        tensors (another dtype, a tensor subclass, a gradient with a graph), for float32
-        ones of `_EXACT_FLOAT32` elements or more (whose float32 sums of squares would lose
-        digits: `_aligned` takes them in float64), or where a sum of squares is not finite
-        (NaN or infinity in them, or squares past float32's range: the general reduction
-        counts them, in float64)."""
-        if got.dtype not in _NUMPY_DTYPES or gave.dtype != got.dtype or (
-            got.dtype == torch.float32 and got.numel() >= _EXACT_FLOAT32
+        the module docstring). None, for `_aligned` to take: off a CPU; where numpy cannot
+        read the tensors (another dtype, a tensor subclass, a gradient with a graph); for
+        float32 ones of `_EXACT_FLOAT32` elements or more (whose float32 sums of squares
+        would lose digits: `_aligned` takes them in float64); or where a sum of squares is
+        not finite (NaN or infinity in them, or squares past float32's range, not warned
+        of, see `__call__`: the general reduction counts them, in float64)."""
+        if (
+            got.device.type != "cpu"
+            or got.dtype not in _NUMPY_DTYPES
+            or gave.dtype != got.dtype
+            or (got.dtype == torch.float32 and got.numel() >= _EXACT_FLOAT32)
         ):
-            return None  # (a large float32 one: its sums are taken in float64 there)
+            return None
         try:
             a = got.numpy().reshape(-1)
             b = gave.numpy().reshape(-1)
         except (RuntimeError, TypeError):
             return None
-        # (A square past float32's range is infinite here, and taken in float64 by the
-        # general reduction: numpy does not warn of it, see `__call__`.)
         in_sq = float(np.dot(a, a))
         out_sq = float(np.dot(b, b))
         if not (math.isfinite(in_sq) and math.isfinite(out_sq)):
@@ -165,8 +163,7 @@ class GradientStatistics:
         np.not_equal(b, 0, out=nonzero_b)
         nonzero = int(np.count_nonzero(nonzero_a))
         kept = int(np.count_nonzero(np.logical_and(nonzero_a, nonzero_b, out=nonzero_b)))
-        return [_unless_underflowed(in_sq, got), _unless_underflowed(out_sq, gave),
-                float(nonzero - kept), float(nonzero), 0.0, 0.0, 0.0, 0.0]
+        return _finite(in_sq, out_sq, nonzero, kept, got, gave)
 
     def _masks(self, size: int) -> tuple[Any, Any]:
         """Two boolean numpy arrays of `size` elements (views of kept buffers)."""
@@ -273,6 +270,14 @@ def _general(grads: Gradients) -> list[float]:
         zeroed += int(((gave == 0) & (got != 0)).sum())
     return [in_sq, out_sq, float(zeroed), float(paired), float(nan_in), float(inf_in),
             float(nan_out), float(inf_out)]
+
+
+def _finite(in_sq: float, out_sq: float, nonzero: int, kept: int, got: Tensor,
+            gave: Tensor) -> list[float]:
+    """The numbers after `calls` of an aligned group whose sums of squares are finite:
+    `nonzero` elements of `got` are nonzero, `kept` of them nonzero in `gave` too."""
+    return [_unless_underflowed(in_sq, got), _unless_underflowed(out_sq, gave),
+            float(nonzero - kept), float(nonzero), 0.0, 0.0, 0.0, 0.0]
 
 
 def _unless_underflowed(squares: float, x: Tensor) -> float:
