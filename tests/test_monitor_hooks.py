@@ -66,6 +66,8 @@ def test_after_the_first_forward_torch_layers_and_recipe_modules_run_without_hoo
             assert not model[2]._forward_pre_hooks and not model[2]._forward_hooks
             # A recipe's module form keeps itself on the recorder's stack: no hooks either.
             assert not model[1]._forward_pre_hooks and not model[1]._forward_hooks
+            # Nor the model, a torch container: its calls run no code of a user's.
+            assert not model._forward_pre_hooks and not model._forward_hooks
     for m in model.modules():
         assert not m._forward_pre_hooks and not m._forward_hooks
     assert [r.step for r in mon.history[f"1: {BIN}"]] == [0, 1, 2]
@@ -158,7 +160,7 @@ def test_a_model_copied_or_saved_after_the_first_forward_carries_no_working_hook
     import io
 
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 4), recipes.binarize().module())
+    model = _Net()
     x = torch.randn(3, 4)
     with go.monitor(model):
         model(x).sum().backward()  # the recorder's hooks are on the model now
@@ -168,7 +170,7 @@ def test_a_model_copied_or_saved_after_the_first_forward_carries_no_working_hook
     buffer.seek(0)
     loaded = torch.load(buffer, weights_only=False)
     for copied in (twin, loaded):
-        for m, hooked in ((copied, 2), (copied[1], 0)):  # (a recipe module: none)
+        for m, hooked in ((copied, 2), (copied.act, 0)):  # (a recipe module: none)
             hooks = [*m._forward_pre_hooks.values(), *m._forward_hooks.values()]
             # (a hook that does nothing: not one that keeps a recorder's call stack)
             assert all(h(m, (x,)) is None for h in m._forward_pre_hooks.values())
@@ -179,6 +181,34 @@ def test_a_model_copied_or_saved_after_the_first_forward_carries_no_working_hook
         with go.monitor(copied) as mon:
             for _ in range(2):
                 copied(x).sum().backward()
-        assert sorted(mon.history) == [f"1: {BIN}"]
+        assert sorted(mon.history) == [f"act: {BIN}"]
     for m in model.modules():
         assert not m._forward_pre_hooks and not m._forward_hooks
+
+
+class _Net(nn.Module):
+    """A model with a forward of its own (which may call an override itself)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.act = recipes.binarize().module()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(self.fc(x))
+
+
+def test_a_recipe_module_called_outside_a_plain_container_then_added_is_recorded() -> None:
+    # Met outside the model, the module is looked up again when the model's next forward
+    # starts: the model, a torch container, is hooked from then on to say when that is.
+    torch.manual_seed(0)
+    late = recipes.binarize().module()
+    model = nn.Sequential(nn.Linear(4, 4), recipes.binarize().module())
+    x = torch.randn(3, 4, requires_grad=True)
+    with go.monitor(model) as mon:
+        model(x).sum().backward()
+        late(x).sum().backward()  # not the model's yet: not a step
+        model.append(late)
+        model(x).sum().backward()
+    assert {label: [r.step for r in records] for label, records in mon.history.items()} == {
+        f"1: {BIN}": [0, 1], f"2: {BIN}": [1]}

@@ -18,10 +18,10 @@ While a recorder is started:
   innermost module of the model on it and the recipe that made the call, however deep
   below the module's forward the op is called. During the first forward they are torch's
   global hooks (every module call, a compiled wrapper of the model's included); once it
-  ended, hooks on the model and on those of its modules whose own code may call an
-  override (all but torch's plain layers and containers, see `_own_hooks`; modules added
-  to the model later are hooked as torch registers them), so that torch calls every other
-  module on its fast path, as without the recorder; a call leaves a snapshot of the stack
+  ended, hooks on those of the model's modules whose own code may call an override (all
+  but torch's plain layers and containers, see `_own_hooks`; modules added to the model
+  later are hooked as torch registers them), so that torch calls every other module on
+  its fast path, as without the recorder; a call leaves a snapshot of the stack
   (`_Call`), read only when a recorded pass reaches its node, once per pass for the calls
   of one op with the same arguments and stack (a spiking neuron's, at each time step); a
   node reached by a pass that is not recorded returns at once;
@@ -271,6 +271,8 @@ class Recorder:
             self.paths = model_paths(self.model)
             self._positions = {path: k for k, path in enumerate(self.paths.values())}
             self._hook_own(self.model.modules())
+            if self._outside or self._paths_stale:
+                self._hook_model()
 
     def _hook_own(self, modules: Iterator[nn.Module]) -> None:
         """Hooks on those of `modules` whose calls may have an override called with them
@@ -279,16 +281,26 @@ class Recorder:
         (a forward hook of the module's registered later leaves the stack as under the
         global hooks: see `_LeftLate`)."""
         for module in modules:
-            hooked = self._own.get(id(module))
-            if (hooked is not None and hooked[0] is module) or not (
-                module is self.model or _own_hooks(module)
-            ):
-                continue
-            self._own[id(module)] = (
-                module,
-                module.register_forward_pre_hook(_ENTERED_OWN, prepend=True),
-                module.register_forward_hook(_LEFT_OWN, always_call=True),
-            )
+            if _own_hooks(module):
+                self._hook(module)
+
+    def _hook_model(self) -> None:
+        """Hooks on the model itself, which its own code may not need (a plain container's
+        calls run no code of a user's): a module outside the model was met, or one was
+        added to it, and they are looked up again when a forward starts (`new_forward`),
+        which its hooked call marks."""
+        if self.started and not self._global:
+            self._hook(self.model)
+
+    def _hook(self, module: nn.Module) -> None:
+        hooked = self._own.get(id(module))
+        if hooked is not None and hooked[0] is module:
+            return
+        self._own[id(module)] = (
+            module,
+            module.register_forward_pre_hook(_ENTERED_OWN, prepend=True),
+            module.register_forward_hook(_LEFT_OWN, always_call=True),
+        )
 
     def _registered(self, parent: nn.Module, name: str, module: Any) -> None:
         """A module was set on a module (torch's registration hook): one of the model's
@@ -304,6 +316,7 @@ class Recorder:
         # read again at the model's next call, see `new_forward`)
         self._paths_stale = True
         self._hook_own(module.modules())
+        self._hook_model()
 
     # -- the ops' consult point ---------------------------------------------------------------
 
@@ -330,8 +343,7 @@ class Recorder:
                              else _stack())
                     if stack:  # (else called outside any module call: not the model's)
                         self._count += 1
-                        node.__dict__[RECORDED_CALL] = _Call(self, op, args, tuple(stack),
-                                                             self._count)
+                        node.__dict__[RECORDED_CALL] = _call_of(self, op, args, stack)
                 else:
                     self._observe(op, args, out, None)
             elif _stack():
@@ -470,13 +482,10 @@ class Recorder:
                 if not stack:
                     return  # called outside any module call: not the model's
                 self._count += 1
-                site = _Call(self, op, args, tuple(stack), self._count)
+                node.__dict__[RECORDED_CALL] = _call_of(self, op, args, stack)
+                return
         # (The node's backward hands it what the rule returned: see `backward_recorded`.)
-        if type(site) is _Call:
-            site.task = outer
-            node.__dict__[RECORDED_CALL] = site
-        else:
-            node.__dict__[RECORDED_CALL] = _NodeRecord(self, site, outer)
+        node.__dict__[RECORDED_CALL] = _NodeRecord(self, site, outer)
 
     def _place(self, stack: Sequence[Any] | None = None) -> tuple[str | None, list[Any]]:
         """Where an op called now runs: the path of the innermost module of the model whose
@@ -526,6 +535,7 @@ class Recorder:
         path = self.paths.get(id(module))
         if path is None:
             self._outside.add(id(module))
+            self._hook_model()
         else:
             self._wrap_hook_transforms()  # the grad_hooks of what was added
         return path
@@ -690,14 +700,14 @@ class Recorder:
 
 
 class _NodeRecord:
-    """Left on an op's backward node while recording (see `backward_recorded`): the node's
-    backward hands it what the rule returned (None where an input is no tensor or needs no
-    gradient) and what the node got, which it adds to the entries of the backward pass
-    running."""
+    """Left on an op's backward node while recording, with the node's row known at the
+    call (a module's rule, a call inside a backward pass): the node's backward hands it
+    what the rule returned (None where an input is no tensor or needs no gradient) and
+    what the node got, which it adds to the entries of the backward pass running."""
 
     __slots__ = ("recorder", "site", "task")
 
-    def __init__(self, recorder: Recorder, site: Any, task: int) -> None:
+    def __init__(self, recorder: Recorder, site: Site, task: int) -> None:
         self.recorder = recorder
         self.site = site
         self.task = task
@@ -712,72 +722,56 @@ class _NodeRecord:
         # (else: a node made by a forward inside a backward pass, a reentrant checkpoint's
         # recomputation, which belongs to that outer pass)
         run = recorder._pending.get(task)
-        if run is not None and not run.recorded:
-            return  # a step not recorded, counted already: what most nodes meet with every=N
-        site = self.site
-        if site is _NOT_RECORDED:
-            return
-        if type(site) is _Call:
-            if run is None:
-                if not site.in_model(recorder):
-                    return  # called outside the model: not one of its passes
-                run = recorder._open(task)
-                if not run.recorded:
-                    return
-            row = run.row_of(site, recorder)
-            # (None: called outside the model, or a grad_hook's transform, which records
-            # itself)
-            site = self.site = _NOT_RECORDED if row is None else row
-            if row is None:
-                return
-        elif run is None:
+        if run is None:
             run = recorder._open(task)
-            if not run.recorded:
-                return
-        run.entries.append((site, returned, grad_outputs))
+        if run.recorded:
+            run.entries.append((self.site, returned, grad_outputs))
 
 
-# A node record's row when its calls are not recorded (see `_NodeRecord`).
-_NOT_RECORDED: Any = object()
+class _Call(tuple[Any, ...]):
+    """What an op call in a forward leaves on its node, for its row to be found when a
+    recorded pass reaches the node: `(recorder, op, extras, stack, index)`, the op, its
+    arguments other than tensors (the tensors are not kept), the call stack then, and the
+    order of the call. A tuple, made by one call of C (see `_call_of`): what each op call
+    of a recorded model pays, recorded step or not. The node's backward hands it what the
+    rule returned and what the node got, as to a `_NodeRecord`."""
 
+    __slots__ = ()
 
-class _Call(_NodeRecord):
-    """What an op call leaves for its row to be found when a recorded pass reaches its
-    node: the op, its arguments other than tensors, and the call stack then. It is the
-    node's record itself (its `site` is itself until the row is read): one object made per
-    op call."""
-
-    __slots__ = ("extras", "index", "op", "placed", "stack")
-
-    def __init__(self, recorder: Recorder, op: Any, args: tuple[Any, ...],
-                 stack: tuple[Any, ...], index: int) -> None:
-        self.recorder = recorder
-        self.site = self
-        self.task = -1
-        self.op = op
-        self.index = index
-        # The arguments other than tensors (what the row is read from, later): the tensors
-        # are not kept. (`_extras`, inline: the loop makes no Python call.)
-        self.extras: tuple[Any, ...] = ()
-        if len(args) != 1 or not isinstance(args[0], Tensor):
-            extras = []
-            for a in args:
-                if not isinstance(a, Tensor):
-                    extras.append(a)
-            self.extras = tuple(extras)
-        self.stack = stack
-        self.placed: tuple[str | None, list[Any]] | None = None  # (path, recipes)
-
-    def in_model(self, recorder: Recorder) -> bool:
-        if self.placed is None:
-            self.placed = recorder._place(self.stack)
-        return self.placed[0] is not None
+    def __call__(self, returned: tuple[Any, ...], grad_outputs: tuple[Any, ...]) -> None:
+        recorder: Recorder = self[0]
+        if not recorder.started:
+            return  # a graph built while recording, run backward after
+        task = _pass_now()
+        run = recorder._pending.get(task)
+        if run is None:
+            if recorder._place(self[3])[0] is None:
+                return  # called outside the model: not one of its passes
+            run = recorder._open(task)
+        if not run.recorded:
+            return  # a step not recorded: what most nodes meet with every=N
+        row = run.row_of(self, recorder)
+        if row is not None:  # (None: called outside the model, or a grad_hook's transform)
+            run.entries.append((row, returned, grad_outputs))
 
     def row(self, recorder: Recorder) -> tuple[Site | None, Any]:
-        if not self.in_model(recorder):
+        path, recipes = recorder._place(self[3])
+        if path is None:
             return None, None
-        path, recipes = self.placed  # type: ignore[misc]
-        return recorder._row(self.op, self.extras, path, recipes, self.index)
+        return recorder._row(self[1], self[2], path, recipes, self[4])
+
+
+def _call_of(recorder: Recorder, op: Any, args: tuple[Any, ...],
+             stack: list[Any]) -> _Call:
+    """The `_Call` of a call of `op` with `args` made now, with `stack` this thread's."""
+    if len(args) == 1 and isinstance(args[0], Tensor):
+        return _Call((recorder, op, (), tuple(stack), recorder._count))
+    # (a loop, not a comprehension: no Python call)
+    extras = []
+    for a in args:
+        if not isinstance(a, Tensor):
+            extras.append(a)
+    return _Call((recorder, op, tuple(extras), tuple(stack), recorder._count))
 
 
 class _Pass:
@@ -797,7 +791,8 @@ class _Pass:
 
     def row_of(self, call: _Call, recorder: Recorder) -> Site | None:
         # What its row is read from, by identity: the op, the arguments, the stack.
-        key = (id(call.op), len(call.extras), *map(id, call.extras), *map(id, call.stack))
+        _, op, extras, stack, _ = call
+        key = (id(op), len(extras), *map(id, extras), *map(id, stack))
         known = self.rows.get(key)
         if known is None:
             site, late = call.row(recorder)
@@ -970,10 +965,11 @@ _CALLS_GIVEN = "torch.nn.modules.transformer"
 
 def _own_hooks(module: nn.Module) -> bool:
     """Whether the module's calls keep the call stack after the first forward through hooks
-    of the recorder's: the model itself, and every module whose own code (its forward, or
-    its hooks) may call an override, that is every module but torch's plain layers and
-    containers, and but a recipe's module form, whose forward keeps itself on the stack
-    (see `Recorder.recipe_call`)."""
+    of the recorder's: every module whose own code (its forward, or its hooks) may call an
+    override, that is every module but torch's plain layers and containers, and but a
+    recipe's module form, whose forward keeps itself on the stack (see
+    `Recorder.recipe_call`). (The model itself may be hooked for another reason: see
+    `Recorder._hook_model`.)"""
     if module._forward_hooks or module._forward_pre_hooks or "forward" in module.__dict__:
         return True  # (hooks, or a forward set on the module itself)
     if type(module) is _recipe_module_type():
