@@ -103,9 +103,10 @@ class Gradients:
 
 
 
-def queue_callback(callback: Callable[[], None]) -> None:
-    """Run `callback` when the backward pass running now ends (what DDP uses)."""
-    torch.autograd.Variable._execution_engine.queue_callback(callback)
+#: `queue_callback(callback)` runs `callback` when the backward pass running now ends (what
+#: DDP uses): the engine's own method, called from each pass's first node.
+queue_callback: Callable[[Callable[[], None]], None] = (
+    torch.autograd.Variable._execution_engine.queue_callback)
 
 
 def current_pass() -> int:

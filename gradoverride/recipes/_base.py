@@ -154,6 +154,13 @@ class RecipeModule(nn.Module):
             args or kwargs
         ) and type(recipe).__call__ is GradientTransform.__call__:
             return _transform_gradient_copy(x, recipe)
+        if RECORDERS and isinstance(x, Tensor) and not is_dynamo_compiling():
+            # On a recorder's stack already (see `forward`), where the module names its
+            # recipe: the recipe's own call, not its class's wrapper, which would put the
+            # recipe on the stack again.
+            own = getattr(type(recipe).__call__, "__wrapped__", None)
+            if own is not None:
+                return own(recipe, x, *args, **kwargs)
         return recipe(x, *args, **kwargs)
 
     def __repr__(self) -> str:
