@@ -50,6 +50,7 @@ import warnings
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from itertools import filterfalse
 from typing import Any, ClassVar
 
 import torch
@@ -766,13 +767,14 @@ def _call_of(recorder: Recorder, op: Any, args: tuple[Any, ...],
              stack: list[Any]) -> _Call:
     """The `_Call` of a call of `op` with `args` made now, with `stack` this thread's."""
     if len(args) == 1 and isinstance(args[0], Tensor):
-        return _Call((recorder, op, (), tuple(stack), recorder._count))
-    # (a loop, not a comprehension: no Python call)
-    extras = []
-    for a in args:
-        if not isinstance(a, Tensor):
-            extras.append(a)
-    return _Call((recorder, op, tuple(extras), tuple(stack), recorder._count))
+        extras: tuple[Any, ...] = ()
+    else:
+        extras = tuple(filterfalse(_is_tensor, args))  # (no Python call per argument)
+    return _Call((recorder, op, extras, tuple(stack), recorder._count))
+
+
+# `isinstance(value, Tensor)` as one callable of C's.
+_is_tensor: Callable[[Any], bool] = Tensor.__instancecheck__
 
 
 class _Pass:
