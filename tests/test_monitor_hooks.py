@@ -66,8 +66,6 @@ def test_after_the_first_forward_torch_layers_and_recipe_modules_run_without_hoo
             assert not model[2]._forward_pre_hooks and not model[2]._forward_hooks
             # A recipe's module form keeps itself on the recorder's stack: no hooks either.
             assert not model[1]._forward_pre_hooks and not model[1]._forward_hooks
-            # Nor the model, a torch container: its calls run no code of a user's.
-            assert not model._forward_pre_hooks and not model._forward_hooks
     for m in model.modules():
         assert not m._forward_pre_hooks and not m._forward_hooks
     assert [r.step for r in mon.history[f"1: {BIN}"]] == [0, 1, 2]
@@ -212,3 +210,51 @@ def test_a_recipe_module_called_outside_a_plain_container_then_added_is_recorded
         model(x).sum().backward()
     assert {label: [r.step for r in records] for label, records in mon.history.items()} == {
         f"1: {BIN}": [0, 1], f"2: {BIN}": [1]}
+
+
+def test_a_hook_calling_an_override_added_to_a_plain_container_model_later_is_recorded() -> None:
+    # No module of the model called an override at its first forward; a forward hook
+    # registered on the model afterwards does (torch says nothing of a hook added): the
+    # model's own hooks give its calls the model's row.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    x = torch.randn(3, 4)
+    binarize = recipes.binarize()
+    arriving: list[torch.Tensor] = []
+    returned: list[torch.Tensor] = []
+
+    def hook(module: nn.Module, args: object, out: torch.Tensor) -> torch.Tensor:
+        out.register_hook(lambda g: returned.append(g.clone()))  # type: ignore[no-untyped-call]
+        y: torch.Tensor = binarize(out)
+        y.register_hook(lambda g: arriving.append(g.clone()))  # type: ignore[no-untyped-call]
+        return y
+
+    with go.monitor(model) as mon:
+        model(x).sum().backward()
+        model.register_forward_hook(hook)
+        for _ in range(2):
+            model(x).sum().backward()
+    records = mon.history[f"(model): {BIN}"]
+    assert [r.step for r in records] == [0, 1]  # (the first pass reached no override)
+    for record, got, gave in zip(records, arriving, returned, strict=True):
+        assert record.grad_in == pytest.approx(_norm([got]))
+        assert record.grad_out == pytest.approx(_norm([gave]))
+
+
+def test_a_module_inserted_without_torch_s_registration_is_recorded() -> None:
+    # `Sequential.insert` sets the module in `_modules` itself, unseen by torch's
+    # registration hook: the module is not hooked, and its override's row is the model's.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), recipes.binarize().module())
+    x = torch.randn(3, 4)
+    tapped = Tapped()
+    with go.monitor(model) as mon:
+        model(x).sum().backward()
+        model.insert(1, tapped)
+        for _ in range(2):
+            model(x).sum().backward()
+    records = mon.history[f"(model): {BIN}"]
+    assert [r.step for r in records] == [1, 2]
+    for record, got, gave in zip(records, tapped.arriving, tapped.returned, strict=True):
+        assert record.grad_in == pytest.approx(_norm([got]))
+        assert record.grad_out == pytest.approx(_norm([gave]))

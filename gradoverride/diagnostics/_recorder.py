@@ -18,10 +18,12 @@ While a recorder is started:
   innermost module of the model on it and the recipe that made the call, however deep
   below the module's forward the op is called. During the first forward they are torch's
   global hooks (every module call, a compiled wrapper of the model's included); once it
-  ended, hooks on those of the model's modules whose own code may call an override (all
-  but torch's plain layers and containers, see `_own_hooks`; modules added to the model
-  later are hooked as torch registers them), so that torch calls every other module on
-  its fast path, as without the recorder; a call leaves a snapshot of the stack
+  ended, hooks on the model and on those of its modules whose own code may call an
+  override (all but torch's plain layers and containers, see `_own_hooks`; modules added
+  to the model later are hooked as torch registers them), so that torch calls every other
+  module on its fast path, as without the recorder; the model's own hooks are what give an
+  override called by code it gained later (a hook added to a layer, a module inserted
+  without torch's registration) a row, the model's; a call leaves a snapshot of the stack
   (`_Call`), read only when a recorded pass reaches its node, once per pass for the calls
   of one op with the same arguments and stack (a spiking neuron's, at each time step); a
   node reached by a pass that is not recorded returns at once;
@@ -273,8 +275,6 @@ class Recorder:
             self.paths = model_paths(self.model)
             self._positions = {path: k for k, path in enumerate(self.paths.values())}
             self._hook_own(self.model.modules())
-            if self._outside or self._paths_stale:
-                self._hook_model()
 
     def _hook_own(self, modules: Iterator[nn.Module]) -> None:
         """Hooks on those of `modules` whose calls may have an override called with them
@@ -283,26 +283,16 @@ class Recorder:
         (a forward hook of the module's registered later leaves the stack as under the
         global hooks: see `_LeftLate`)."""
         for module in modules:
-            if _own_hooks(module):
-                self._hook(module)
-
-    def _hook_model(self) -> None:
-        """Hooks on the model itself, which its own code may not need (a plain container's
-        calls run no code of a user's): a module outside the model was met, or one was
-        added to it, and they are looked up again when a forward starts (`new_forward`),
-        which its hooked call marks."""
-        if self.started and not self._global:
-            self._hook(self.model)
-
-    def _hook(self, module: nn.Module) -> None:
-        hooked = self._own.get(id(module))
-        if hooked is not None and hooked[0] is module:
-            return
-        self._own[id(module)] = (
-            module,
-            module.register_forward_pre_hook(_ENTERED_OWN, prepend=True),
-            module.register_forward_hook(_LEFT_OWN, always_call=True),
-        )
+            hooked = self._own.get(id(module))
+            if (hooked is not None and hooked[0] is module) or not (
+                module is self.model or _own_hooks(module)
+            ):
+                continue
+            self._own[id(module)] = (
+                module,
+                module.register_forward_pre_hook(_ENTERED_OWN, prepend=True),
+                module.register_forward_hook(_LEFT_OWN, always_call=True),
+            )
 
     def _registered(self, parent: nn.Module, name: str, module: Any) -> None:
         """A module was set on a module (torch's registration hook): one of the model's
@@ -318,7 +308,6 @@ class Recorder:
         # read again at the model's next call, see `new_forward`)
         self._paths_stale = True
         self._hook_own(module.modules())
-        self._hook_model()
 
     # -- the ops' consult point ---------------------------------------------------------------
 
@@ -537,7 +526,6 @@ class Recorder:
         path = self.paths.get(id(module))
         if path is None:
             self._outside.add(id(module))
-            self._hook_model()
         else:
             self._wrap_hook_transforms()  # the grad_hooks of what was added
         return path
@@ -968,11 +956,10 @@ _CALLS_GIVEN = "torch.nn.modules.transformer"
 
 def _own_hooks(module: nn.Module) -> bool:
     """Whether the module's calls keep the call stack after the first forward through hooks
-    of the recorder's: every module whose own code (its forward, or its hooks) may call an
-    override, that is every module but torch's plain layers and containers, and but a
-    recipe's module form, whose forward keeps itself on the stack (see
-    `Recorder.recipe_call`). (The model itself may be hooked for another reason: see
-    `Recorder._hook_model`.)"""
+    of the recorder's: the model itself, and every module whose own code (its forward, or
+    its hooks) may call an override, that is every module but torch's plain layers and
+    containers, and but a recipe's module form, whose forward keeps itself on the stack
+    (see `Recorder.recipe_call`)."""
     if module._forward_hooks or module._forward_pre_hooks or "forward" in module.__dict__:
         return True  # (hooks, or a forward set on the module itself)
     if type(module) is _recipe_module_type():
