@@ -321,26 +321,29 @@ class Recorder:
                 return self.substitute(site, op, args, kwargs)
         out = run(args, kwargs)
         if not transforms_active():
-            if torch.is_grad_enabled():
-                # (`_observe`, inline for the common call, one tensor out made by a forward
-                # outside a backward pass: each op call of a recorded model comes here)
-                node: Any = out.grad_fn if isinstance(out, Tensor) else None
-                if (
-                    node is not None and _pass_now() < 0
-                    and getattr(node, "gradoverride", None) is not None  # (our Function's)
-                ):
-                    thread = _THREAD
+            if not torch.is_grad_enabled():
+                if _stack():
+                    # Under no_grad (a checkpoint's first forward): the row its
+                    # recomputation, inside the backward pass, will belong to.
+                    self._site_of(op, args)
+            elif _pass_now() >= 0:
+                self._observe(op, args, out, None)  # a forward inside a backward pass
+            else:
+                # What each op call of a recorded model's forward leaves on its node (one
+                # of our Functions'), read when a recorded pass reaches the node (`_Call`):
+                # the op, its arguments other than tensors (picked out in C; the tensors are
+                # not kept), the call stack, the call's order.
+                node: Any = out.grad_fn if isinstance(out, Tensor) else _node_of(out)
+                if node is not None and getattr(node, "gradoverride", None) is not None:
+                    thread = _THREAD  # (`_stack()`, inline)
                     stack = (thread.stack if getattr(thread, "generation", -1) == _GENERATION
                              else _stack())
                     if stack:  # (else called outside any module call: not the model's)
                         self._count += 1
-                        node.__dict__[RECORDED_CALL] = _call_of(self, op, args, stack)
-                else:
-                    self._observe(op, args, out, None)
-            elif _stack():
-                # Under no_grad (a checkpoint's first forward): the row its recomputation,
-                # inside the backward pass, will belong to.
-                self._site_of(op, args)
+                        extras = (() if len(args) == 1 and isinstance(args[0], Tensor)
+                                  else tuple(filterfalse(_is_tensor, args)))
+                        node.__dict__[RECORDED_CALL] = _Call(
+                            (self, op, extras, tuple(stack), self._count))
         if self.on_call is not None:
             self._called(op, args)
         return out
@@ -461,20 +464,11 @@ class Recorder:
         if outer >= 0 and outer not in self._pending:
             self._open(outer)  # (the outer pass is the one running: queued at its end)
         # Whether the pass running the node is a recorded step is decided when the pass
-        # reaches it (see `_open`): a forward can be followed by several passes. The row is
-        # found then too, from what the call leaves (`_Call`), for a recorded step only.
-        if site is None:
-            if outer >= 0:
-                site = self._site_of(op, args)  # (inside a pass: found now, as `_last` says)
-                if site is None:
-                    return  # called outside the model
-            else:
-                stack = _stack()
-                if not stack:
-                    return  # called outside any module call: not the model's
-                self._count += 1
-                node.__dict__[RECORDED_CALL] = _call_of(self, op, args, stack)
-                return
+        # reaches it (see `_open`): a forward can be followed by several passes.
+        if site is None:  # (an op called inside a backward pass: see `op_call`)
+            site = self._site_of(op, args)  # (found now, as `_last` says)
+            if site is None:
+                return  # called outside the model
         # (The node's backward hands it what the rule returned: see `backward_recorded`.)
         node.__dict__[RECORDED_CALL] = _NodeRecord(self, site, outer)
 
@@ -722,9 +716,9 @@ class _Call(tuple[Any, ...]):
     """What an op call in a forward leaves on its node, for its row to be found when a
     recorded pass reaches the node: `(recorder, op, extras, stack, index)`, the op, its
     arguments other than tensors (the tensors are not kept), the call stack then, and the
-    order of the call. A tuple, made by one call of C (see `_call_of`): what each op call
-    of a recorded model pays, recorded step or not. The node's backward hands it what the
-    rule returned and what the node got, as to a `_NodeRecord`."""
+    order of the call. A tuple, made by one call of C: what each op call of a recorded
+    model pays, recorded step or not (made in `Recorder.op_call`). The node's
+    backward hands it what the rule returned and what the node got, as to a `_NodeRecord`."""
 
     __slots__ = ()
 
@@ -749,16 +743,6 @@ class _Call(tuple[Any, ...]):
         if path is None:
             return None, None
         return recorder._row(self[1], self[2], path, recipes, self[4])
-
-
-def _call_of(recorder: Recorder, op: Any, args: tuple[Any, ...],
-             stack: list[Any]) -> _Call:
-    """The `_Call` of a call of `op` with `args` made now, with `stack` this thread's."""
-    if len(args) == 1 and isinstance(args[0], Tensor):
-        extras: tuple[Any, ...] = ()
-    else:
-        extras = tuple(filterfalse(_is_tensor, args))  # (no Python call per argument)
-    return _Call((recorder, op, extras, tuple(stack), recorder._count))
 
 
 # `isinstance(value, Tensor)` as one callable of C's.
