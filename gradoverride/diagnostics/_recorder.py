@@ -729,7 +729,8 @@ class _Call(tuple[Any, ...]):
         task = _pass_now()
         run = recorder._pending.get(task)
         if run is None:
-            if recorder._place(self[3])[0] is None:
+            stack = self[3]  # (the model outermost on it: called inside the model's call)
+            if stack[0] is not recorder.model and recorder._place(stack)[0] is None:
                 return  # called outside the model: not one of its passes
             run = recorder._open(task)
         if not run.recorded:
