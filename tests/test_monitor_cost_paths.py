@@ -313,3 +313,42 @@ def test_passes_reaching_part_of_the_model_are_counted_on_unrecorded_steps() -> 
              for label, records in mon.history.items()}
     # Passes 0, 2, 4, ... reach `a` only; 1, 3, 5, ... both.
     assert steps == {"a": [0, 3, 6, 9], "b": [3, 9]}
+
+
+def test_a_recipe_module_under_the_monitor_runs_a_wrapper_put_around_its_call() -> None:
+    # A recipe's module form, while recorded, skips its class's own recorder wrapper (the
+    # module is on the recorder's stack already), never one a class decorator put around
+    # it: the monitored forward is the plain one, and so is the recorded gradient.
+    import dataclasses
+    import functools
+
+    def times_ten(cls: type) -> type:
+        inner = cls.__call__  # type: ignore[operator]
+
+        @functools.wraps(inner)
+        def __call__(self: object, x: torch.Tensor) -> torch.Tensor:
+            return 10 * inner(self, x)  # type: ignore[no-any-return]
+
+        cls.__call__ = __call__  # type: ignore[operator]
+        return cls
+
+    @times_ten
+    @dataclasses.dataclass(frozen=True, repr=False)
+    class Rounded(recipes.Recipe):
+        def __call__(self, x: torch.Tensor) -> torch.Tensor:
+            out: torch.Tensor = recipes.ste_round()(x)
+            return out
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 3), Rounded().module())
+    x = torch.randn(4, 3)
+    plain = model(x)
+    with go.monitor(model) as mon:
+        monitored = model(x)
+        arriving = torch.ones_like(monitored)
+        monitored.backward(arriving)
+    assert torch.equal(monitored, plain)
+    assert torch.equal(plain, 10 * torch.round(model[0](x)))
+    (record,) = mon.history["1: ste_round()"]
+    # the straight-through op gets the gradient after the decorator's factor of 10
+    assert record.grad_in == pytest.approx(10 * math.sqrt(arriving.numel()))

@@ -93,6 +93,10 @@ def _told_to_recorder(call: Callable[..., Any]) -> Callable[..., Any]:
             return RECORDERS[0].recipe_call(self, call, args, kwargs)
         return call(self, *args, **kwargs)
 
+    # This wrapper and the call it wraps, for a recipe's module form (see `RecipeModule._run`):
+    # a pair holding the wrapper itself, since `functools.wraps` copies a function's
+    # attributes onto whatever wraps it later.
+    __call__._gradoverride_told = (__call__, call)  # type: ignore[attr-defined]
     return __call__
 
 
@@ -156,11 +160,13 @@ class RecipeModule(nn.Module):
             return _transform_gradient_copy(x, recipe)
         if RECORDERS and isinstance(x, Tensor) and not is_dynamo_compiling():
             # On a recorder's stack already (see `forward`), where the module names its
-            # recipe: the recipe's own call, not its class's wrapper, which would put the
-            # recipe on the stack again.
-            own = getattr(type(recipe).__call__, "__wrapped__", None)
-            if own is not None:
-                return own(recipe, x, *args, **kwargs)
+            # recipe: the call the class's recorder wrapper wraps, which would put the
+            # recipe on the stack again; not when another wrapper is around it (a class
+            # decorator's), which must run.
+            call = type(recipe).__call__
+            told = getattr(call, "_gradoverride_told", None)
+            if told is not None and told[0] is call:
+                return told[1](recipe, x, *args, **kwargs)
         return recipe(x, *args, **kwargs)
 
     def __repr__(self) -> str:
