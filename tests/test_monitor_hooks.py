@@ -258,3 +258,31 @@ def test_a_module_inserted_without_torch_s_registration_is_recorded() -> None:
     for record, got, gave in zip(records, tapped.arriving, tapped.returned, strict=True):
         assert record.grad_in == pytest.approx(_norm([got]))
         assert record.grad_out == pytest.approx(_norm([gave]))
+
+
+def test_a_module_moved_to_another_attribute_is_recorded_at_its_new_path() -> None:
+    # A step's rows are those of the last recorded step for the same calls, unless the
+    # model's paths were read again since (torch registered a module): a module moved from
+    # one attribute to another is recorded under its new path from the next step on.
+    class Holder(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = recipes.binarize().module()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            (child,) = self.children()
+            out: torch.Tensor = child(x)
+            return out
+
+    torch.manual_seed(0)
+    model = Holder()
+    x = torch.randn(3, 4, requires_grad=True)
+    with go.monitor(model) as mon:
+        for _ in range(2):
+            model(x).sum().backward()
+        model.b = model.a
+        del model.a
+        for _ in range(2):
+            model(x).sum().backward()
+    assert {label: [r.step for r in records] for label, records in mon.history.items()} == {
+        f"a: {BIN}": [0, 1], f"b: {BIN}": [2, 3]}

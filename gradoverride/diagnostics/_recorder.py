@@ -25,8 +25,9 @@ While a recorder is started:
   override called by code it gained later (a hook added to a layer, a module inserted
   without torch's registration) a row, the model's; a call leaves a snapshot of the stack
   (`_Call`), read only when a recorded pass reaches its node, once per pass for the calls
-  of one op with the same arguments and stack (a spiking neuron's, at each time step); a
-  node reached by a pass that is not recorded returns at once;
+  of one op with the same arguments and stack (a spiking neuron's, at each time step), and
+  taken from the last recorded pass where it read the same (until the model's paths are
+  read again); a node reached by a pass that is not recorded returns at once;
 * each `grad_hook` transform in the model is wrapped, in place (the module hook's attribute,
   or the parameter's hook dict, which keeps its order among other hooks).
 
@@ -180,6 +181,9 @@ class Recorder:
         self._outside: set[int] = set()  # ids of modules met that are not in the model
         self._count = 0
         self._sites: dict[tuple[Any, ...], Site] = {}
+        # The rows read in the last recorded pass (see `_Pass.row_of`), by what they were read
+        # from; each keeps the objects of its key alive until the next recorded pass.
+        self.rows_before: dict[tuple[int, ...], tuple[Site | None, Any, _Call]] = {}
         # Per backward pass (autograd's graph task id) running: its step, and (site,
         # returned, arriving), one per backward call (appended from autograd's threads;
         # list.append is atomic). Two threads' passes, running at once, stay apart.
@@ -204,8 +208,7 @@ class Recorder:
             raise GradOverrideError(msg)
         _STARTED.append(self)
         _forget_stacks()  # every thread's call stack starts empty (see `_stack`)
-        self.paths = model_paths(self.model)
-        self._positions = {path: k for k, path in enumerate(self.paths.values())}
+        self._read_paths()
         self._wrap_hook_transforms()
         self._warn_compiled_in_place()
         # During the first forward, every module call, in the model or not (a compiled
@@ -245,9 +248,17 @@ class Recorder:
         for hook, transform in self._retransformed:
             hook.transform = transform
         self._retransformed = []
+        self.rows_before = {}
         self.started = False
         if self in _STARTED:
             _STARTED.remove(self)
+
+    def _read_paths(self) -> None:
+        """Read the model's module paths (again): the rows read in the last recorded pass
+        are read again too, as a module may have moved."""
+        self.paths = model_paths(self.model)
+        self._positions = {path: k for k, path in enumerate(self.paths.values())}
+        self.rows_before = {}
 
     # -- which module calls keep the call stack ----------------------------------------------
 
@@ -272,8 +283,7 @@ class Recorder:
             for handle in self._global_handles:
                 handle.remove()
             self._global_handles = []
-            self.paths = model_paths(self.model)
-            self._positions = {path: k for k, path in enumerate(self.paths.values())}
+            self._read_paths()
             self._hook_own(self.model.modules())
 
     def _hook_own(self, modules: Iterator[nn.Module]) -> None:
@@ -300,8 +310,7 @@ class Recorder:
         if self._global or not self.started or not isinstance(module, nn.Module):
             return
         if id(parent) not in self.paths:
-            self.paths = model_paths(self.model)  # (added since the paths were read?)
-            self._positions = {path: k for k, path in enumerate(self.paths.values())}
+            self._read_paths()  # (added since the paths were read?)
             if id(parent) not in self.paths:
                 return  # not the model's (or added to it without torch's registration)
         # (called before the module is set: the paths, and the grad_hooks' transforms, are
@@ -385,8 +394,7 @@ class Recorder:
             self._outside = set()
         if self._paths_stale:
             self._paths_stale = False
-            self.paths = model_paths(self.model)
-            self._positions = {path: k for k, path in enumerate(self.paths.values())}
+            self._read_paths()
             self._wrap_hook_transforms()
 
     def compiled_call(self, module: nn.Module) -> None:
@@ -441,8 +449,7 @@ class Recorder:
         for module in self.model.modules():
             path = self.paths.get(id(module))
             if path is None:  # added since the paths were read
-                self.paths = model_paths(self.model)
-                self._positions = {path: k for k, path in enumerate(self.paths.values())}
+                self._read_paths()
                 path = self.paths[id(module)]
             for place, hook in hooks_module.grad_hooks_on(module):
                 if isinstance(hook.transform, _MeasuredTransform):
@@ -515,8 +522,7 @@ class Recorder:
         next forward: it may be added to the model by then)."""
         if id(module) in self._outside:
             return None
-        self.paths = model_paths(self.model)
-        self._positions = {path: k for k, path in enumerate(self.paths.values())}
+        self._read_paths()
         path = self.paths.get(id(module))
         if path is None:
             self._outside.add(id(module))
@@ -644,6 +650,8 @@ class Recorder:
         run = self._pending.pop(task, None)
         if run is None or not run.recorded:
             return  # flushed already (by `stop`), or not a recorded step
+        if self.started:
+            self.rows_before = run.rows
         groups: dict[tuple[Site, int], Gradients] = {}
         step = run.step
         for site, returned, arriving in run.entries:
@@ -766,14 +774,18 @@ class _Pass:
         self.rows: dict[tuple[int, ...], tuple[Site | None, Any, _Call]] = {}
 
     def row_of(self, call: _Call, recorder: Recorder) -> Site | None:
-        # What its row is read from, by identity: the op, the arguments, the stack.
+        # What its row is read from, by identity: the op, the arguments, the stack; read in
+        # this pass, or in the last recorded one (a training step's calls are the last's).
         _, op, extras, stack, _ = call
         key = (id(op), len(extras), *map(id, extras), *map(id, stack))
         known = self.rows.get(key)
         if known is None:
-            site, late = call.row(recorder)
-            self.rows[key] = (site, late, call)
-            return site
+            known = recorder.rows_before.get(key)
+            if known is None or known[0] is None:  # (outside the model then: read again)
+                site, late = call.row(recorder)
+                self.rows[key] = (site, late, call)
+                return site
+            self.rows[key] = known
         known_site, late, _ = known
         if late is not None and known_site is not None:
             recorder._last[late] = known_site  # (as reading it again would)
