@@ -27,6 +27,14 @@ def _norm(grads: list[torch.Tensor]) -> float:
     return math.sqrt(sum(float((g.double() ** 2).sum()) for g in grads))
 
 
+def _check(records: list[go.StepRecord], arriving: list[torch.Tensor],
+           returned: list[torch.Tensor]) -> None:
+    """Each record's norms are those of the gradients its step's tensor hooks caught."""
+    for record, got, gave in zip(records, arriving, returned, strict=True):
+        assert record.grad_in == pytest.approx(_norm([got]))
+        assert record.grad_out == pytest.approx(_norm([gave]))
+
+
 class Tapped(nn.Module):
     """binarize called in the forward (no recipe module): its arriving and returned
     gradients taken by tensor hooks. `when` says at which calls it runs."""
@@ -88,9 +96,7 @@ def test_a_module_added_after_the_first_forward_has_its_own_row() -> None:
     assert sorted(mon.history) == [f"0: {BIN}", f"1: {BIN}"]
     records = mon.history[f"1: {BIN}"]
     assert [r.step for r in records] == [2, 3]
-    for record, got, gave in zip(records, late.arriving, late.returned, strict=True):
-        assert record.grad_in == pytest.approx(_norm([got]))
-        assert record.grad_out == pytest.approx(_norm([gave]))
+    _check(records, late.arriving, late.returned)
 
 
 def test_a_module_added_inside_a_module_added_later_has_its_own_row() -> None:
@@ -193,7 +199,8 @@ class _Net(nn.Module):
         self.act = recipes.binarize().module()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.act(self.fc(x))
+        out: torch.Tensor = self.act(self.fc(x))
+        return out
 
 
 def test_a_recipe_module_called_outside_a_plain_container_then_added_is_recorded() -> None:
@@ -236,9 +243,7 @@ def test_a_hook_calling_an_override_added_to_a_plain_container_model_later_is_re
             model(x).sum().backward()
     records = mon.history[f"(model): {BIN}"]
     assert [r.step for r in records] == [0, 1]  # (the first pass reached no override)
-    for record, got, gave in zip(records, arriving, returned, strict=True):
-        assert record.grad_in == pytest.approx(_norm([got]))
-        assert record.grad_out == pytest.approx(_norm([gave]))
+    _check(records, arriving, returned)
 
 
 def test_a_module_inserted_without_torch_s_registration_is_recorded() -> None:
@@ -255,9 +260,7 @@ def test_a_module_inserted_without_torch_s_registration_is_recorded() -> None:
             model(x).sum().backward()
     records = mon.history[f"(model): {BIN}"]
     assert [r.step for r in records] == [1, 2]
-    for record, got, gave in zip(records, tapped.arriving, tapped.returned, strict=True):
-        assert record.grad_in == pytest.approx(_norm([got]))
-        assert record.grad_out == pytest.approx(_norm([gave]))
+    _check(records, tapped.arriving, tapped.returned)
 
 
 def test_a_module_moved_to_another_attribute_is_recorded_at_its_new_path() -> None:
