@@ -289,3 +289,50 @@ def test_a_module_moved_to_another_attribute_is_recorded_at_its_new_path() -> No
             model(x).sum().backward()
     assert {label: [r.step for r in records] for label, records in mon.history.items()} == {
         f"a: {BIN}": [0, 1], f"b: {BIN}": [2, 3]}
+
+
+def test_modules_shifted_by_an_insert_are_recorded_at_their_new_paths() -> None:
+    # `Sequential.insert` moves the modules after it without torch's registration: their
+    # new paths are read when the new module is met, and the rows of the steps after are
+    # read at them (not taken from the steps before, at the old paths).
+    torch.manual_seed(0)
+    first, second, new = recipes.binarize(), recipes.ste_sign(), recipes.ste_round()
+    model = nn.Sequential(first.module(), second.module())
+    x = torch.randn(3, 4, requires_grad=True)
+    with go.monitor(model) as mon:
+        for _ in range(2):
+            model(x).sum().backward()
+        model.insert(0, new.module())
+        for _ in range(3):
+            model(x).sum().backward()
+    later = {label: [r.step for r in records if r.step >= 3]
+             for label, records in mon.history.items()}
+    assert {label: steps for label, steps in later.items() if steps} == {
+        f"0: {new!r}": [3, 4], f"1: {first!r}": [3, 4], f"2: {second!r}": [3, 4]}
+
+
+def test_a_module_called_from_outside_the_model_then_set_in_it_gets_its_path() -> None:
+    # The model calls a recipe module it holds in a list (its calls are the model's rows);
+    # set in the model's modules directly (no registration), the module is looked up again
+    # at the next forward, and its rows are at its path from then on.
+    class Side(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+            self.side = [recipes.binarize().module()]
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            out: torch.Tensor = self.side[0](self.fc(x))
+            return out
+
+    torch.manual_seed(0)
+    model = Side()
+    x = torch.randn(3, 4)
+    with go.monitor(model) as mon:
+        for _ in range(2):
+            model(x).sum().backward()
+        model._modules["act"] = model.side[0]
+        for _ in range(3):
+            model(x).sum().backward()
+    assert {label: [r.step for r in records] for label, records in mon.history.items()} == {
+        f"(model): {BIN}": [0, 1], f"act: {BIN}": [2, 3, 4]}

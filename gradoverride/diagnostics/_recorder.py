@@ -182,8 +182,12 @@ class Recorder:
         self._count = 0
         self._sites: dict[tuple[Any, ...], Site] = {}
         # The rows read in the last recorded pass (see `_Pass.row_of`), by what they were read
-        # from; each keeps the objects of its key alive until the next recorded pass.
-        self.rows_before: dict[tuple[int, ...], tuple[Site | None, Any, _Call]] = {}
+        # from; each keeps the objects of its key alive until the next recorded pass. Valid
+        # while `places` is what it was then: it counts the times a row's module may have
+        # moved (the paths read again; a module met outside the model looked up again).
+        self.places = 0
+        self.rows_before: tuple[int, dict[tuple[int, ...], tuple[Site | None, Any, _Call]]] = (
+            0, {})
         # Per backward pass (autograd's graph task id) running: its step, and (site,
         # returned, arriving), one per backward call (appended from autograd's threads;
         # list.append is atomic). Two threads' passes, running at once, stay apart.
@@ -248,7 +252,7 @@ class Recorder:
         for hook, transform in self._retransformed:
             hook.transform = transform
         self._retransformed = []
-        self.rows_before = {}
+        self.rows_before = (0, {})
         self.started = False
         if self in _STARTED:
             _STARTED.remove(self)
@@ -258,7 +262,7 @@ class Recorder:
         are read again too, as a module may have moved."""
         self.paths = model_paths(self.model)
         self._positions = {path: k for k, path in enumerate(self.paths.values())}
-        self.rows_before = {}
+        self.places += 1
 
     # -- which module calls keep the call stack ----------------------------------------------
 
@@ -392,6 +396,7 @@ class Recorder:
         outside the model are looked up again (one may have been added to it since)."""
         if self._outside:
             self._outside = set()
+            self.places += 1  # (a row read with one of them on the stack is read again)
         if self._paths_stale:
             self._paths_stale = False
             self._read_paths()
@@ -642,7 +647,7 @@ class Recorder:
                 return run  # (two threads of one pass)
             step = self.passes
             self.passes += 1
-            run = self._pending[task] = _Pass(step, step % self.every == 0)
+            run = self._pending[task] = _Pass(step, step % self.every == 0, self.places)
         queue_callback(_PassEnd(self, task))
         return run
 
@@ -650,8 +655,8 @@ class Recorder:
         run = self._pending.pop(task, None)
         if run is None or not run.recorded:
             return  # flushed already (by `stop`), or not a recorded step
-        if self.started:
-            self.rows_before = run.rows
+        if self.started and run.places == self.places:  # (else some may be stale)
+            self.rows_before = (run.places, run.rows)
         groups: dict[tuple[Site, int], Gradients] = {}
         step = run.step
         for site, returned, arriving in run.entries:
@@ -761,11 +766,12 @@ _is_tensor: Callable[[Any], bool] = Tensor.__instancecheck__
 class _Pass:
     """A backward pass while it runs: its step, whether it is recorded, what it recorded."""
 
-    __slots__ = ("entries", "recorded", "rows", "step")
+    __slots__ = ("entries", "places", "recorded", "rows", "step")
 
-    def __init__(self, step: int, recorded: bool) -> None:
+    def __init__(self, step: int, recorded: bool, places: int) -> None:
         self.step = step
         self.recorded = recorded
+        self.places = places  # the recorder's `places` when it began
         self.entries: list[tuple[Any, tuple[Any, ...], tuple[Any, ...]]] = []
         # The rows of the calls met in this pass, by what they are read from (see `row_of`;
         # many calls share one: a spiking neuron's at each time step). Each holds the call
@@ -780,7 +786,8 @@ class _Pass:
         key = (id(op), len(extras), *map(id, extras), *map(id, stack))
         known = self.rows.get(key)
         if known is None:
-            known = recorder.rows_before.get(key)
+            places, before = recorder.rows_before
+            known = before.get(key) if places == recorder.places else None
             if known is None or known[0] is None:  # (outside the model then: read again)
                 site, late = call.row(recorder)
                 self.rows[key] = (site, late, call)
