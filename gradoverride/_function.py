@@ -77,6 +77,7 @@ from ._rule import RuleSpec
 __all__ = [
     "RECORDED_CALL",
     "RECORDERS",
+    "RECORDING",
     "CallState",
     "OpPlan",
     "Route",
@@ -95,9 +96,15 @@ __all__ = [
 
 _CONTAINERS = (tuple, list, dict)
 
-#: The diagnostics recorder running now, if any (`go.monitor`, `go.overrides` with inputs,
-#: `gradient_report`): every op and module call consults it, in eager mode, and so does
-#: every backward of an op's Function (see `backward_recorded`).
+#: The diagnostics recorder started now, if any (`go.monitor`, `go.overrides` with inputs,
+#: `gradient_report`): every backward of an op's Function reads it (see
+#: `backward_recorded`).
+RECORDING: list[Any] = []
+
+#: The same recorder while the forwards running now are recorded: every op and module call
+#: consults it, in eager mode. A monitor recording one step in N leaves it empty during the
+#: forwards of the steps it does not record, so that their calls cost what they cost
+#: without a monitor.
 RECORDERS: list[Any] = []
 
 #: The attribute of an op's backward node (its `ctx`) where a recorder leaves what the node's
@@ -111,9 +118,11 @@ def backward_recorded(ctx: Any, body: Callable[..., Any], grads: tuple[Any, ...]
     backward itself, and then, if the recorder left something on the node at the op's call,
     that is handed what the backward returned for the rule's inputs (its first `span`
     entries; all when None) and the gradients it got. Every Function gradoverride makes
-    comes here, from the head of its backward (one read of `RECORDERS` when nothing
-    records): it is how a recorder sees an override's gradients, with no hook registered
-    on each node at each call."""
+    whose node holds a record comes here, from the head of its backward (one read of
+    `RECORDING` when nothing records, and of the node's attributes while a recorder
+    runs; a node holding none is told to the recorder, `met`, which counts the backward
+    passes running the calls of forwards it did not record): it is how a recorder sees an
+    override's gradients, with no hook registered on each node at each call."""
     if is_dynamo_compiling():
         return body(ctx, *grads)  # (a compiled call is not recorded: it left nothing)
     returned = body(ctx, *grads)
@@ -874,8 +883,10 @@ def _build_owning(plan: OpPlan, common: _Common) -> Route:
         return [i for slot in requested for i in range(ranges[slot][0], ranges[slot][1])]
 
     def backward(ctx: Any, *grads: Any) -> Any:
-        if RECORDERS:
-            return backward_recorded(ctx, backward_body, grads)
+        if RECORDING:
+            if RECORDED_CALL in ctx.__dict__:
+                return backward_recorded(ctx, backward_body, grads)
+            RECORDING[0].met(ctx)  # (a call it did not record: see `backward_recorded`)
         return backward_general(ctx, grads)
 
     def backward_body(ctx: Any, *grads: Any) -> Any:
@@ -997,7 +1008,8 @@ def _twin(plan: OpPlan, common: _Common, pieces: dict[str, Any], attach: bool = 
         "Tensor": Tensor, "CallState": CallState, "as_output": as_output,
         "shape_output": pieces["shape_output"], "setup": pieces["setup"],
         "backward_general": common.backward_general, "saved_for": saved_for,
-        "RECORDERS": RECORDERS, "backward_recorded": backward_recorded,
+        "RECORDING": RECORDING, "RECORDED_CALL": RECORDED_CALL,
+        "backward_recorded": backward_recorded,
         "call_rule": call_rule, "check_gradient": check_gradient,
         "flat_gradients": flat_gradients, "GradOverrideError": GradOverrideError,
         "SKIP": SKIP, "FORM": form, "OWNED": rule.owned, "autocast_state": _autocast_state,
@@ -1070,7 +1082,10 @@ def _build_attaching(plan: OpPlan, common: _Common) -> Route:
         setup(ctx, state, inputs[1 : 1 + n_in], outs, inputs[1 + n_in + state.n_out :])
 
     def backward(ctx: Any, *grads: Any) -> Any:
-        if RECORDERS:
+        if RECORDING:
+            if RECORDED_CALL not in ctx.__dict__:
+                RECORDING[0].met(ctx)  # (a call it did not record: see `backward_recorded`)
+                return backward_body(ctx, *grads)
             # (what the rule returned: the gradients for the Function's first inputs, the
             # call's; the outputs' passed on after them are not the rule's)
             return backward_recorded(ctx, backward_body, grads,

@@ -21,8 +21,9 @@ specialised to the op's slot count and the names its rule asks for:
   `flat_gradients`. For a module's op it also gives the rule the module holding the
   parameters its forward saw (the general steps do it when they are not the module's
   now, or one was changed in place), and refuses a rule that wrote a parameter's `.grad`.
-  While a diagnostics recorder records, it runs as `backward_body` (the same source)
-  through the route's `backward_recorded`, which hands the recorder the gradients;
+  A call a diagnostics recorder recorded (it left its record on the node) runs as
+  `backward_body` (the same source) through the route's `backward_recorded`, which hands
+  the recorder the gradients;
 * `run(args, kwargs)`: an op's entry for a positional call (padded with defaults), which
   hands anything else (keywords, containers, TensorFlow tensors) to the route's general
   entry.
@@ -166,12 +167,16 @@ def {name}(ctx, _go_g0, *_go_rest):{check}
     {unpack} = _go_record
 """
 
-# While a recorder records, the backward runs as `backward_body` (the same function without
-# this check) through `backward_recorded`, which hands the recorder what it returned for the
-# rule's inputs (the first `span` entries).
+# While a recorder records, a backward whose call it recorded (which left RECORDED_CALL on the
+# node) runs as `backward_body` (the same function without this check) through
+# `backward_recorded`, which hands the recorder what it returned for the rule's inputs (the
+# first `span` entries); another is told to the recorder (`met`: a call of a forward it did
+# not record counts its backward pass as a step).
 _BACKWARD_CHECK = """
-    if _go_RECORDERS:
-        return _go_backward_recorded(ctx, backward_body, (_go_g0, *_go_rest), {span})"""
+    if _go_RECORDING:
+        if _go_RECORDED_CALL in ctx.__dict__:
+            return _go_backward_recorded(ctx, backward_body, (_go_g0, *_go_rest), {span})
+        _go_RECORDING[0].met(ctx)"""
 
 _SAVED = """
     try:
@@ -255,7 +260,7 @@ def generate(
     stay in the module); `defaults`: every slot's default, `inspect.Parameter.empty` where
     it has none (`run` is generated for an op called by users, not for a module's).
     `namespace` provides, without the `_go_` prefix: fn, rule, rule_name, Tensor,
-    CallState, as_output, shape_output, setup, backward_general, RECORDERS,
+    CallState, as_output, shape_output, setup, backward_general, RECORDING, RECORDED_CALL,
     backward_recorded, saved_for, call_rule, check_gradient, flat_gradients,
     GradOverrideError, SKIP, FORM (the op's ModuleForm or None), OWNED, autocast_state,
     any_autocast_enabled; for a module op module_rule, parameter_at, single_thread,

@@ -30,7 +30,7 @@ from torch.utils.hooks import RemovableHandle
 from ._backends import backend
 from ._errors import GradOverrideError, GradOverrideTypeError
 from ._frameworks import autograph_artifact, is_keras_layer, require_tensorflow_keras
-from ._function import RECORDERS, break_compiled_transform, exporting_onnx
+from ._function import RECORDING, break_compiled_transform, exporting_onnx
 from ._internals import add_tensor_hook, is_tracing, tracing_state, transforms_active
 from ._jit import RefuseScripting, jit_message
 from ._passthrough import related, shows_input
@@ -268,8 +268,8 @@ def grad_hook(
 
 def _tell_recorder() -> None:
     """A model being recorded (go.monitor) records a grad_hook registered meanwhile."""
-    if RECORDERS:
-        RECORDERS[0].hooks_changed()
+    if RECORDING:
+        RECORDING[0].hooks_changed()
 
 
 def grad_hooks_on(module: nn.Module) -> list[tuple[Place, _Transforming | _ParameterHooks]]:

@@ -6,7 +6,7 @@ While a recorder is started:
 * every op call (each `custom_backward` / `straight_through` op, the recipes' ops, the ops
   of `go.Module` and `override_backward`) consults the recorder (`RECORDERS`, read by the
   ops' entries), which leaves an object on the backward node of the op's output (an
-  attribute of the Function's `ctx`); the node's backward, which reads `RECORDERS` first,
+  attribute of the Function's `ctx`); the node's backward, which reads `RECORDING` first,
   hands it what the rule returned and what the node got (`backward_recorded`): exactly the
   override's own gradients, whatever else reads its inputs, with no identity op added, no
   tensor copied, and no hook registered on each node (torch's node hooks cost about as
@@ -39,7 +39,12 @@ to the recorder's `sink` at its end (`queue_callback`), grouped by override; a p
 fails is handed on when autograd drops its callback, and a reentrant checkpoint's nested
 pass is part of the pass that recomputed it. With `every=N`, a pass is counted when it first
 reaches a node of the model's overrides, and recorded if its count is a multiple of N (a
-forward may be followed by several passes, each a step).
+forward may be followed by several passes, each a step). The forwards of the steps not to
+be recorded run with the ops' consult off (`RECORDERS` empty: `RECORDING`, which the
+backwards read, keeps the recorder), decided at each forward's start from the passes
+expected to follow it (see `Recorder._arm`); the autograd sequence numbers of the nodes
+such a forward made are kept, and the backward of an op's node holding no record tells the
+recorder (`Recorder.met`), which counts the pass if the node is one of those.
 
 Stopping restores every transform and leaves the list the ops consult: afterwards nothing
 of the recorder is left and an op call costs what it did before.
@@ -47,10 +52,12 @@ of the recorder is left and an op call costs what it did before.
 
 from __future__ import annotations
 
+import itertools
 import sys
 import threading
 import warnings
 import weakref
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import filterfalse
@@ -67,7 +74,7 @@ from torch.nn.modules.module import (
 
 from .._decorators import CustomBackward
 from .._errors import GradOverrideError, GradOverrideWarning
-from .._function import RECORDED_CALL, RECORDERS
+from .._function import RECORDED_CALL, RECORDERS, RECORDING
 from .._internals import graph_task_id, graph_task_reader, transforms_active
 from .._module import Module
 from .._signature import describe
@@ -131,8 +138,8 @@ def model_paths(model: nn.Module) -> dict[int, str]:
     return {id(m): name for name, m in model.named_modules()}
 
 
-# The recorder started now, if any: one at a time (see `Recorder.start`).
-_STARTED: list[Recorder] = []
+# Each recorder's arming changes get a number of their own (see `Recorder.new_forward`).
+_ARMINGS = itertools.count(1)
 
 
 class Recorder:
@@ -193,16 +200,39 @@ class Recorder:
         # list.append is atomic). Two threads' passes, running at once, stay apart.
         self._pending: dict[int, _Pass] = {}
         self._counting = threading.Lock()  # a pass's step from two threads at once
+        self._skipped: deque[int] = deque()  # the last passes not recorded (see `_open`)
+        # With `every=N`, the forwards of a step that is not recorded run with the ops'
+        # consult off, `RECORDERS` empty (see `_arm`): whether it is on (`armed`), and the
+        # number of that state (see `_ARMINGS`), which a forward compares at its end.
+        self.armed = False
+        self.arming = 0
+        self._span = 1  # backward passes per forward, as last seen
+        self._passes_seen = 0  # `passes` when the ops' consult was last decided
+        self._waiting = 0  # forwards decided since `passes` last changed (with grad)
+        self._forwards_per_step = 1  # forwards between the last two changes
+        # How many steps early the forwards are recorded, up to `every - 1`: as many as a
+        # step met a forward made before (a GAN's generator, whose forward the second
+        # backward pass after it reaches; see `met` and `_flush`).
+        self._ahead = 0
+        self._calm = 0  # recorded steps in a row that needed `_ahead` lower
+        self._always = False  # every forward recorded (see `met`)
+        self._warned_unrecordable = False
+        # A step to record could not be (see `met`): the next one is recorded in its place.
+        self.owed = 0
+        # The autograd sequence numbers of the nodes made by the last forwards not recorded,
+        # one `_Range` a forward (see `met`).
+        self._ranges: deque[_Range] = deque(maxlen=_RANGES_KEPT)
+        self._met = -1  # the backward pass `met` counted last
         self.started = False
 
     # -- starting and stopping ------------------------------------------------------------
 
     def start(self) -> None:
-        if _STARTED:
+        if RECORDING:
             # A second recorder would see the ops' calls the first one sees, and one node's
             # gradients would be recorded twice.
             msg = (
-                f"{self.purpose} cannot start while {_STARTED[0].purpose} is recording: one "
+                f"{self.purpose} cannot start while {RECORDING[0].purpose} is recording: one "
                 "model is recorded at a time (a second recorder would silently record "
                 "nothing). To watch several models at once, monitor one container holding "
                 "them (`go.monitor(nn.ModuleList([generator, discriminator]))`); to list a "
@@ -210,7 +240,7 @@ class Recorder:
                 "without example inputs, or with them outside the monitor's `with` block."
             )
             raise GradOverrideError(msg)
-        _STARTED.append(self)
+        RECORDING.append(self)
         _forget_stacks()  # every thread's call stack starts empty (see `_stack`)
         self._read_paths()
         self._wrap_hook_transforms()
@@ -228,8 +258,8 @@ class Recorder:
         ]
         self._global = True
         self._forwards = 0
-        _set_global(True)
         RECORDERS.append(self)
+        self.armed, self.arming = True, next(_ARMINGS)
         self.started = True
 
     def stop(self) -> None:
@@ -240,7 +270,6 @@ class Recorder:
         self._handles = []
         self._global_handles = []
         self._global = False
-        _set_global(False)
         for _, pre, post in self._own.values():
             pre.remove()
             post.remove()
@@ -249,13 +278,14 @@ class Recorder:
         _forget_stacks()
         for task in sorted(self._pending):
             self._flush(task)  # a backward pass still running in another thread
+        self._skipped.clear()
         for hook, transform in self._retransformed:
             hook.transform = transform
         self._retransformed = []
         self.rows_before = (0, {})
         self.started = False
-        if self in _STARTED:
-            _STARTED.remove(self)
+        if self in RECORDING:
+            RECORDING.remove(self)
 
     def _read_paths(self) -> None:
         """Read the model's module paths (again): the rows read in the last recorded pass
@@ -272,10 +302,23 @@ class Recorder:
             self._forwards += 1
 
     def forward_ended(self) -> None:
-        """An outermost module call ended under the global hooks: when none runs in any
-        thread, the global hooks give way to the model's own (a call still running when
-        they went would keep its entry on its thread's stack: a module on torch's fast path
-        runs no hook at its end)."""
+        """An outermost module call ended in this thread. If its op calls were not all
+        recorded (see `_arm`), the sequence numbers of the backward nodes it made are kept
+        (see `met`). Under the global hooks, when no such call runs in any thread, they
+        give way to the model's own (a call still running when they went would keep its
+        entry on its thread's stack: a module on torch's fast path runs no hook at its
+        end)."""
+        if self.every > 1:
+            began = getattr(_THREAD, "began", None)
+            if began is not None:
+                _THREAD.began = None
+                start, at, outer, arming = began
+                end = _sequence_now()
+                if end > start and (arming != self.arming or not self.armed):
+                    # (a forward under no_grad makes no node: it keeps none)
+                    self._ranges.append((start, end, at, outer, threading.get_ident()))
+        if not self._global:
+            return
         with self._switching:
             self._forwards = max(self._forwards - 1, 0)
             if self._forwards or not self._global or not self.started:
@@ -283,7 +326,6 @@ class Recorder:
             if self.on_call is not None or self.substitute is not None:
                 return  # go.overrides and gradient_report: a forward or two, kept as is
             self._global = False
-            _set_global(False)
             for handle in self._global_handles:
                 handle.remove()
             self._global_handles = []
@@ -356,7 +398,7 @@ class Recorder:
                         extras = (() if len(args) == 1 and isinstance(args[0], Tensor)
                                   else tuple(filterfalse(_is_tensor, args)))
                         node.__dict__[RECORDED_CALL] = _Call(
-                            (self, op, extras, tuple(stack), self._count))
+                            (self, op, extras, tuple(stack), self._count, self.passes))
         if self.on_call is not None:
             self._called(op, args)
         return out
@@ -367,6 +409,10 @@ class Recorder:
         rows name it (and the module form's path)."""
         thread = _THREAD  # (`_stack()`, inline: every recipe call reads it)
         stack = thread.stack if getattr(thread, "generation", -1) == _GENERATION else _stack()
+        if stack and stack[-1] is recipe:
+            # (a module form the global hooks of a first forward put there already: its
+            # calls' stacks, and so their rows, are those of the next forwards)
+            return call(recipe, *args, **kwargs)
         stack.append(recipe)
         try:
             return call(recipe, *args, **kwargs)
@@ -401,6 +447,44 @@ class Recorder:
             self._paths_stale = False
             self._read_paths()
             self._wrap_hook_transforms()
+        if self.every > 1:
+            outer = _pass_now()
+            if outer < 0:  # (else a checkpoint's recomputation, in that backward pass)
+                self._arm()
+            # (what `forward_ended` reads)
+            _THREAD.began = (_sequence_now(), self.passes, outer,
+                             self.arming if self.armed else 0)
+
+    def _arm(self) -> None:
+        """Whether the forward starting now has its op calls recorded: when the backward
+        passes that follow it, as many as followed the last forward (a forward with two
+        `backward` calls is two steps), include a step to record. The forwards of the
+        steps not recorded run with the ops' consult off: their calls cost what they cost
+        without a recorder; a backward pass reaching one of their overrides' nodes counts as
+        a step (see `met`). Two forwards before one backward pass (a siamese step, a
+        GAN's) are decided alike. If no backward pass was counted for twice `every` steps'
+        worth of forwards (the nodes of a checkpointed function recomputed outside any
+        module call), the next forward is recorded, and its first backward pass too."""
+        passes = self.passes
+        if passes > self._passes_seen:
+            self._span = passes - self._passes_seen
+            self._passes_seen = passes
+            self._forwards_per_step, self._waiting = max(self._waiting, 1), 1
+        elif torch.is_grad_enabled():
+            self._waiting += 1
+            if passes and self._waiting > 2 * self.every * self._forwards_per_step:
+                self.owed = 1
+        armed = (
+            -passes % self.every < self._span + self._ahead
+            or self.owed > 0
+            or self._always
+            or self._global
+            or self.on_call is not None
+            or self.substitute is not None
+        )
+        if armed is not self.armed:
+            self.armed, self.arming = armed, next(_ARMINGS)
+            RECORDERS[:] = [self] if armed else []  # (one step, for other threads' reads)
 
     def compiled_call(self, module: nn.Module) -> None:
         """A `torch.compile`d module (dynamo's wrapper, whose `_orig_mod` is the module it
@@ -626,6 +710,63 @@ class Recorder:
 
     # -- during backward --------------------------------------------------------------------
 
+    def met(self, ctx: Any) -> None:
+        """A backward pass runs the node `ctx` of an op call that left no record: a call of
+        a forward not recorded (with `every=N`), or one outside the model. If a forward not
+        recorded made it (its sequence number is in one of `_ranges`), the pass is a step;
+        if that step is one to record, it cannot be (some of its overrides' calls left no
+        record): its gradients are dropped whole, and the next step is recorded in its
+        place, the forwards from then on decided that many steps earlier (see `_arm`)."""
+        if self.every == 1 or is_dynamo_compiling():
+            return
+        task = _pass_now()
+        if task == self._met:
+            return  # (the pass's first such node counted it)
+        number = ctx._sequence_nr()
+        thread = threading.get_ident()
+        for made in reversed(tuple(self._ranges)):  # (a copy: others append meanwhile)
+            if made[0] <= number < made[1] and (made[4] == thread or _engine_thread()):
+                break
+        else:
+            return  # not made by a forward of the model (or too long ago)
+        _, _, at, outer, _ = made
+        self._met = task
+        if outer >= 0:
+            task = outer  # (made by a checkpoint's recomputation inside pass `outer`)
+        run = self._pending.get(task)
+        if run is None:
+            run = self._open(task)
+        if run.recorded:
+            run.recorded = False
+            run.entries.clear()
+            self.owed = 1  # (one at most: a run of steps dropped is not made up for)
+            needed = run.step - at - self._span + 1
+            if self._always:
+                self._warn_unrecordable(run.step)
+            elif needed > self.every - 1 or self._ahead == self.every - 1:
+                # Its passes reach forwards made too long before (a recurrent state never
+                # detached, as in truncated backpropagation through time): every forward
+                # is recorded from now on, as with every=1 (the steps recorded stay one
+                # in N).
+                self._always = True
+            self._ahead = min(max(self._ahead, needed), self.every - 1)
+
+    def _warn_unrecordable(self, step: int) -> None:
+        """A step to record reached forwards made before every forward was recorded."""
+        if self._warned_unrecordable:
+            return
+        self._warned_unrecordable = True
+        msg = (
+            f"{self.purpose} (every={self.every}): step {step} is not recorded, nor are the "
+            "steps after it whose backward pass reaches forwards of steps it did not "
+            "record (a recurrent state carried from step to step and never detached): "
+            "some of their override calls left nothing to record. Every forward is "
+            "recorded from now on, so the steps are recorded again once their passes "
+            "reach only forwards made since. To record them all, use every=1, or detach "
+            "the carried state every few steps (`h = h.detach()`)."
+        )
+        warnings.warn(msg, GradOverrideWarning, stacklevel=2)
+
     def record_transform(self, site: Site, arriving: Tensor, returned: Tensor) -> None:
         """A grad_hook's transform ran (see `_MeasuredTransform`)."""
         task = current_pass()
@@ -647,7 +788,20 @@ class Recorder:
                 return run  # (two threads of one pass)
             step = self.passes
             self.passes += 1
-            run = self._pending[task] = _Pass(step, step % self.every == 0, self.places)
+            due = step % self.every == 0
+            if not due and not self.owed:
+                # A step not recorded: counted, with nothing to hand on at its end (no
+                # callback); its id is kept among the last few such passes' (ids are never
+                # reused), so that its other nodes do not count it again.
+                self._pending[task] = _SKIPPED
+                skipped = self._skipped
+                skipped.append(task)
+                if len(skipped) > _SKIPPED_KEPT:
+                    self._pending.pop(skipped.popleft(), None)
+                return _SKIPPED
+            if not due:
+                self.owed -= 1  # (in place of one that could not be)
+            run = self._pending[task] = _Pass(step, True, self.places)
         queue_callback(_PassEnd(self, task))
         return run
 
@@ -657,6 +811,17 @@ class Recorder:
             return  # flushed already (by `stop`), or not a recorded step
         if self.started and run.places == self.places:  # (else some may be stale)
             self.rows_before = (run.places, run.rows)
+        if self.every > 1:
+            # How many steps early its oldest forward had to be recorded (see `_arm`): more
+            # at once, fewer after `_CALM` recorded steps in a row that needed fewer (a
+            # GAN's steps that reach its generator alternate with steps that do not).
+            needed = run.lag - self._span + 1
+            if needed >= self._ahead:
+                self._ahead, self._calm = min(needed, self.every - 1), 0
+            else:
+                self._calm += 1
+                if self._calm >= _CALM:
+                    self._ahead, self._calm = self._ahead - 1, 0
         groups: dict[tuple[Site, int], Gradients] = {}
         step = run.step
         for site, returned, arriving in run.entries:
@@ -727,10 +892,10 @@ class _NodeRecord:
 
 class _Call(tuple[Any, ...]):
     """What an op call in a forward leaves on its node, for its row to be found when a
-    recorded pass reaches the node: `(recorder, op, extras, stack, index)`, the op, its
-    arguments other than tensors (the tensors are not kept), the call stack then, and the
-    order of the call. A tuple, made by one call of C: what each op call of a recorded
-    model pays, recorded step or not (made in `Recorder.op_call`). The node's
+    recorded pass reaches the node: `(recorder, op, extras, stack, index, passes)`, the op,
+    its arguments other than tensors (the tensors are not kept), the call stack then, the
+    order of the call, and the recorder's `passes` then. A tuple, made by one call of C:
+    what each op call of a recorded forward pays (made in `Recorder.op_call`). The node's
     backward hands it what the rule returned and what the node got, as to a `_NodeRecord`."""
 
     __slots__ = ()
@@ -748,6 +913,9 @@ class _Call(tuple[Any, ...]):
             run = recorder._open(task)
         if not run.recorded:
             return  # a step not recorded: what most nodes meet with every=N
+        lag = run.step - self[5]  # (steps since its forward: see `Recorder._arm`)
+        if lag > run.lag:
+            run.lag = lag
         row = run.row_of(self, recorder)
         if row is not None:  # (None: called outside the model, or a grad_hook's transform)
             run.entries.append((row, returned, grad_outputs))
@@ -766,12 +934,13 @@ _is_tensor: Callable[[Any], bool] = Tensor.__instancecheck__
 class _Pass:
     """A backward pass while it runs: its step, whether it is recorded, what it recorded."""
 
-    __slots__ = ("entries", "places", "recorded", "rows", "step")
+    __slots__ = ("entries", "lag", "places", "recorded", "rows", "step")
 
     def __init__(self, step: int, recorded: bool, places: int) -> None:
         self.step = step
         self.recorded = recorded
         self.places = places  # the recorder's `places` when it began
+        self.lag = 0  # the most steps between a call it met and its forward's decision
         self.entries: list[tuple[Any, tuple[Any, ...], tuple[Any, ...]]] = []
         # The rows of the calls met in this pass, by what they are read from (see `row_of`;
         # many calls share one: a spiking neuron's at each time step). Each holds the call
@@ -782,7 +951,7 @@ class _Pass:
     def row_of(self, call: _Call, recorder: Recorder) -> Site | None:
         # What its row is read from, by identity: the op, the arguments, the stack; read in
         # this pass, or in the last recorded one (a training step's calls are the last's).
-        _, op, extras, stack, _ = call
+        _, op, extras, stack, _, _ = call
         key = (id(op), len(extras), *map(id, extras), *map(id, stack))
         known = self.rows.get(key)
         if known is None:
@@ -797,6 +966,30 @@ class _Pass:
         if late is not None and known_site is not None:
             recorder._last[late] = known_site  # (as reading it again would)
         return known_site
+
+
+# (start, end, passes, outer, thread): the autograd sequence numbers [start, end) of the
+# nodes made by a forward not recorded, the recorder's `passes` when it began, the backward
+# pass it ran in (a checkpoint's recomputation) or -1, and its thread (sequence numbers are
+# counted per thread).
+_Range = tuple[int, int, int, int, int]
+_RANGES_KEPT = 64
+_CALM = 4
+
+# The sequence number the next backward node made in this thread gets.
+_sequence_now: Callable[[], int] = torch._C._autograd._get_sequence_nr
+
+
+def _engine_thread() -> bool:
+    """Whether this thread is one autograd started (a device's, running the nodes of a
+    pass begun in another thread), not one of Python's: the thread that made a node is
+    then unknown, and a node in a range of any thread's counts."""
+    return isinstance(threading.current_thread(), threading._DummyThread)
+
+# Every pass not recorded, while it is one of the last `_SKIPPED_KEPT` such passes to begin:
+# the passes running at once, in any thread, are far fewer.
+_SKIPPED = _Pass(-1, False, 0)
+_SKIPPED_KEPT = 64
 
 
 class _PassEnd:
@@ -940,16 +1133,6 @@ _THREAD = threading.local()
 _GENERATION = 0
 
 
-# Whether the global module hooks are on (the first forward of a recorder: see
-# `Recorder.forward_ended`).
-_GLOBAL_ON = False
-
-
-def _set_global(on: bool) -> None:
-    global _GLOBAL_ON
-    _GLOBAL_ON = on
-
-
 # The modules of torch.nn whose calls run no code of a user's but the modules they hold:
 # an override is never called with one of them the innermost module (unless a hook of its
 # own calls it). The transformer layers are not among them: they call the `activation`
@@ -994,7 +1177,7 @@ def _entered(module: nn.Module, args: Any) -> None:
     if is_dynamo_compiling():
         return  # compiled calls are not recorded (and a compiled graph keeps no stack)
     stack = _stack()
-    recorder = _STARTED[0] if _STARTED else None
+    recorder = RECORDING[0] if RECORDING else None
     if recorder is not None:
         if not stack:  # an outermost call: a new forward
             recorder.new_forward()
@@ -1020,7 +1203,7 @@ def _entered_own(module: nn.Module, args: Any) -> None:
         return
     thread = _THREAD  # (`_stack()`, inline: every hooked module call reads it twice)
     stack = thread.stack if getattr(thread, "generation", -1) == _GENERATION else _stack()
-    recorder = _STARTED[0] if _STARTED else None
+    recorder = RECORDING[0] if RECORDING else None
     if recorder is not None:
         if not stack:
             recorder.new_forward()
@@ -1042,15 +1225,15 @@ def _left(module: nn.Module, args: Any, out: Any) -> None:
     stack = thread.stack if getattr(thread, "generation", -1) == _GENERATION else _stack()
     if stack and stack[-1] is module:
         stack.pop()  # (what nearly every call meets: its own entry on top)
-        if not stack and _GLOBAL_ON and _STARTED:
-            _STARTED[0].forward_ended()
+        if not stack and RECORDING:
+            RECORDING[0].forward_ended()
         return
     if stack and isinstance(stack[-1], _Late) and stack[-1].module is module:
         return  # its own forward hooks run next, then its `_LeftLate`
     running = bool(stack)
     _pop(stack, module)
-    if running and not stack and _GLOBAL_ON and _STARTED:
-        _STARTED[0].forward_ended()
+    if running and not stack and RECORDING:
+        RECORDING[0].forward_ended()
 
 
 def _inert_hook(*args: Any) -> None:
@@ -1123,8 +1306,8 @@ class _LeftLate(_Late):
         stack.pop()
         self.handle.remove()
         _LeftLate._ALL.discard(self)
-        if not stack and _GLOBAL_ON and _STARTED:
-            _STARTED[0].forward_ended()
+        if not stack and RECORDING:
+            RECORDING[0].forward_ended()
 
     @staticmethod
     def remove_all() -> None:

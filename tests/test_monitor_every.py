@@ -1,0 +1,345 @@
+"""`go.monitor(model, every=N)`: the forwards of the steps it does not record run without
+the recorder, and the steps are still every backward pass, recorded whole."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import sys
+import threading
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import gradoverride as go
+from gradoverride import recipes
+from gradoverride.diagnostics._recorder import Recorder
+
+
+class Net(nn.Module):
+    """Two overrides; `tap` collects, per backward pass, the gradient arriving at the
+    second one's output (tensor hooks: the reference the monitor must match)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 6)
+        self.first = recipes.binarize().module()
+        self.second = recipes.scale_grad(0.5).module()
+        self.out = nn.Linear(6, 1)
+        self.arriving: list[torch.Tensor] = []
+        self.hidden: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.second(self.first(self.fc(x)))
+        if h.requires_grad:
+            h.register_hook(lambda g: self.arriving.append(g.clone()))
+        self.hidden = h
+        return self.out(h)
+
+
+def _records(mon: go.Monitor, label: str) -> list[Any]:
+    return mon.history[label]
+
+
+SECOND = "second: scale_grad(scale=0.5)"
+FIRST = "first: binarize(clip=1.0, inclusive=True, keep='input')"
+
+
+def _norm(g: torch.Tensor) -> float:
+    return math.sqrt(float(g.double().square().sum()))
+
+
+def test_steps_not_recorded_run_their_overrides_without_the_recorder() -> None:
+    model = Net()
+    calls: list[int] = []
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        if event == "call" and frame.f_code is Recorder.op_call.__code__:
+            calls.append(len(calls))
+
+    with go.monitor(model, every=4) as mon:
+        for step in range(8):
+            before = len(calls)
+            sys.setprofile(profile)
+            try:
+                loss = model(torch.randn(3, 4)).sum()
+            finally:
+                sys.setprofile(None)
+            loss.backward()
+            # Each of the two overrides consults the recorder in the recorded steps alone.
+            assert len(calls) - before == (2 if step % 4 == 0 else 0), step
+    assert mon.steps == 8
+    assert [r.step for r in _records(mon, SECOND)] == [0, 4]
+
+
+def test_a_due_step_whose_forward_was_not_recorded_is_recorded_at_the_next_one() -> None:
+    # A forward followed by two backward passes, after forwards followed by one: the second
+    # pass is a step to record, but its forward left nothing to record. That step is
+    # dropped whole, and the next one recorded in its place, with its own gradients.
+    torch.manual_seed(0)
+    model = Net()
+    with go.monitor(model, every=2) as mon:
+        model(torch.randn(3, 4)).sum().backward()  # step 0, recorded
+        out = model(torch.randn(3, 4))
+        out.sum().backward(retain_graph=True)  # step 1
+        (2 * out).sum().backward()  # step 2: due, but its forward was not recorded
+        model.arriving.clear()
+        model(torch.randn(3, 4)).sum().backward()  # step 3: recorded in its place
+        (arriving,) = model.arriving
+        model(torch.randn(3, 4)).sum().backward()  # step 4
+    assert mon.steps == 5
+    records = _records(mon, SECOND)
+    assert [(r.step, r.calls) for r in records][:2] == [(0, 1), (3, 1)]
+    assert records[1].grad_in == pytest.approx(_norm(arriving), rel=1e-6)
+    # Both overrides of each recorded step: a step is recorded whole or not at all.
+    assert [r.step for r in _records(mon, FIRST)] == [r.step for r in records]
+
+
+def test_two_forwards_before_one_backward_are_recorded_together() -> None:
+    model = Net()
+    with go.monitor(model, every=2) as mon:
+        for _ in range(5):
+            (model(torch.randn(3, 4)) - model(torch.randn(3, 4))).sum().backward()
+    assert mon.steps == 5
+    assert [(r.step, r.calls) for r in _records(mon, SECOND)] == [(0, 2), (2, 2), (4, 2)]
+
+
+def test_a_loss_read_off_an_inner_output_counts_every_pass() -> None:
+    # No backward pass reaches the model's output; each reaches its overrides.
+    model = Net()
+    with go.monitor(model, every=2) as mon:
+        for _ in range(12):
+            model(torch.randn(3, 4))
+            assert model.hidden is not None
+            model.hidden.sum().backward()
+    assert mon.steps == 12
+    assert [r.step for r in _records(mon, SECOND)] == [0, 2, 4, 6, 8, 10]
+
+
+@dataclasses.dataclass
+class Output:
+    logits: torch.Tensor
+
+
+class DataclassOut(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = Net()
+
+    def forward(self, x: torch.Tensor) -> Output:
+        return Output(self.net(x))
+
+
+@pytest.mark.parametrize("every", [2, 3])
+def test_every_pass_is_a_step_whatever_the_output_holds(every: int) -> None:
+    # An output torch does not look into (a dataclass), and passes that reach the input
+    # alone (the gradient of an adversarial example), which skip the override on a weight.
+    model = DataclassOut()
+    with go.monitor(model, every=every) as mon:
+        for _ in range(6):
+            model(torch.randn(3, 4)).logits.sum().backward()
+    assert mon.steps == 6
+    assert [r.step for r in _records(mon, "net.second: scale_grad(scale=0.5)")] == list(
+        range(0, 6, every))
+
+    class WeightBinarized(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(4, 4))
+            self.act = recipes.binarize()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            w = recipes.binarize()(self.weight)
+            return self.act(x @ w).sum(dim=1)
+
+    net = WeightBinarized()
+    with go.monitor(net, every=every) as mon:
+        for _ in range(6):
+            x = torch.randn(3, 4, requires_grad=True)
+            torch.autograd.grad(net(x).sum(), x)
+    assert mon.steps == 6
+    rows = {label: [r.step for r in records] for label, records in mon.history.items()}
+    assert list(range(0, 6, every)) in rows.values(), rows
+
+
+def test_passes_that_reach_no_override_are_not_steps() -> None:
+    # A GAN whose discriminator holds no override: its own pass is not a step.
+    torch.manual_seed(0)
+    generator, discriminator = Net(), nn.Sequential(nn.Linear(1, 4), nn.Linear(4, 1))
+
+    class Critic(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = discriminator
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.body(x)
+
+    critic = Critic()
+    with go.monitor(nn.ModuleList([generator, critic]), every=2) as mon:
+        for _ in range(6):
+            fake = generator(torch.randn(3, 4))
+            critic(fake.detach()).sum().backward()  # reaches no override
+            (-critic(fake)).sum().backward()
+    assert mon.steps == 6
+    assert [r.step for r in _records(mon, "0.second: scale_grad(scale=0.5)")] == [0, 2, 4]
+
+
+def _doubled_block(x: torch.Tensor) -> torch.Tensor:
+    return recipes.scale_grad(2.0)(x * 1.0)
+
+
+@pytest.mark.filterwarnings("ignore:.*use_reentrant:UserWarning")
+def test_recording_goes_on_when_passes_cannot_be_counted() -> None:
+    # A function outside any module, checkpointed the reentrant way: its overrides' nodes
+    # are made again inside the backward pass, in a step not recorded, where no module call
+    # tells the monitor they are the model's. Those steps are not counted, but the monitor
+    # still records one now and then.
+    class Checkpointed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.utils.checkpoint.checkpoint(_doubled_block, self.fc(x),
+                                                     use_reentrant=True)
+
+    model = Checkpointed()
+    with go.monitor(model, every=2) as mon:
+        for _ in range(20):
+            model(torch.randn(3, 4)).sum().backward()
+    (records,) = mon.history.values()
+    assert len(records) >= 3, [r.step for r in records]
+    assert {r.calls for r in records} == {1}
+
+
+def test_a_container_whose_parts_are_called_alone_counts_every_pass() -> None:
+    # A GAN's step: the generator and the discriminator called one by one, never the
+    # container the monitor watches; two backward passes a step, the second reaching the
+    # generator's forward, made before the first.
+    torch.manual_seed(0)
+    generator, discriminator = Net(), Net()
+    with go.monitor(nn.ModuleList([generator, discriminator]), every=3) as mon:
+        for _ in range(6):
+            fake = generator(torch.randn(3, 4))
+            discriminator(fake.detach().expand(3, 4)).sum().backward()
+            discriminator(fake.expand(3, 4)).sum().backward()
+    assert mon.steps == 12
+    # Step 3 met the generator's forward not recorded: dropped, step 4 recorded in its
+    # place; from then on the forwards are recorded early enough.
+    assert [r.step for r in _records(mon, "1.second: scale_grad(scale=0.5)")] == [0, 4, 6, 9]
+    (record,) = _records(mon, "0.second: scale_grad(scale=0.5)")  # the odd steps reach it
+    assert (record.step, record.calls) == (9, 1)
+    assert record.grad_in == pytest.approx(_norm(generator.arriving[4]), rel=1e-6)
+
+
+def test_two_threads_with_every_n_count_every_pass_and_record_whole_steps() -> None:
+    model = Net()
+    errors: list[BaseException] = []
+
+    def train() -> None:
+        try:
+            for _ in range(9):
+                model(torch.randn(3, 4)).sum().backward()
+        except BaseException as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    with go.monitor(model, every=3) as mon:
+        threads = [threading.Thread(target=train) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert not errors
+    assert mon.steps == 18
+    first, second = _records(mon, FIRST), _records(mon, SECOND)
+    assert len(second) >= 2
+    assert [r.step for r in first] == [r.step for r in second]
+    # Each recorded step is one thread's pass, whole: its two overrides, once each.
+    assert {r.calls for r in first + second} == {1}
+
+
+def test_another_thread_s_overrides_are_not_steps() -> None:
+    # Another model with an override trains in another thread meanwhile: autograd numbers
+    # each thread's nodes on its own, from zero, so its nodes' numbers are the model's too.
+    model, other = Net(), Net()
+    start = threading.Barrier(2)
+    errors: list[BaseException] = []
+
+    def train(net: Net) -> None:
+        try:
+            start.wait()
+            for _ in range(20):
+                net(torch.randn(3, 4)).sum().backward()
+        except BaseException as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    with go.monitor(model, every=5) as mon:
+        threads = [threading.Thread(target=train, args=(net,)) for net in (model, other)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert not errors
+    assert mon.steps == 20
+    assert [r.step for r in _records(mon, SECOND)] == [0, 5, 10, 15]
+
+
+def test_many_forwards_without_grad_between_a_forward_and_its_backward() -> None:
+    # Sampling, a rollout, a target network's forwards: 100 forwards under no_grad between
+    # each step's forward and its backward.
+    model = Net()
+    with go.monitor(model, every=2) as mon:
+        for _ in range(6):
+            loss = model(torch.randn(3, 4)).sum()
+            with torch.no_grad():
+                for _ in range(100):
+                    model(torch.randn(3, 4))
+            loss.backward()
+    assert mon.steps == 6
+    assert [r.step for r in _records(mon, SECOND)] == [0, 2, 4]
+
+
+class Cell(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 4)
+        self.act = recipes.scale_grad(0.5).module()
+
+    def forward(self, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.act(self.lin(torch.cat([x, h], -1))))
+
+
+def _carried(every: int, detach_at: int) -> tuple[go.Monitor, dict[int, float]]:
+    """A cell stepped once a forward, its state carried from step to step (detached once,
+    at `detach_at`), each step's loss run backward with the graph kept."""
+    torch.manual_seed(0)
+    cell = Cell()
+    with go.monitor(cell, every=every) as mon:
+        h = torch.zeros(2, 4)
+        for i in range(16):
+            if i == detach_at:
+                h = h.detach()
+            h = cell(torch.randn(2, 4), h)
+            h.square().sum().backward(retain_graph=True)
+    return mon, {r.step: r.grad_in for r in _records(mon, "act: scale_grad(scale=0.5)")}
+
+
+def test_a_state_never_detached_is_warned_of_and_recorded_once_it_is() -> None:
+    _, every_step = _carried(1, 8)
+    with pytest.warns(go.GradOverrideWarning, match=(
+        r"go\.monitor of Cell \(every=2\): step 4 is not recorded, nor are the steps after "
+        r"it whose backward pass reaches forwards of steps it did not record \(a recurrent "
+        r"state carried from step to step and never detached\).*use every=1, or detach the "
+        r"carried state every few steps"
+    )):
+        mon, recorded = _carried(2, 8)
+    assert mon.steps == 16
+    # Steps 2 to 7 reach the forwards of steps 1 and 3, not recorded: none of them is (the
+    # warning names the first dropped once every forward is). Once the state is detached
+    # (step 8) the steps are recorded again, one in two (and step 9 in place of one), whole.
+    assert sorted(recorded) == [0, 8, 9, 10, 12, 14]
+    for step, grad_in in recorded.items():
+        assert grad_in == pytest.approx(every_step[step], rel=1e-6)
