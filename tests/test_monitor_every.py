@@ -343,3 +343,44 @@ def test_a_state_never_detached_is_warned_of_and_recorded_once_it_is() -> None:
     assert sorted(recorded) == [0, 8, 9, 10, 12, 14]
     for step, grad_in in recorded.items():
         assert grad_in == pytest.approx(every_step[step], rel=1e-6)
+
+
+def test_a_forward_in_one_thread_and_its_backward_in_another() -> None:
+    model = Net()
+
+    def backward(loss: torch.Tensor) -> None:
+        thread = threading.Thread(target=loss.backward)
+        thread.start()
+        thread.join()
+
+    with go.monitor(model, every=3) as mon:
+        for _ in range(9):
+            backward(model(torch.randn(3, 4)).sum())
+    assert mon.steps == 9
+    assert [r.step for r in _records(mon, SECOND)] == [0, 3, 6]
+
+
+def _encoder_steps(every: int) -> tuple[go.Monitor, dict[int, float]]:
+    """A model whose encoder, a torch container of a layer and a recipe's module form, is
+    trained on its own at odd steps."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Sequential(nn.Linear(4, 6), recipes.binarize().module()),
+                          nn.Linear(6, 1))
+    with go.monitor(model, every=every) as mon:
+        for step in range(12):
+            x = torch.randn(3, 4)
+            if step % 2:
+                model[0](x).square().sum().backward()
+            else:
+                model(x).sum().backward()
+    return mon, {r.step: r.grad_out for r in _records(mon, "0.1: " + FIRST.split(": ")[1])}
+
+
+@pytest.mark.parametrize("every", [2, 3, 4])
+def test_a_part_of_the_model_trained_on_its_own_counts_its_steps(every: int) -> None:
+    _, every_step = _encoder_steps(1)
+    mon, recorded = _encoder_steps(every)
+    assert mon.steps == 12
+    assert sorted(recorded) == list(range(0, 12, every))
+    for step, grad_out in recorded.items():
+        assert grad_out == pytest.approx(every_step[step], rel=1e-6)

@@ -215,7 +215,11 @@ class Recorder:
         # backward pass after it reaches; see `met` and `_flush`).
         self._ahead = 0
         self._calm = 0  # recorded steps in a row that needed `_ahead` lower
-        self._always = False  # every forward recorded (see `met`)
+        self._always = False  # every forward recorded (see `met`, `new_forward`)
+        self._always_for_lag = False  # (as `met` found passes reaching old forwards)
+        self._running = 0  # outermost forwards running, all threads (see `new_forward`)
+        self._forward_threads: set[int] = set()  # the threads that ran forwards of it
+        self._foreign: set[int] = set()  # threads seen calling overrides outside the model
         self._warned_unrecordable = False
         # A step to record could not be (see `met`): the next one is recorded in its place.
         self.owed = 0
@@ -313,6 +317,9 @@ class Recorder:
             if began is not None:
                 _THREAD.began = None
                 start, at, outer, arming = began
+                if outer < 0:
+                    with self._switching:
+                        self._running -= 1
                 end = _sequence_now()
                 if end > start and (arming != self.arming or not self.armed):
                     # (a forward under no_grad makes no node: it keeps none)
@@ -394,11 +401,18 @@ class Recorder:
                     stack = (thread.stack if getattr(thread, "generation", -1) == _GENERATION
                              else _stack())
                     if stack:  # (else called outside any module call: not the model's)
+                        if (self.every > 1 and stack[0] is not self.model
+                                and self._place(stack)[0] is None):
+                            # A thread calling overrides outside the model: its nodes'
+                            # numbers say nothing of the model's forwards (see `met`).
+                            self._foreign.add(threading.get_ident())
                         self._count += 1
                         extras = (() if len(args) == 1 and isinstance(args[0], Tensor)
                                   else tuple(filterfalse(_is_tensor, args)))
                         node.__dict__[RECORDED_CALL] = _Call(
                             (self, op, extras, tuple(stack), self._count, self.passes))
+                    elif self.every > 1:
+                        self._foreign.add(threading.get_ident())  # (as above)
         if self.on_call is not None:
             self._called(op, args)
         return out
@@ -419,6 +433,29 @@ class Recorder:
         finally:
             if stack and stack[-1] is recipe:
                 stack.pop()
+
+    def module_form_call(self, module: Any, args: tuple[Any, ...],
+                         kwargs: dict[str, Any]) -> Any:
+        """A recipe's module form called while started (eager). Inside a module call it
+        is a recipe's call (see `recipe_call`) when the forward is recorded; called on its
+        own, outside any (a part of the model called alone, not hooked: see `_own_hooks`),
+        it is a forward of its own, decided and counted as a hooked module's (see
+        `new_forward`)."""
+        run = type(module)._run
+        thread = _THREAD
+        stack = thread.stack if getattr(thread, "generation", -1) == _GENERATION else _stack()
+        if stack or self.every == 1 or id(module) not in self.paths:
+            # (inside a module call; or every forward recorded; or not the model's)
+            if RECORDERS:
+                return self.recipe_call(module, run, args, kwargs)
+            return run(module, *args, **kwargs)
+        self.new_forward()
+        try:
+            if RECORDERS:
+                return self.recipe_call(module, run, args, kwargs)
+            return run(module, *args, **kwargs)
+        finally:
+            self.forward_ended()
 
     def module_call(self, module: nn.Module, op: Any, args: tuple[Any, ...],
                     kwargs: dict[str, Any], run: Callable[[], Any]) -> Any:
@@ -450,6 +487,16 @@ class Recorder:
         if self.every > 1:
             outer = _pass_now()
             if outer < 0:  # (else a checkpoint's recomputation, in that backward pass)
+                thread = threading.get_ident()
+                with self._switching:
+                    self._running += 1
+                    together = self._running > 1
+                    self._forward_threads.add(thread)
+                if together and not self._always:
+                    # Forwards of the model in two threads at once: the steps to come
+                    # cannot be told from one forward; every forward is recorded, as with
+                    # every=1 (the steps recorded stay one in N).
+                    self._always = True
                 self._arm()
             # (what `forward_ended` reads)
             _THREAD.began = (_sequence_now(), self.passes, outer,
@@ -724,8 +771,15 @@ class Recorder:
             return  # (the pass's first such node counted it)
         number = ctx._sequence_nr()
         thread = threading.get_ident()
+        # Sequence numbers are counted per thread: a node is one of a range's if that thread
+        # made it, or if this thread cannot have made it (a backward run in a thread of its
+        # own, or on an accelerator's autograd thread, whose count has not reached the
+        # node's number; not another model's training, whose numbers would be taken for
+        # the model's).
+        alone = (thread not in self._forward_threads and thread not in self._foreign
+                 and _sequence_now() <= number)
         for made in reversed(tuple(self._ranges)):  # (a copy: others append meanwhile)
-            if made[0] <= number < made[1] and (made[4] == thread or _engine_thread()):
+            if made[0] <= number < made[1] and (made[4] == thread or alone):
                 break
         else:
             return  # not made by a forward of the model (or too long ago)
@@ -742,13 +796,14 @@ class Recorder:
             self.owed = 1  # (one at most: a run of steps dropped is not made up for)
             needed = run.step - at - self._span + 1
             if self._always:
-                self._warn_unrecordable(run.step)
-            elif needed > self.every - 1 or self._ahead == self.every - 1:
+                if self._always_for_lag:
+                    self._warn_unrecordable(run.step)
+            elif needed > self.every - 1:
                 # Its passes reach forwards made too long before (a recurrent state never
                 # detached, as in truncated backpropagation through time): every forward
                 # is recorded from now on, as with every=1 (the steps recorded stay one
                 # in N).
-                self._always = True
+                self._always = self._always_for_lag = True
             self._ahead = min(max(self._ahead, needed), self.every - 1)
 
     def _warn_unrecordable(self, step: int) -> None:
@@ -816,12 +871,12 @@ class Recorder:
             # at once, fewer after `_CALM` recorded steps in a row that needed fewer (a
             # GAN's steps that reach its generator alternate with steps that do not).
             needed = run.lag - self._span + 1
-            if needed >= self._ahead:
+            if needed >= self._ahead and needed > 0:
                 self._ahead, self._calm = min(needed, self.every - 1), 0
             else:
                 self._calm += 1
                 if self._calm >= _CALM:
-                    self._ahead, self._calm = self._ahead - 1, 0
+                    self._ahead, self._calm = max(self._ahead - 1, 0), 0
         groups: dict[tuple[Site, int], Gradients] = {}
         step = run.step
         for site, returned, arriving in run.entries:
@@ -979,12 +1034,6 @@ _CALM = 4
 # The sequence number the next backward node made in this thread gets.
 _sequence_now: Callable[[], int] = torch._C._autograd._get_sequence_nr
 
-
-def _engine_thread() -> bool:
-    """Whether this thread is one autograd started (a device's, running the nodes of a
-    pass begun in another thread), not one of Python's: the thread that made a node is
-    then unknown, and a node in a range of any thread's counts."""
-    return isinstance(threading.current_thread(), threading._DummyThread)
 
 # Every pass not recorded, while it is one of the last `_SKIPPED_KEPT` such passes to begin:
 # the passes running at once, in any thread, are far fewer.

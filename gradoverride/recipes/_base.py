@@ -36,7 +36,7 @@ from .._backends import backend
 from .._decorators import custom_backward
 from .._errors import GradOverrideError
 from .._frameworks import autograph_artifact, is_jax, is_tensorflow
-from .._function import RECORDERS
+from .._function import RECORDERS, RECORDING
 from .._internals import is_grad_scaler
 from .._jit import refuse_scripting
 from .._passthrough import passthrough
@@ -145,11 +145,11 @@ class RecipeModule(nn.Module):
         self.recipe = recipe
 
     def forward(self, x: Tensor, *args: Any, **kwargs: Any) -> Any:
-        if RECORDERS and not is_dynamo_compiling():
+        if RECORDING and not is_dynamo_compiling():
             # A recorder keeps the call on its stack, as it keeps a recipe's: the module
             # needs no module hooks of the recorder's (each sends a call down torch's slow
-            # path).
-            return RECORDERS[0].recipe_call(self, RecipeModule._run, (x, *args), kwargs)
+            # path); called on its own, it is a forward to the recorder.
+            return RECORDING[0].module_form_call(self, (x, *args), kwargs)
         return self._run(x, *args, **kwargs)
 
     def _run(self, x: Tensor, *args: Any, **kwargs: Any) -> Any:
