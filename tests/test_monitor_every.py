@@ -7,6 +7,7 @@ import dataclasses
 import math
 import sys
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -235,24 +236,33 @@ def test_a_container_whose_parts_are_called_alone_counts_every_pass() -> None:
     assert record.grad_in == pytest.approx(_norm(generator.arriving[4]), rel=1e-6)
 
 
-def test_two_threads_with_every_n_count_every_pass_and_record_whole_steps() -> None:
-    model = Net()
+def _in_threads(*targets: Callable[[], None]) -> None:
+    """Each of `targets` run in a thread of its own, at once; what one raised, reported."""
     errors: list[BaseException] = []
 
-    def train() -> None:
+    def guarded(target: Callable[[], None]) -> None:
         try:
-            for _ in range(9):
-                model(torch.randn(3, 4)).sum().backward()
+            target()
         except BaseException as e:  # pragma: no cover - reported below
             errors.append(e)
 
+    threads = [threading.Thread(target=guarded, args=(target,)) for target in targets]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors, errors
+
+
+def test_two_threads_with_every_n_count_every_pass_and_record_whole_steps() -> None:
+    model = Net()
+
+    def train() -> None:
+        for _ in range(9):
+            model(torch.randn(3, 4)).sum().backward()
+
     with go.monitor(model, every=3) as mon:
-        threads = [threading.Thread(target=train) for _ in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-    assert not errors
+        _in_threads(train, train)
     assert mon.steps == 18
     first, second = _records(mon, FIRST), _records(mon, SECOND)
     assert len(second) >= 2
@@ -266,23 +276,16 @@ def test_another_thread_s_overrides_are_not_steps() -> None:
     # each thread's nodes on its own, from zero, so its nodes' numbers are the model's too.
     model, other = Net(), Net()
     start = threading.Barrier(2)
-    errors: list[BaseException] = []
 
-    def train(net: Net) -> None:
-        try:
+    def train(net: Net) -> Callable[[], None]:
+        def steps() -> None:
             start.wait()
             for _ in range(20):
                 net(torch.randn(3, 4)).sum().backward()
-        except BaseException as e:  # pragma: no cover - reported below
-            errors.append(e)
+        return steps
 
     with go.monitor(model, every=5) as mon:
-        threads = [threading.Thread(target=train, args=(net,)) for net in (model, other)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-    assert not errors
+        _in_threads(train(model), train(other))
     assert mon.steps == 20
     assert [r.step for r in _records(mon, SECOND)] == [0, 5, 10, 15]
 
