@@ -52,7 +52,6 @@ of the recorder is left and an op call costs what it did before.
 
 from __future__ import annotations
 
-import itertools
 import sys
 import threading
 import warnings
@@ -60,7 +59,7 @@ import weakref
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from itertools import filterfalse
+from itertools import count, filterfalse
 from typing import Any, ClassVar
 
 import torch
@@ -139,7 +138,7 @@ def model_paths(model: nn.Module) -> dict[int, str]:
 
 
 # Each recorder's arming changes get a number of their own (see `Recorder.new_forward`).
-_ARMINGS = itertools.count(1)
+_ARMINGS = count(1)
 
 
 class Recorder:
@@ -444,18 +443,17 @@ class Recorder:
         run = type(module)._run
         thread = _THREAD
         stack = thread.stack if getattr(thread, "generation", -1) == _GENERATION else _stack()
-        if stack or self.every == 1 or id(module) not in self.paths:
-            # (inside a module call; or every forward recorded; or not the model's)
-            if RECORDERS:
-                return self.recipe_call(module, run, args, kwargs)
-            return run(module, *args, **kwargs)
-        self.new_forward()
+        # (not inside a module call, every forward not recorded, and the model's)
+        alone = not stack and self.every > 1 and id(module) in self.paths
+        if alone:
+            self.new_forward()
         try:
             if RECORDERS:
                 return self.recipe_call(module, run, args, kwargs)
             return run(module, *args, **kwargs)
         finally:
-            self.forward_ended()
+            if alone:
+                self.forward_ended()
 
     def module_call(self, module: nn.Module, op: Any, args: tuple[Any, ...],
                     kwargs: dict[str, Any], run: Callable[[], Any]) -> Any:
