@@ -387,3 +387,48 @@ def test_a_part_of_the_model_trained_on_its_own_counts_its_steps(every: int) -> 
     assert sorted(recorded) == list(range(0, 12, every))
     for step, grad_out in recorded.items():
         assert grad_out == pytest.approx(every_step[step], rel=1e-6)
+
+
+def test_a_thread_that_ended_inside_a_forward_is_not_taken_for_one_running() -> None:
+    # A thread whose forward raised SystemExit (which torch's forward hooks do not see) and
+    # which then ended never ran that forward to its end. The forwards of the
+    # main thread afterwards are still decided one by one: its steps not recorded run
+    # their overrides without the recorder, and every pass is a step.
+    model = Net()
+    original = model.first.forward
+
+    def stop(x: torch.Tensor) -> torch.Tensor:
+        raise SystemExit
+
+    def worker() -> None:
+        model(torch.randn(3, 4)).sum().backward()
+        model.first.forward = stop  # type: ignore[method-assign]
+        try:
+            model(torch.randn(3, 4))
+        except SystemExit:
+            pass  # (the thread ends here, as it would unguarded, without a report)
+        finally:
+            model.first.forward = original  # type: ignore[method-assign]
+
+    calls: list[int] = []
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        if event == "call" and frame.f_code is Recorder.op_call.__code__:
+            calls.append(len(calls))
+
+    with go.monitor(model, every=3) as mon:
+        thread = threading.Thread(target=worker)
+        thread.start()
+        thread.join()
+        for _ in range(7):
+            before = len(calls)
+            sys.setprofile(profile)
+            try:
+                loss = model(torch.randn(3, 4)).sum()
+            finally:
+                sys.setprofile(None)
+            due = mon.steps % 3 == 0
+            loss.backward()
+            assert len(calls) - before == (2 if due else 0), mon.steps
+    assert mon.steps == 8
+    assert [r.step for r in _records(mon, SECOND)] == [0, 3, 6]

@@ -216,7 +216,11 @@ class Recorder:
         self._calm = 0  # recorded steps in a row that needed `_ahead` lower
         self._always = False  # every forward recorded (see `met`, `new_forward`)
         self._always_for_lag = False  # (as `met` found passes reaching old forwards)
-        self._running = 0  # outermost forwards running, all threads (see `new_forward`)
+        self._running: set[int] = set()  # threads running an outermost forward of it
+        # With `every=N`, per thread running a forward of the model: what `new_forward` read
+        # at its start (sequence number, passes, backward pass or -1, arming or 0), for
+        # `forward_ended`.
+        self._began: dict[int, tuple[int, int, int, int]] = {}
         self._forward_threads: set[int] = set()  # the threads that ran forwards of it
         self._foreign: set[int] = set()  # threads seen calling overrides outside the model
         self._warned_unrecordable = False
@@ -244,6 +248,8 @@ class Recorder:
             )
             raise GradOverrideError(msg)
         RECORDING.append(self)
+        self._running.clear()  # (a forward stopped by an interrupt left its thread)
+        self._began.clear()
         _forget_stacks()  # every thread's call stack starts empty (see `_stack`)
         self._read_paths()
         self._wrap_hook_transforms()
@@ -312,17 +318,16 @@ class Recorder:
         entry on its thread's stack: a module on torch's fast path runs no hook at its
         end)."""
         if self.every > 1:
-            began = getattr(_THREAD, "began", None)
+            thread = _get_ident()
+            began = self._began.pop(thread, None)
             if began is not None:
-                _THREAD.began = None
                 start, at, outer, arming = began
                 if outer < 0:
-                    with self._switching:
-                        self._running -= 1
+                    self._running.discard(thread)
                 end = _sequence_now()
                 if end > start and (arming != self.arming or not self.armed):
                     # (a forward under no_grad makes no node: it keeps none)
-                    self._ranges.append((start, end, at, outer, threading.get_ident()))
+                    self._ranges.append((start, end, at, outer, thread))
         if not self._global:
             return
         with self._switching:
@@ -443,17 +448,18 @@ class Recorder:
         run = type(module)._run
         thread = _THREAD
         stack = thread.stack if getattr(thread, "generation", -1) == _GENERATION else _stack()
-        # (not inside a module call, every forward not recorded, and the model's)
-        alone = not stack and self.every > 1 and id(module) in self.paths
-        if alone:
-            self.new_forward()
+        if stack or self.every == 1 or id(module) not in self.paths:
+            # (inside a module call, or not a forward of the model's own)
+            if RECORDERS:
+                return self.recipe_call(module, run, args, kwargs)
+            return run(module, *args, **kwargs)
+        self.new_forward()
         try:
             if RECORDERS:
                 return self.recipe_call(module, run, args, kwargs)
             return run(module, *args, **kwargs)
         finally:
-            if alone:
-                self.forward_ended()
+            self.forward_ended()
 
     def module_call(self, module: nn.Module, op: Any, args: tuple[Any, ...],
                     kwargs: dict[str, Any], run: Callable[[], Any]) -> Any:
@@ -484,21 +490,24 @@ class Recorder:
             self._wrap_hook_transforms()
         if self.every > 1:
             outer = _pass_now()
+            thread = _get_ident()
             if outer < 0:  # (else a checkpoint's recomputation, in that backward pass)
-                thread = threading.get_ident()
-                with self._switching:
-                    self._running += 1
-                    together = self._running > 1
-                    self._forward_threads.add(thread)
-                if together and not self._always:
-                    # Forwards of the model in two threads at once: the steps to come
-                    # cannot be told from one forward; every forward is recorded, as with
-                    # every=1 (the steps recorded stay one in N).
-                    self._always = True
+                running = self._running  # (set operations: atomic, no lock needed)
+                running.add(thread)
+                self._forward_threads.add(thread)
+                if len(running) > 1 and not self._always:
+                    # (a thread that ended inside a forward, by an exception its forward
+                    # hooks do not see, such as SystemExit, ran none to its end)
+                    running.intersection_update([t.ident for t in threading.enumerate()])
+                    if len(running) > 1:
+                        # Forwards of the model in two threads at once: the steps to come
+                        # cannot be told from one forward; every forward is recorded, as
+                        # with every=1 (the steps recorded stay one in N).
+                        self._always = True
                 self._arm()
             # (what `forward_ended` reads)
-            _THREAD.began = (_sequence_now(), self.passes, outer,
-                             self.arming if self.armed else 0)
+            self._began[thread] = (
+                _sequence_now(), self.passes, outer, self.arming if self.armed else 0)
 
     def _arm(self) -> None:
         """Whether the forward starting now has its op calls recorded: when the backward
@@ -768,18 +777,14 @@ class Recorder:
         if task == self._met:
             return  # (the pass's first such node counted it)
         number = ctx._sequence_nr()
-        thread = threading.get_ident()
-        # Sequence numbers are counted per thread: a node is one of a range's if that thread
-        # made it, or if this thread cannot have made it (a backward run in a thread of its
-        # own, or on an accelerator's autograd thread, whose count has not reached the
-        # node's number; not another model's training, whose numbers would be taken for
-        # the model's).
-        alone = (thread not in self._forward_threads and thread not in self._foreign
-                 and _sequence_now() <= number)
-        for made in reversed(tuple(self._ranges)):  # (a copy: others append meanwhile)
-            if made[0] <= number < made[1] and (made[4] == thread or alone):
-                break
-        else:
+        thread = _get_ident()
+        try:
+            newest = self._ranges[-1]  # (a training step's: its forward, in this thread)
+        except IndexError:
+            return
+        made = (newest if newest[0] <= number < newest[1] and newest[4] == thread
+                else self._range_of(number, thread))
+        if made is None:
             return  # not made by a forward of the model (or too long ago)
         _, _, at, outer, _ = made
         self._met = task
@@ -803,6 +808,21 @@ class Recorder:
                 # in N).
                 self._always = self._always_for_lag = True
             self._ahead = min(max(self._ahead, needed), self.every - 1)
+
+    def _range_of(self, number: int, thread: int) -> _Range | None:
+        """The range of a forward not recorded that made the node `number` that a pass
+        reaches in `thread`, the newest first; None if there is none."""
+        # Sequence numbers are counted per thread: a node is one of a range's if that thread
+        # made it, or if this thread cannot have made it (a backward run in a thread of its
+        # own, or on an accelerator's autograd thread, whose count has not reached the
+        # node's number; not another model's training, whose numbers would be taken for
+        # the model's).
+        alone = (thread not in self._forward_threads and thread not in self._foreign
+                 and _sequence_now() <= number)
+        for made in reversed(tuple(self._ranges)):  # (a copy: others append meanwhile)
+            if made[0] <= number < made[1] and (made[4] == thread or alone):
+                return made
+        return None
 
     def _warn_unrecordable(self, step: int) -> None:
         """A step to record reached forwards made before every forward was recorded."""
@@ -1031,6 +1051,7 @@ _CALM = 4
 
 # The sequence number the next backward node made in this thread gets.
 _sequence_now: Callable[[], int] = torch._C._autograd._get_sequence_nr
+_get_ident = threading.get_ident
 
 
 # Every pass not recorded, while it is one of the last `_SKIPPED_KEPT` such passes to begin:

@@ -65,34 +65,45 @@ class GradientStatistics:
 
     def __init__(self) -> None:
         self._scratch: dict[tuple[str, torch.dtype, torch.device], Tensor] = {}
-        self._kept_masks: tuple[Any, Any] | None = None  # (numpy's, see `_on_cpu`)
+        self._buffers: tuple[Any, Any] | None = None  # (numpy's, see `_masks`)
+        self._kept_masks: tuple[int, Any, Any] | None = None
 
     def release(self) -> None:
         self._scratch = {}
-        self._kept_masks = None
+        self._buffers = self._kept_masks = None
 
     def __call__(self, groups: dict[K, Gradients]) -> dict[K, list[float]]:
-        # (numpy's dot products overflow to infinity for gradients past 1e19, read as such,
-        # see `_on_cpu`, and underflow for vanishing ones, taken again in float64, see
-        # `_unless_underflowed`: neither is warned of, nor raised under a user's
-        # `np.seterr(all="raise")`.)
-        with np.errstate(all="ignore"):
-            if not torch.is_grad_enabled():
-                return self._reduce(groups)  # (what a pass's end runs in, but create_graph)
-            # (Gradients of a pass run with create_graph=True have a graph of their own:
-            # the reduction records none, and writes into buffers, which autograd refuses.)
-            with torch.no_grad():
-                return self._reduce(groups)
+        if not torch.is_grad_enabled():
+            return self._reduce(groups)  # (what a pass's end runs in, but create_graph)
+        # (Gradients of a pass run with create_graph=True have a graph of their own: the
+        # reduction records none, and writes into buffers, which autograd refuses.)
+        with torch.no_grad():
+            return self._reduce(groups)
 
+    # (numpy's dot products overflow to infinity for gradients past 1e19, read as such, see
+    # `_on_cpu`, and underflow for vanishing ones, taken again in float64, see
+    # `_unless_underflowed`: neither is warned of, nor raised under a user's
+    # `np.seterr(all="raise")`. `errstate` as a decorator: one Python call a reduction, where
+    # the `with` form makes three.)
+    @np.errstate(all="ignore")
     def _reduce(self, groups: dict[K, Gradients]) -> dict[K, list[float]]:
         results: dict[K, list[float]] = {}
         aligned: list[tuple[K, Tensor, Tensor]] = []
-        for key, grads in groups.items():
-            grads = _plain(grads)
+        for key, given in groups.items():
+            tried = given.aligned and len(given.arriving) == 1
+            if tried:
+                # One call (most overrides of a step): numpy reads its two gradients as
+                # they are, where it can (complex and sparse ones it refuses).
+                numbers = self._on_cpu(given.arriving[0], given.returned[0])
+                if numbers is not None:
+                    results[key] = [float(given.calls), *numbers]
+                    continue
+            grads = _plain(given)
             if grads.aligned and grads.arriving:
                 got = self._stack("got", grads.arriving, len(aligned))
                 gave = self._stack("gave", grads.returned, len(aligned))
-                numbers = self._on_cpu(got, gave)
+                # (not again for the same two tensors)
+                numbers = None if tried and grads is given else self._on_cpu(got, gave)
                 if numbers is None:
                     aligned.append((key, *_common(got, gave)))
                 else:
@@ -137,19 +148,19 @@ class GradientStatistics:
         float32 ones of `_EXACT_FLOAT32` elements or more (whose float32 sums of squares
         would lose digits: `_aligned` takes them in float64); or where a sum of squares is
         not finite (NaN or infinity in them, or squares past float32's range, not warned
-        of, see `__call__`: the general reduction counts them, in float64)."""
-        if (
-            got.device.type != "cpu"
-            or got.dtype not in _NUMPY_DTYPES
-            or gave.dtype != got.dtype
-            or (got.dtype == torch.float32 and got.numel() >= _EXACT_FLOAT32)
-        ):
+        of, see `_reduce`: the general reduction counts them, in float64)."""
+        dtype = got.dtype
+        if not got.is_cpu or dtype not in _NUMPY_DTYPES or gave.dtype != dtype:
             return None
         try:
-            a = got.numpy().reshape(-1)
-            b = gave.numpy().reshape(-1)
+            a = got.numpy()
+            b = gave.numpy()
         except (RuntimeError, TypeError):
+            return None  # (sparse, on another device, or a gradient with a graph)
+        if dtype == torch.float32 and a.size >= _EXACT_FLOAT32:
             return None
+        a = a.reshape(-1)
+        b = b.reshape(-1)
         in_sq = float(np.dot(a, a))
         out_sq = float(np.dot(b, b))
         if not (math.isfinite(in_sq) and math.isfinite(out_sq)):
@@ -157,21 +168,28 @@ class GradientStatistics:
         # Nonzero masks, counted (comparisons and counts of booleans are vectorized in
         # numpy, where counting a float array's nonzeros branches on each element); where
         # both are nonzero, a mask, not the product: two float32 gradients of 1e-23
-        # multiply to an exact zero. Into kept buffers (see `_temporary`).
-        nonzero_a, nonzero_b = self._masks(a.size)
+        # multiply to an exact zero. Into kept buffers (see `_masks`).
+        size = a.size
+        masks = self._kept_masks
+        if masks is None or masks[0] != size:
+            masks = self._masks(size)
+        _, nonzero_a, nonzero_b = masks
         np.not_equal(a, 0, out=nonzero_a)
         np.not_equal(b, 0, out=nonzero_b)
         nonzero = int(np.count_nonzero(nonzero_a))
         kept = int(np.count_nonzero(np.logical_and(nonzero_a, nonzero_b, out=nonzero_b)))
         return _finite(in_sq, out_sq, nonzero, kept, got, gave)
 
-    def _masks(self, size: int) -> tuple[Any, Any]:
-        """Two boolean numpy arrays of `size` elements (views of kept buffers)."""
-        masks = self._kept_masks
-        if masks is None or masks[0].size < size:
-            masks = self._kept_masks = (np.empty(size, dtype=np.bool_),
-                                        np.empty(size, dtype=np.bool_))
-        return masks[0][:size], masks[1][:size]
+    def _masks(self, size: int) -> tuple[int, Any, Any]:
+        """Two boolean numpy arrays of `size` elements, views of buffers kept (one pair, of
+        the largest size met), with `size`: kept as they are while the next gradients
+        have that size too (most recorded steps: no view made again)."""
+        buffers = self._buffers
+        if buffers is None or buffers[0].size < size:
+            buffers = self._buffers = (np.empty(size, dtype=np.bool_),
+                                       np.empty(size, dtype=np.bool_))
+        masks = self._kept_masks = (size, buffers[0][:size], buffers[1][:size])
+        return masks
 
     def _temporary(self, name: str, k: int, like: Tensor) -> Tensor:
         """A tensor of `like`'s size (flat) to write into: a kept buffer on a CPU from
@@ -276,8 +294,12 @@ def _finite(in_sq: float, out_sq: float, nonzero: int, kept: int, got: Tensor,
             gave: Tensor) -> list[float]:
     """The numbers after `calls` of an aligned group whose sums of squares are finite:
     `nonzero` elements of `got` are nonzero, `kept` of them nonzero in `gave` too."""
-    return [_unless_underflowed(in_sq, got), _unless_underflowed(out_sq, gave),
-            float(nonzero - kept), float(nonzero), 0.0, 0.0, 0.0, 0.0]
+    # (a sum below `_UNDERFLOW_FLOAT32` is looked at again: no call for the others)
+    if in_sq < _UNDERFLOW_FLOAT32:
+        in_sq = _unless_underflowed(in_sq, got)
+    if out_sq < _UNDERFLOW_FLOAT32:
+        out_sq = _unless_underflowed(out_sq, gave)
+    return [in_sq, out_sq, float(nonzero - kept), float(nonzero), 0.0, 0.0, 0.0, 0.0]
 
 
 def _unless_underflowed(squares: float, x: Tensor) -> float:
