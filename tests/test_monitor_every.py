@@ -52,25 +52,31 @@ def _norm(g: torch.Tensor) -> float:
     return math.sqrt(float(g.double().square().sum()))
 
 
-def test_steps_not_recorded_run_their_overrides_without_the_recorder() -> None:
-    model = Net()
+def _forward_counting_consults(model: nn.Module) -> tuple[torch.Tensor, int]:
+    """A loss from one forward of `model`, and how many of its override calls consulted
+    the recorder (`Recorder.op_call`, seen by a profile function)."""
     calls: list[int] = []
 
     def profile(frame: Any, event: str, arg: Any) -> None:
         if event == "call" and frame.f_code is Recorder.op_call.__code__:
             calls.append(len(calls))
 
+    sys.setprofile(profile)
+    try:
+        loss = model(torch.randn(3, 4)).sum()
+    finally:
+        sys.setprofile(None)
+    return loss, len(calls)
+
+
+def test_steps_not_recorded_run_their_overrides_without_the_recorder() -> None:
+    model = Net()
     with go.monitor(model, every=4) as mon:
         for step in range(8):
-            before = len(calls)
-            sys.setprofile(profile)
-            try:
-                loss = model(torch.randn(3, 4)).sum()
-            finally:
-                sys.setprofile(None)
+            loss, consults = _forward_counting_consults(model)
             loss.backward()
             # Each of the two overrides consults the recorder in the recorded steps alone.
-            assert len(calls) - before == (2 if step % 4 == 0 else 0), step
+            assert consults == (2 if step % 4 == 0 else 0), step
     assert mon.steps == 8
     assert [r.step for r in _records(mon, SECOND)] == [0, 4]
 
@@ -410,25 +416,14 @@ def test_a_thread_that_ended_inside_a_forward_is_not_taken_for_one_running() -> 
         finally:
             model.first.forward = original  # type: ignore[method-assign]
 
-    calls: list[int] = []
-
-    def profile(frame: Any, event: str, arg: Any) -> None:
-        if event == "call" and frame.f_code is Recorder.op_call.__code__:
-            calls.append(len(calls))
-
     with go.monitor(model, every=3) as mon:
         thread = threading.Thread(target=worker)
         thread.start()
         thread.join()
         for _ in range(7):
-            before = len(calls)
-            sys.setprofile(profile)
-            try:
-                loss = model(torch.randn(3, 4)).sum()
-            finally:
-                sys.setprofile(None)
             due = mon.steps % 3 == 0
+            loss, consults = _forward_counting_consults(model)
             loss.backward()
-            assert len(calls) - before == (2 if due else 0), mon.steps
+            assert consults == (2 if due else 0), mon.steps
     assert mon.steps == 8
     assert [r.step for r in _records(mon, SECOND)] == [0, 3, 6]
