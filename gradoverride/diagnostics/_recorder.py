@@ -448,18 +448,17 @@ class Recorder:
         run = type(module)._run
         thread = _THREAD
         stack = thread.stack if getattr(thread, "generation", -1) == _GENERATION else _stack()
-        if stack or self.every == 1 or id(module) not in self.paths:
-            # (inside a module call, or not a forward of the model's own)
-            if RECORDERS:
-                return self.recipe_call(module, run, args, kwargs)
-            return run(module, *args, **kwargs)
-        self.new_forward()
+        # (not inside a module call, every forward not recorded, and the model's)
+        alone = not stack and self.every > 1 and id(module) in self.paths
+        if alone:
+            self.new_forward()
         try:
             if RECORDERS:
                 return self.recipe_call(module, run, args, kwargs)
             return run(module, *args, **kwargs)
         finally:
-            self.forward_ended()
+            if alone:
+                self.forward_ended()
 
     def module_call(self, module: nn.Module, op: Any, args: tuple[Any, ...],
                     kwargs: dict[str, Any], run: Callable[[], Any]) -> Any:
