@@ -216,10 +216,9 @@ class Recorder:
         self._calm = 0  # recorded steps in a row that needed `_ahead` lower
         self._always = False  # every forward recorded (see `met`, `new_forward`)
         self._always_for_lag = False  # (as `met` found passes reaching old forwards)
-        self._running: set[int] = set()  # threads running an outermost forward of it
         # With `every=N`, per thread running a forward of the model: what `new_forward` read
         # at its start (sequence number, passes, backward pass or -1, arming or 0), for
-        # `forward_ended`.
+        # `forward_ended`; also which threads run one now.
         self._began: dict[int, tuple[int, int, int, int]] = {}
         self._forward_threads: set[int] = set()  # the threads that ran forwards of it
         self._foreign: set[int] = set()  # threads seen calling overrides outside the model
@@ -248,8 +247,7 @@ class Recorder:
             )
             raise GradOverrideError(msg)
         RECORDING.append(self)
-        self._running.clear()  # (a forward stopped by an interrupt left its thread)
-        self._began.clear()
+        self._began.clear()  # (a forward stopped by an interrupt left its thread's)
         _forget_stacks()  # every thread's call stack starts empty (see `_stack`)
         self._read_paths()
         self._wrap_hook_transforms()
@@ -322,8 +320,6 @@ class Recorder:
             began = self._began.pop(thread, None)
             if began is not None:
                 start, at, outer, arming = began
-                if outer < 0:
-                    self._running.discard(thread)
                 end = _sequence_now()
                 if end > start and (arming != self.arming or not self.armed):
                     # (a forward under no_grad makes no node: it keeps none)
@@ -491,22 +487,34 @@ class Recorder:
             outer = _pass_now()
             thread = _get_ident()
             if outer < 0:  # (else a checkpoint's recomputation, in that backward pass)
-                running = self._running  # (set operations: atomic, no lock needed)
-                running.add(thread)
+                # (there before the look at the others: of two forwards starting at once,
+                # one sees the other)
+                self._began[thread] = _STARTING
                 self._forward_threads.add(thread)
-                if len(running) > 1 and not self._always:
-                    # (a thread that ended inside a forward, by an exception its forward
-                    # hooks do not see, such as SystemExit, ran none to its end)
-                    running.intersection_update([t.ident for t in threading.enumerate()])
-                    if len(running) > 1:
-                        # Forwards of the model in two threads at once: the steps to come
-                        # cannot be told from one forward; every forward is recorded, as
-                        # with every=1 (the steps recorded stay one in N).
-                        self._always = True
+                if len(self._began) > 1 and not self._always and self._another_running(thread):
+                    # Forwards of the model in two threads at once: the steps to come
+                    # cannot be told from one forward; every forward is recorded, as with
+                    # every=1 (the steps recorded stay one in N).
+                    self._always = True
                 self._arm()
             # (what `forward_ended` reads)
             self._began[thread] = (
                 _sequence_now(), self.passes, outer, self.arming if self.armed else 0)
+
+    def _another_running(self, thread: int) -> bool:
+        """Whether a thread other than `thread` runs a forward of the model (not a
+        checkpoint's recomputation). A thread that ended inside a forward, by an exception
+        its forward hooks do not see (SystemExit), ran none to its end: its entry goes."""
+        alive = {t.ident for t in threading.enumerate()}
+        running = False
+        for other, (_, _, outer, _) in list(self._began.items()):  # (others change it)
+            if other == thread:
+                continue
+            if other not in alive:
+                self._began.pop(other, None)
+            elif outer < 0:
+                running = True
+        return running
 
     def _arm(self) -> None:
         """Whether the forward starting now has its op calls recorded: when the backward
@@ -1051,6 +1059,8 @@ _CALM = 4
 # The sequence number the next backward node made in this thread gets.
 _sequence_now: Callable[[], int] = torch._C._autograd._get_sequence_nr
 _get_ident = threading.get_ident
+# A forward's entry in `Recorder._began` while its start is decided.
+_STARTING = (0, 0, -1, 0)
 
 
 # Every pass not recorded, while it is one of the last `_SKIPPED_KEPT` such passes to begin:
