@@ -537,6 +537,46 @@ def test_passes_of_two_threads_running_at_once_are_separate_steps() -> None:
         assert [r.calls for r in records] == [1, 1]
 
 
+def test_a_forward_another_thread_runs_as_the_first_one_ends_is_recorded() -> None:
+    # The first forward's end takes torch's global module hooks off. A forward another
+    # thread runs right then (here: while the recorder reads the model's paths again, which
+    # the model's `named_modules` sees) is recorded as any: the model's modules keep hooks of
+    # their own throughout.
+    class Model(Binarized):
+        ended = False
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            out = super().forward(x)
+            self.ended = threading.current_thread() is threading.main_thread()
+            return out
+
+        def named_modules(self, *args: Any, **kwargs: Any) -> Any:
+            if self.ended:
+                self.ended = False
+                other = threading.Thread(target=train, args=(taps_b,))
+                other.start()
+                other.join()
+            return super().named_modules(*args, **kwargs)
+
+    taps_a, taps_b = Taps(), Taps()
+    model = Model()
+
+    def train(taps: Taps) -> None:
+        model.taps = taps
+        model(torch.randn(4, 4)).sum().backward()
+
+    with go.monitor(model) as mon:
+        train(taps_a)
+    assert mon.steps == 2
+    records = _only(mon)
+    assert [r.calls for r in records] == [1, 1]
+    # B's step ran inside A's forward's end, so it is step 0 and A's step 1.
+    for record, taps in zip(records, (taps_b, taps_a), strict=True):
+        grad_in, grad_out, _ = taps.expected()
+        assert record.grad_in == pytest.approx(grad_in, rel=1e-6)
+        assert record.grad_out == pytest.approx(grad_out, rel=1e-6)
+
+
 def test_an_error_in_a_backward_pass_leaves_the_next_steps_recorded() -> None:
     # The error skips the pass's end (its queued callbacks): the next passes must still be
     # steps of their own, not merged into one and kept until the block ends.

@@ -427,3 +427,101 @@ def test_a_thread_that_ended_inside_a_forward_is_not_taken_for_one_running() -> 
             assert consults == (2 if due else 0), mon.steps
     assert mon.steps == 8
     assert [r.step for r in _records(mon, SECOND)] == [0, 3, 6]
+
+
+def test_a_forward_whose_recording_turns_on_midway_records_none_of_its_calls() -> None:
+    # Thread A's forward starts in a step not recorded. Inside it, between a recipe's call
+    # and the call of the op the recipe makes, thread B runs a forward of the model: two
+    # forwards at once, so every forward is recorded from then on. A's op call must not be
+    # recorded then: its recipe, called before, is not on the call stack, and the call
+    # would land on a row of the op alone. A's step is dropped whole, and the next recorded
+    # in its place.
+    from gradoverride.recipes import Recipe
+
+    @go.custom_backward
+    def halve(x):
+        return x.clone()
+
+    @halve.backward
+    def _(grad, *, x):
+        return grad / 2
+
+    pause: list[Callable[[], None]] = []
+
+    @dataclasses.dataclass(frozen=True)
+    class Pausing(Recipe):
+        def __call__(self, x: torch.Tensor) -> torch.Tensor:
+            if pause:
+                pause.pop()()
+            return halve(x)
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 6)
+            self.act = Pausing()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.act(self.fc(x))
+
+    model = Model()
+
+    def other_thread() -> None:
+        _in_threads(lambda: model(torch.randn(3, 4)).sum().backward())
+
+    with go.monitor(model, every=2) as mon:
+        for step in range(5):  # steps 0, 2 (A), 1 (B), 3, 4, 5
+            if step == 1:
+                pause.append(other_thread)
+            model(torch.randn(3, 4)).sum().backward()
+    assert mon.steps == 6
+    row = f"(model): {Pausing()!r}"  # (the recipe's row, not the op's alone)
+    assert list(mon.history) == [row]
+    assert [(r.step, r.calls) for r in mon.history[row]] == [(0, 1), (3, 1), (4, 1)]
+
+
+def test_two_threads_meeting_an_override_first_at_once_make_one_row() -> None:
+    # A row is made the first time a recorded pass meets its override. Thread B's whole
+    # step runs while thread A's pass is making the row (here: while it reads the recipe's
+    # repr, the row's name, inside A's backward pass): both steps land on one row.
+    from gradoverride.recipes import Recipe
+
+    @go.custom_backward
+    def halve(x):
+        return x.clone()
+
+    @halve.backward
+    def _(grad, *, x):
+        return grad / 2
+
+    reprs_in_a_pass: list[int] = []
+
+    @dataclasses.dataclass(frozen=True, repr=False)
+    class Slow(Recipe):
+        def __call__(self, x: torch.Tensor) -> torch.Tensor:
+            return halve(x)
+
+        def __repr__(self) -> str:
+            in_pass = torch._C._current_graph_task_id() >= 0
+            if in_pass and threading.current_thread() is threading.main_thread():
+                reprs_in_a_pass.append(1)
+                if len(reprs_in_a_pass) == 2:  # (the first is read into the row's key)
+                    _in_threads(lambda: model(torch.randn(3, 4)).sum().backward())
+            return "Slow()"
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 6)
+            self.act = Slow()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.act(self.fc(x))
+
+    model = Model()
+    with go.monitor(model) as mon:
+        model(torch.randn(3, 4)).sum().backward()
+    assert len(reprs_in_a_pass) >= 2  # (B's step ran while A's row was made)
+    assert mon.steps == 2
+    assert list(mon.history) == ["(model): Slow()"]
+    assert [(r.step, r.calls) for r in mon.history["(model): Slow()"]] == [(0, 1), (1, 1)]

@@ -16,12 +16,14 @@ While a recorder is started:
   calls, and the recipes and their module forms push themselves on it (`recipe_call`,
   so a recipe's module form needs no hooks), so the row is the
   innermost module of the model on it and the recipe that made the call, however deep
-  below the module's forward the op is called. During the first forward they are torch's
-  global hooks (every module call, a compiled wrapper of the model's included); once it
-  ended, hooks on the model and on those of its modules whose own code may call an
-  override (all but torch's plain layers and containers, see `_own_hooks`; modules added
-  to the model later are hooked as torch registers them), so that torch calls every other
-  module on its fast path, as without the recorder; the model's own hooks are what give an
+  below the module's forward the op is called. They are hooks on the model and on those of
+  its modules whose own code may call an override (all but torch's plain layers and
+  containers, see `_own_hooks`; modules added to the model later are hooked as torch
+  registers them), and, during the first forward, torch's global hooks for every other
+  module call (a compiled wrapper of the model's, a module not in it yet); once it ended,
+  torch calls those on its fast path, as without the recorder (the model's modules keep
+  the hooks they had all along, so that a forward another thread starts meanwhile is seen
+  whole); the model's own hooks are what give an
   override called by code it gained later (a hook added to a layer, a module inserted
   without torch's registration) a row, the model's; a call leaves a snapshot of the stack
   (`_Call`), read only when a recorded pass reaches its node, once per pass for the calls
@@ -202,9 +204,11 @@ class Recorder:
         self._skipped: deque[int] = deque()  # the last passes not recorded (see `_open`)
         # With `every=N`, the forwards of a step that is not recorded run with the ops'
         # consult off, `RECORDERS` empty (see `_arm`): whether it is on (`armed`), and the
-        # number of that state (see `_ARMINGS`), which a forward compares at its end.
+        # number of that state (see `_ARMINGS`; 0 while it changes), which a forward
+        # compares at its end. The changes are made one at a time (`_changing`).
         self.armed = False
         self.arming = 0
+        self._changing = threading.Lock()
         self._span = 1  # backward passes per forward, as last seen
         self._passes_seen = 0  # `passes` when the ops' consult was last decided
         self._waiting = 0  # forwards decided since `passes` last changed (with grad)
@@ -252,18 +256,19 @@ class Recorder:
         self._read_paths()
         self._wrap_hook_transforms()
         self._warn_compiled_in_place()
-        # During the first forward, every module call, in the model or not (a compiled
-        # wrapper of the model, a helper it calls), keeps this thread's call stack: the path
-        # of an op's row is the innermost module of the model on it, however deep the op is
-        # called. Once it ended, only the model's modules whose own code may call an
-        # override keep it (see `_own_hooks`): torch calls every other module on its fast
-        # path again (a global hook sends each call of every module down the slow one).
+        # The model's modules whose own code may call an override keep this thread's call
+        # stack (see `_own_hooks`): the path of an op's row is the innermost module of the
+        # model on it, however deep the op is called. During the first forward every other
+        # module call, in the model or not (a compiled wrapper of the model, a helper it
+        # calls), keeps it too; once it ended, torch calls those on its fast path again (a
+        # global hook sends each call of every module down the slow one).
+        self._hook_own(self.model.modules())
         self._handles = [register_module_module_registration_hook(self._registered)]
+        self._global = True
         self._global_handles = [
             register_module_forward_pre_hook(_entered),
-            register_module_forward_hook(_left, always_call=True),
+            register_module_forward_hook(_left_global, always_call=True),
         ]
-        self._global = True
         self._forwards = 0
         RECORDERS.append(self)
         self.armed, self.arming = True, next(_ARMINGS)
@@ -303,10 +308,15 @@ class Recorder:
 
     # -- which module calls keep the call stack ----------------------------------------------
 
-    def forward_began(self) -> None:
-        """An outermost module call began in some thread under the global hooks."""
+    def forward_began(self) -> bool:
+        """An outermost module call began in this thread while the global hooks were on:
+        counted, so that they stay on until it ends, and True, if they still are (else
+        they went meanwhile, and run nothing at its end)."""
         with self._switching:
+            if not self._global:
+                return False
             self._forwards += 1
+            return True
 
     def forward_ended(self) -> None:
         """An outermost module call ended in this thread. If its op calls were not all
@@ -314,14 +324,14 @@ class Recorder:
         (see `met`). Under the global hooks, when no such call runs in any thread, they
         give way to the model's own (a call still running when they went would keep its
         entry on its thread's stack: a module on torch's fast path runs no hook at its
-        end)."""
+        end; the model's own modules keep theirs)."""
         if self.every > 1:
             thread = _get_ident()
             began = self._began.pop(thread, None)
             if began is not None:
                 start, at, outer, arming = began
                 end = _sequence_now()
-                if end > start and (arming != self.arming or not self.armed):
+                if end > start and (arming == 0 or arming != self.arming):
                     # (a forward under no_grad makes no node: it keeps none)
                     self._ranges.append((start, end, at, outer, thread))
         if not self._global:
@@ -377,6 +387,10 @@ class Recorder:
                 kwargs: dict[str, Any],
                 run: Callable[[tuple[Any, ...], dict[str, Any]], Any]) -> Any:
         """An op called while recording (eager): `run(args, kwargs)` makes the call."""
+        if self.every > 1:  # (`_consulted_throughout`, inline: every op call reads it)
+            began = self._began.get(_get_ident())
+            if began is not None and (began[3] == 0 or began[3] != self.arming):
+                return run(args, kwargs)
         if self.substitute is not None:
             site = self._site_of(op, args)
             if site is not None:
@@ -459,6 +473,8 @@ class Recorder:
     def module_call(self, module: nn.Module, op: Any, args: tuple[Any, ...],
                     kwargs: dict[str, Any], run: Callable[[], Any]) -> Any:
         """A module's rule called while recording (eager): `run()` makes the call."""
+        if self.every > 1 and not self._consulted_throughout():
+            return run()
         site = self._module_site(module)
         if site is not None and self.substitute is not None:
             return self.substitute(site, op, (module, *args), kwargs)
@@ -469,6 +485,8 @@ class Recorder:
 
     def module_output(self, module: nn.Module, op: Any, out: Any) -> None:
         """A module's rule attached to `out` by its forward hooks (`override_backward`)."""
+        if self.every > 1 and not self._consulted_throughout():
+            return
         site = self._module_site(module)
         if site is not None and not transforms_active():
             self._observe(op, (), out, site)
@@ -497,9 +515,23 @@ class Recorder:
                     # every=1 (the steps recorded stay one in N).
                     self._always = True
                 self._arm()
-            # (what `forward_ended` reads)
+            # (what `forward_ended` reads. The arming number is read before `RECORDERS`:
+            # if the consult was on then and the number is the same at the forward's end,
+            # no change of it began meanwhile, so every op call consulted the recorder;
+            # otherwise 0, read as "some may not have")
+            arming = self.arming
             self._began[thread] = (
-                _sequence_now(), self.passes, outer, self.arming if self.armed else 0)
+                _sequence_now(), self.passes, outer, arming if RECORDERS else 0)
+
+    def _consulted_throughout(self) -> bool:
+        """With `every=N`: whether the forward this thread runs, if any, has had the ops'
+        consult on since it began. One that began with it off, or saw it change (another
+        thread's forward deciding otherwise), records none of its calls: a recipe called
+        before the change was not put on the call stack, so a call after it would be
+        recorded under the wrong row. Its nodes' range is kept instead (see
+        `forward_ended`), and a step reaching them is dropped whole (see `met`)."""
+        began = self._began.get(_get_ident())
+        return began is None or (began[3] != 0 and began[3] == self.arming)
 
     def _another_running(self, thread: int) -> bool:
         """Whether a thread other than `thread` runs a forward of the model (not a
@@ -544,8 +576,14 @@ class Recorder:
             or self.substitute is not None
         )
         if armed is not self.armed:
-            self.armed, self.arming = armed, next(_ARMINGS)
-            RECORDERS[:] = [self] if armed else []  # (one step, for other threads' reads)
+            with self._changing:
+                # (the number is 0 while the consult changes, and a new one once it has: a
+                # forward in another thread that read the old number, or 0, at its start
+                # keeps its nodes' range, see `forward_ended`)
+                self.arming = 0
+                RECORDERS[:] = [self] if armed else []  # (one step, for other threads' reads)
+                self.armed = armed
+                self.arming = next(_ARMINGS)
 
     def compiled_call(self, module: nn.Module) -> None:
         """A `torch.compile`d module (dynamo's wrapper, whose `_orig_mod` is the module it
@@ -690,9 +728,9 @@ class Recorder:
         kind = "go.Module" if isinstance(module, Module) else "override_backward"
         key: tuple[Any, ...] = (kind, path)
         site = self._sites.get(key)
-        if site is None:
-            site = self._sites[key] = Site(path, type(module).__name__, kind,
-                                           index=self._next_index())
+        if site is None:  # (`setdefault`: two threads' first calls make one row)
+            site = self._sites.setdefault(
+                key, Site(path, type(module).__name__, kind, index=self._next_index()))
         return site
 
     def _site_of(self, op: CustomBackward[..., Any], args: tuple[Any, ...]) -> Site | None:
@@ -731,8 +769,9 @@ class Recorder:
         key = (code, path, what)
         site = self._sites.get(key)
         if site is None:
-            # (sorted among the rows by `index`: the order of the call that made it)
-            site = self._sites[key] = self._make_site(path, subject, kind, index=index)
+            # (sorted among the rows by `index`: the order of the call that made it;
+            # `setdefault`: two threads' first calls at once make one row)
+            site = self._sites.setdefault(key, self._make_site(path, subject, kind, index=index))
         self._last[late] = site
         return site, late
 
@@ -1251,21 +1290,22 @@ def _forget_stacks() -> None:
 
 
 def _entered(module: nn.Module, args: Any) -> None:
+    """A module call under the global hooks (the first forward): the model's modules
+    hooked on their own are left to those (see `_entered_own`)."""
     if is_dynamo_compiling():
         return  # compiled calls are not recorded (and a compiled graph keeps no stack)
-    stack = _stack()
     recorder = RECORDING[0] if RECORDING else None
-    if recorder is not None:
-        if not stack:  # an outermost call: a new forward
-            recorder.new_forward()
-            recorder.forward_began()
-        if "_orig_mod" in module._modules:
-            recorder.compiled_call(module)
-        if (
-            (module._forward_pre_hooks or module._forward_hooks)
-            and id(module) not in recorder.paths
-        ):
-            recorder._path_of_new(module)  # added to the model since? its grad_hooks
+    if recorder is None or _hooked_own(recorder, module):
+        return
+    stack = _stack()
+    if not stack:  # an outermost call: a new forward
+        if not recorder.forward_began():
+            return  # (the global hooks went meanwhile: none runs at its end)
+        recorder.new_forward()
+    if "_orig_mod" in module._modules:
+        recorder.compiled_call(module)
+    if (module._forward_pre_hooks or module._forward_hooks) and id(module) not in recorder.paths:
+        recorder._path_of_new(module)  # added to the model since? its grad_hooks
     if module._forward_hooks:
         # torch runs the global forward hooks before the module's own: the module leaves
         # the stack after its own forward hooks instead (ops they call are its rows).
@@ -1283,6 +1323,8 @@ def _entered_own(module: nn.Module, args: Any) -> None:
     recorder = RECORDING[0] if RECORDING else None
     if recorder is not None:
         if not stack:
+            if recorder._global:
+                recorder.forward_began()  # (the first forward's end removes the global hooks)
             recorder.new_forward()
         if "_orig_mod" in module._modules:
             recorder.compiled_call(module)
@@ -1293,6 +1335,20 @@ def _entered_own(module: nn.Module, args: Any) -> None:
         stack.append(_LeftLate(module))  # hooks of its own run after this recorder's
     else:
         stack.append(module)
+
+
+def _hooked_own(recorder: Recorder, module: nn.Module) -> bool:
+    """Whether `module` has the recorder's own hooks (which keep the stack for it)."""
+    own = recorder._own.get(id(module))
+    return own is not None and own[0] is module
+
+
+def _left_global(module: nn.Module, args: Any, out: Any) -> None:
+    """`_left` under the global hooks: the model's modules hooked on their own are left
+    to those."""
+    recorder = RECORDING[0] if RECORDING else None
+    if recorder is None or not _hooked_own(recorder, module):
+        _left(module, args, out)
 
 
 def _left(module: nn.Module, args: Any, out: Any) -> None:
