@@ -577,6 +577,54 @@ def test_a_forward_another_thread_runs_as_the_first_one_ends_is_recorded() -> No
         assert record.grad_out == pytest.approx(grad_out, rel=1e-6)
 
 
+def test_a_module_added_in_the_first_forward_keeps_its_row_in_another_thread() -> None:
+    # A module added to the model during its first forward is hooked as torch registers it:
+    # a forward another thread runs as that first forward ends (when torch's global module
+    # hooks go) gives its override its own row.
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.act = recipes.binarize()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.act(x)
+
+    class Model(nn.Module):
+        ended = False
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if not hasattr(self, "extra"):
+                self.extra = Block()
+            out = self.extra(self.fc(x))
+            self.ended = threading.current_thread() is threading.main_thread()
+            return out
+
+        def named_modules(self, *args: Any, **kwargs: Any) -> Any:
+            if self.ended:
+                self.ended = False
+                other = threading.Thread(target=train)
+                other.start()
+                other.join()
+            return super().named_modules(*args, **kwargs)
+
+    model = Model()
+
+    def train() -> None:
+        model(torch.randn(2, 4)).sum().backward()
+
+    with go.monitor(model) as mon:
+        train()
+        train()
+    assert mon.steps == 3
+    row = f"extra: {recipes.binarize()!r}"
+    assert list(mon.history) == [row]
+    assert [(r.step, r.calls) for r in mon.history[row]] == [(0, 1), (1, 1), (2, 1)]
+
+
 def test_an_error_in_a_backward_pass_leaves_the_next_steps_recorded() -> None:
     # The error skips the pass's end (its queued callbacks): the next passes must still be
     # steps of their own, not merged into one and kept until the block ends.

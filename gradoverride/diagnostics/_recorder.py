@@ -370,7 +370,7 @@ class Recorder:
     def _registered(self, parent: nn.Module, name: str, module: Any) -> None:
         """A module was set on a module (torch's registration hook): one of the model's
         gets its new modules hooked (modules added to the model while recording)."""
-        if self._global or not self.started or not isinstance(module, nn.Module):
+        if not self.started or not isinstance(module, nn.Module):
             return
         if id(parent) not in self.paths:
             self._read_paths()  # (added since the paths were read?)
@@ -1295,7 +1295,10 @@ def _entered(module: nn.Module, args: Any) -> None:
     if is_dynamo_compiling():
         return  # compiled calls are not recorded (and a compiled graph keeps no stack)
     recorder = RECORDING[0] if RECORDING else None
-    if recorder is None or _hooked_own(recorder, module):
+    if recorder is None or not recorder._global or _hooked_own(recorder, module):
+        # (`_global` is off once the global hooks start going: a call met then belongs
+        # to a forward that began after, which they never counted, and may find them gone
+        # at its end)
         return
     stack = _stack()
     if not stack:  # an outermost call: a new forward
@@ -1347,7 +1350,7 @@ def _left_global(module: nn.Module, args: Any, out: Any) -> None:
     """`_left` under the global hooks: the model's modules hooked on their own are left
     to those."""
     recorder = RECORDING[0] if RECORDING else None
-    if recorder is None or not _hooked_own(recorder, module):
+    if recorder is not None and recorder._global and not _hooked_own(recorder, module):
         _left(module, args, out)
 
 
