@@ -625,6 +625,28 @@ def test_a_module_added_in_the_first_forward_keeps_its_row_in_another_thread() -
     assert [(r.step, r.calls) for r in mon.history[row]] == [(0, 1), (1, 1), (2, 1)]
 
 
+def test_a_pre_hook_prepended_while_monitored_calls_overrides_of_its_module() -> None:
+    # A forward pre-hook registered first (`prepend=True`) after the monitor started: the
+    # override it calls is its module's, from the first step on.
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.fc(x)
+
+    model = nn.Sequential(nn.Linear(4, 4), Block(), nn.Linear(4, 1))
+    with go.monitor(model) as mon:
+        model[1].register_forward_pre_hook(
+            lambda module, args: (recipes.scale_grad(0.5)(args[0]),), prepend=True)
+        for _ in range(3):
+            model(torch.randn(3, 4)).sum().backward()
+    row = f"1: {recipes.scale_grad(0.5)!r}"
+    assert {label: [r.step for r in records] for label, records in mon.history.items()} == {
+        row: [0, 1, 2]}
+
+
 def test_an_error_in_a_backward_pass_leaves_the_next_steps_recorded() -> None:
     # The error skips the pass's end (its queued callbacks): the next passes must still be
     # steps of their own, not merged into one and kept until the block ends.

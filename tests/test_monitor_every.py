@@ -525,3 +525,43 @@ def test_two_threads_meeting_an_override_first_at_once_make_one_row() -> None:
     assert mon.steps == 2
     assert list(mon.history) == ["(model): Slow()"]
     assert [(r.step, r.calls) for r in mon.history["(model): Slow()"]] == [(0, 1), (1, 1)]
+
+
+def test_leaving_the_monitor_while_another_thread_decides_leaves_nothing() -> None:
+    # Another thread trains the model while the monitor's block ends: its forward, paused
+    # as it starts deciding whether its overrides are recorded (a trace function), resumes
+    # after the block. The ops then consult no recorder, and a new monitor records.
+    from gradoverride._function import RECORDERS
+
+    paused, resume = threading.Event(), threading.Event()
+    calls = []
+
+    def tracer(frame: Any, event: str, arg: Any) -> None:
+        if event == "call" and frame.f_code is Recorder._arm.__code__:
+            calls.append(1)
+            if len(calls) == 2:  # (the second forward's: the consult turns on, every=2)
+                paused.set()
+                assert resume.wait(10)
+
+    model = Net()
+
+    def trainer() -> None:
+        sys.settrace(tracer)
+        try:
+            for _ in range(3):
+                model(torch.randn(3, 4)).sum().backward()
+        finally:
+            sys.settrace(None)
+
+    with go.monitor(model, every=2):
+        model(torch.randn(3, 4)).sum().backward()  # (the first forward, in this thread)
+        thread = threading.Thread(target=trainer)
+        thread.start()
+        assert paused.wait(10)
+    resume.set()
+    thread.join()
+    assert RECORDERS == []
+    with go.monitor(model) as mon:
+        model(torch.randn(3, 4)).sum().backward()
+    assert mon.steps == 1
+    assert [r.step for r in _records(mon, SECOND)] == [0]

@@ -54,15 +54,16 @@ of the recorder is left and an op call costs what it did before.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
 import warnings
 import weakref
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import count, filterfalse
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import torch
 from torch import Tensor, nn
@@ -136,7 +137,17 @@ Sink = Callable[[dict[tuple[Site, int], Gradients]], None]
 
 def model_paths(model: nn.Module) -> dict[int, str]:
     """Each module of `model` by id, with its path (a module reached twice: its first)."""
+    for _ in range(_PATH_READS - 1):
+        try:
+            return {id(m): name for name, m in model.named_modules()}
+        except RuntimeError as e:
+            # (another thread added a module to the model meanwhile: read again)
+            if "changed size during iteration" not in str(e):
+                raise
     return {id(m): name for name, m in model.named_modules()}
+
+
+_PATH_READS = 8
 
 
 # Each recorder's arming changes get a number of their own (see `Recorder.new_forward`).
@@ -275,8 +286,10 @@ class Recorder:
         self.started = True
 
     def stop(self) -> None:
-        if self in RECORDERS:
-            RECORDERS.remove(self)
+        with self._changing:  # (a forward deciding in another thread leaves it out)
+            self.started = False
+            if self in RECORDERS:
+                RECORDERS.remove(self)
         for handle in (*self._handles, *self._global_handles):
             handle.remove()
         self._handles = []
@@ -295,7 +308,6 @@ class Recorder:
             hook.transform = transform
         self._retransformed = []
         self.rows_before = (0, {})
-        self.started = False
         if self in RECORDING:
             RECORDING.remove(self)
 
@@ -316,6 +328,8 @@ class Recorder:
             if not self._global:
                 return False
             self._forwards += 1
+            for module, pre, _ in list(self._own.values()):  # (others add to it)
+                _put_first(module, pre)
             return True
 
     def forward_ended(self) -> None:
@@ -357,9 +371,10 @@ class Recorder:
         global hooks: see `_LeftLate`)."""
         for module in modules:
             hooked = self._own.get(id(module))
-            if (hooked is not None and hooked[0] is module) or not (
-                module is self.model or _own_hooks(module)
-            ):
+            if hooked is not None and hooked[0] is module:
+                _put_first(module, hooked[1])
+                continue
+            if not (module is self.model or _own_hooks(module)):
                 continue
             self._own[id(module)] = (
                 module,
@@ -577,6 +592,8 @@ class Recorder:
         )
         if armed is not self.armed:
             with self._changing:
+                if not self.started:
+                    return  # (stopped meanwhile, by another thread: the ops consult none)
                 # (the number is 0 while the consult changes, and a new one once it has: a
                 # forward in another thread that read the old number, or 0, at its start
                 # keeps its nodes' range, see `forward_ended`)
@@ -1338,6 +1355,16 @@ def _entered_own(module: nn.Module, args: Any) -> None:
         stack.append(_LeftLate(module))  # hooks of its own run after this recorder's
     else:
         stack.append(module)
+
+
+def _put_first(module: nn.Module, handle: Any) -> None:
+    """The recorder's pre-hook `handle` on `module` first among the module's again, in
+    place, if a pre-hook of its own was prepended since (as the global one ran before it:
+    an override the other calls is the module's)."""
+    hooks = cast("OrderedDict[int, Any]", module._forward_pre_hooks)  # (torch's kind)
+    if next(iter(hooks.values()), None) is not _ENTERED_OWN:
+        with contextlib.suppress(KeyError):  # (removed meanwhile: the recorder stopped)
+            hooks.move_to_end(handle.id, last=False)
 
 
 def _hooked_own(recorder: Recorder, module: nn.Module) -> bool:
