@@ -429,6 +429,27 @@ def test_a_thread_that_ended_inside_a_forward_is_not_taken_for_one_running() -> 
     assert [r.step for r in _records(mon, SECOND)] == [0, 3, 6]
 
 
+@go.custom_backward
+def halve(x):
+    return x.clone()
+
+
+@halve.backward
+def _(grad, *, x):
+    return grad / 2
+
+
+class _Holder(nn.Module):
+    """A linear layer, then `act` (a recipe of the test's) on its output."""
+
+    def __init__(self, act: Any) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 6)
+        self.act = act
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(self.fc(x))
+
 def test_a_forward_whose_recording_turns_on_midway_records_none_of_its_calls() -> None:
     # Thread A's forward starts in a step not recorded. Inside it, between a recipe's call
     # and the call of the op the recipe makes, thread B runs a forward of the model: two
@@ -437,14 +458,6 @@ def test_a_forward_whose_recording_turns_on_midway_records_none_of_its_calls() -
     # would land on a row of the op alone. A's step is dropped whole, and the next recorded
     # in its place.
     from gradoverride.recipes import Recipe
-
-    @go.custom_backward
-    def halve(x):
-        return x.clone()
-
-    @halve.backward
-    def _(grad, *, x):
-        return grad / 2
 
     pause: list[Callable[[], None]] = []
 
@@ -455,16 +468,7 @@ def test_a_forward_whose_recording_turns_on_midway_records_none_of_its_calls() -
                 pause.pop()()
             return halve(x)
 
-    class Model(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.fc = nn.Linear(4, 6)
-            self.act = Pausing()
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.act(self.fc(x))
-
-    model = Model()
+    model = _Holder(Pausing())
 
     def other_thread() -> None:
         _in_threads(lambda: model(torch.randn(3, 4)).sum().backward())
@@ -486,14 +490,6 @@ def test_two_threads_meeting_an_override_first_at_once_make_one_row() -> None:
     # repr, the row's name, inside A's backward pass): both steps land on one row.
     from gradoverride.recipes import Recipe
 
-    @go.custom_backward
-    def halve(x):
-        return x.clone()
-
-    @halve.backward
-    def _(grad, *, x):
-        return grad / 2
-
     reprs_in_a_pass: list[int] = []
 
     @dataclasses.dataclass(frozen=True, repr=False)
@@ -509,16 +505,7 @@ def test_two_threads_meeting_an_override_first_at_once_make_one_row() -> None:
                     _in_threads(lambda: model(torch.randn(3, 4)).sum().backward())
             return "Slow()"
 
-    class Model(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.fc = nn.Linear(4, 6)
-            self.act = Slow()
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.act(self.fc(x))
-
-    model = Model()
+    model = _Holder(Slow())
     with go.monitor(model) as mon:
         model(torch.randn(3, 4)).sum().backward()
     assert len(reprs_in_a_pass) >= 2  # (B's step ran while A's row was made)
