@@ -1362,8 +1362,10 @@ def _put_first(module: nn.Module, handle: Any) -> None:
     place, if a pre-hook of its own was prepended since (as the global one ran before it:
     an override the other calls is the module's)."""
     hooks = cast("OrderedDict[int, Any]", module._forward_pre_hooks)  # (torch's kind)
-    if next(iter(hooks.values()), None) is not _ENTERED_OWN:
-        with contextlib.suppress(KeyError):  # (removed meanwhile: the recorder stopped)
+    # (KeyError: removed meanwhile, the recorder stopped; RuntimeError: another thread
+    # registered a hook on the module as this one read them)
+    with contextlib.suppress(KeyError, RuntimeError):
+        if next(iter(hooks.values()), None) is not _ENTERED_OWN:
             hooks.move_to_end(handle.id, last=False)
 
 
