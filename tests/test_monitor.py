@@ -1573,3 +1573,22 @@ def test_a_scaler_that_scaled_no_loss_yet_leaves_the_norms_alone() -> None:
         model(x).sum().backward()
     [record] = _only(mon)
     assert record.grad_in == pytest.approx(grad_in, rel=1e-6)
+
+
+
+def test_a_monitor_whose_start_fails_leaves_nothing_behind() -> None:
+    # The model raises as the monitor reads its modules' paths: a later monitor starts, and
+    # override calls consult no recorder.
+    from gradoverride._function import RECORDERS, RECORDING
+
+    class Failing(Binarized):
+        def named_modules(self, *args: Any, **kwargs: Any) -> Any:
+            raise RuntimeError("cannot list")
+
+    with pytest.raises(RuntimeError, match="cannot list"), go.monitor(Failing()):
+        pass  # pragma: no cover - the monitor does not start
+    assert (RECORDING, RECORDERS) == ([], [])
+    other = Binarized()
+    with go.monitor(other) as mon:
+        other(torch.randn(3, 4)).sum().backward()
+    assert mon.steps == 1

@@ -262,6 +262,13 @@ class Recorder:
             )
             raise GradOverrideError(msg)
         RECORDING.append(self)
+        try:
+            self._start()
+        except BaseException:
+            self.stop()  # (a warning made an error, say: nothing of it stays behind)
+            raise
+
+    def _start(self) -> None:
         self._began.clear()  # (a forward stopped by an interrupt left its thread's)
         _forget_stacks()  # every thread's call stack starts empty (see `_stack`)
         self._read_paths()
