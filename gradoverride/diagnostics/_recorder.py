@@ -184,9 +184,9 @@ class Recorder:
         self._last: dict[tuple[Any, Any], Site] = {}
         # See `_settings`: by the ids of the recipes and ops met, while they live.
         self._settings: dict[int, Any] = {}
-        # The module hooks keeping each thread's call stack (see `_place`): torch's global
-        # ones during the first forward, then hooks on the model's modules that may call an
-        # override (see `_own_hooks`), by module id.
+        # The module hooks keeping each thread's call stack (see `_place`): hooks on the
+        # model's modules that may call an override (see `_own_hooks`), by module id, and,
+        # during the first forward, torch's global ones for every other module call.
         self._handles: list[Any] = []
         self._global_handles: list[Any] = []
         self._own: dict[int, tuple[nn.Module, Any, Any]] = {}  # (module, its hooks' handles)
@@ -1282,8 +1282,9 @@ _CALLS_GIVEN = "torch.nn.modules.transformer"
 
 
 def _own_hooks(module: nn.Module) -> bool:
-    """Whether the module's calls keep the call stack after the first forward through hooks
-    of the recorder's: the model itself, and every module whose own code (its forward, or
+    """Whether the module's calls keep the call stack through hooks of the recorder's on
+    the module itself (every other module's keep it during the first forward only, through
+    torch's global hooks): the model itself, and every module whose own code (its forward, or
     its hooks) may call an override, that is every module but torch's plain layers and
     containers, and but a recipe's module form, whose forward keeps itself on the stack
     (see `Recorder.recipe_call`)."""
