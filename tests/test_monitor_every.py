@@ -296,6 +296,39 @@ def test_another_thread_s_overrides_are_not_steps() -> None:
     assert [r.step for r in _records(mon, SECOND)] == [0, 5, 10, 15]
 
 
+def test_another_model_s_forwards_during_the_first_forward_are_not_the_model_s() -> None:
+    # While a forward of another model runs in another thread, the first forward's module
+    # hooks stay on: this thread's forwards of the other model meanwhile are not forwards
+    # of the monitored one (taken for them, a run of them with no step between looked like
+    # a model whose passes cannot be counted, and an extra step was recorded).
+    model, other = Net(), Net()
+    holding, release = threading.Event(), threading.Event()
+
+    def hold(module: nn.Module, args: Any) -> None:
+        if threading.current_thread() is not threading.main_thread() and not release.is_set():
+            holding.set()
+            release.wait()
+
+    other.fc.register_forward_pre_hook(hold)
+
+    def held_forward() -> None:
+        other(torch.randn(3, 4)).sum().backward()
+
+    with go.monitor(model, every=5) as mon:
+        thread = threading.Thread(target=held_forward)
+        thread.start()
+        assert holding.wait(timeout=60)
+        model(torch.randn(3, 4)).sum().backward()
+        for _ in range(25):
+            other(torch.randn(3, 4)).sum().backward()
+        release.set()
+        thread.join()
+        for _ in range(9):
+            model(torch.randn(3, 4)).sum().backward()
+    assert mon.steps == 10
+    assert [r.step for r in _records(mon, SECOND)] == [0, 5]
+
+
 def test_many_forwards_without_grad_between_a_forward_and_its_backward() -> None:
     # Sampling, a rollout, a target network's forwards: 100 forwards under no_grad between
     # each step's forward and its backward.

@@ -339,6 +339,16 @@ class Recorder:
                 _put_first(module, pre)
             return True
 
+    def runs_model(self, module: nn.Module) -> bool:
+        """Whether an outermost call of `module` under the global hooks is a forward of the
+        model: the model's own call, one of its modules called alone, or a call of a module
+        holding it (a compiled wrapper, a data-parallel one). Another model's forward, in
+        another thread, is not one: its forwards are not the model's steps, as they are not
+        once the global hooks are gone (only the model's modules keep hooks then)."""
+        if module is self.model or id(module) in self.paths:
+            return True
+        return any(inner is self.model for inner in module.modules())
+
     def forward_ended(self) -> None:
         """An outermost module call ended in this thread. If its op calls were not all
         recorded (see `_arm`), the sequence numbers of the backward nodes it made are kept
@@ -1326,10 +1336,11 @@ def _entered(module: nn.Module, args: Any) -> None:
         # at its end)
         return
     stack = _stack()
-    if not stack:  # an outermost call: a new forward
+    if not stack:  # an outermost call
         if not recorder.forward_began():
             return  # (the global hooks went meanwhile: none runs at its end)
-        recorder.new_forward()
+        if recorder.runs_model(module):
+            recorder.new_forward()
     if "_orig_mod" in module._modules:
         recorder.compiled_call(module)
     if (module._forward_pre_hooks or module._forward_hooks) and id(module) not in recorder.paths:
