@@ -41,6 +41,7 @@ how to rebuild the outputs.
 
 from __future__ import annotations
 
+import itertools
 import sys
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -712,8 +713,7 @@ def build_route(plan: OpPlan) -> Route:
                 )
         # The `.grad` a rule might write: read before it runs (see `_wrote_grad`).
         watch = owned_params if not is_dynamo_compiling() else ()
-        if watch:
-            in_backward()
+        mark = in_backward() if watch else -1
         current = [current_parameter(module, n) for n in watch]
         # (`.grad` of a tensor that is not a leaf, a replica's parameter, is never written.)
         before = [None if p is None or not p.is_leaf else p.grad for p in current]
@@ -727,7 +727,7 @@ def build_route(plan: OpPlan) -> Route:
         for name, held_now, grad in zip(watch, current, before, strict=True):
             if (
                 held_now is not None and held_now.is_leaf and held_now.grad is not grad
-                and _single_thread()
+                and _single_thread(mark)
             ):
                 raise GradOverrideError(wrote_grad_message(op, name))
         return result
@@ -1469,30 +1469,40 @@ def call_rule(
 #: The Python threads whose backward pass runs through a module op's rule now, registered
 #: by `in_backward` while more than one thread runs (until the pass ends).
 _IN_BACKWARD: dict[int, bool] = {}
+#: The number of the latest such registration (see `_single_thread`): one that begins and
+#: ends while a rule runs leaves no entry, but a new number.
+_REGISTERED = [0]
+_REGISTRATIONS = itertools.count(1)
 
 
-def in_backward() -> None:
+def in_backward() -> int:
     """Note that this thread's backward pass runs through a module op's rule (see
-    `_single_thread`); a no-op while this process runs one Python thread."""
-    if threading.active_count() == 1:
-        return
-    ident = threading.get_ident()
-    if ident not in _IN_BACKWARD:
-        _IN_BACKWARD[ident] = True
-        # Forgotten when the pass ends, its gradients accumulated.
+    `_single_thread`; a no-op while this process runs one Python thread), and return what
+    `_single_thread` compares after the rule: the latest registration's number while no
+    other thread's pass runs through one, else -1."""
+    if threading.active_count() != 1:
+        ident = threading.get_ident()
+        if ident not in _IN_BACKWARD:
+            _IN_BACKWARD[ident] = True
+            # (numbered after the entry is made: a rule that began without seeing the
+            # entry sees the new number at its end)
+            _REGISTERED[0] = next(_REGISTRATIONS)
+            # Forgotten when the pass ends, its gradients accumulated.
 
-        def forget() -> None:
-            _IN_BACKWARD.pop(ident, None)
+            def forget() -> None:
+                _IN_BACKWARD.pop(ident, None)
 
-        torch.autograd.Variable._execution_engine.queue_callback(forget)
+            torch.autograd.Variable._execution_engine.queue_callback(forget)
+    return _REGISTERED[0] if len(_IN_BACKWARD) <= 1 else -1
 
 
-def _single_thread() -> bool:
-    """Whether no other thread's backward pass runs through a module op's rule now: then a
-    parameter's `.grad` that changed while this thread's rule ran was written by the rule
-    (another thread training the same module may be accumulating into it; threads doing
-    anything else do not count). The first-call check sees a rule's writes exactly."""
-    return len(_IN_BACKWARD) <= 1
+def _single_thread(mark: int) -> bool:
+    """Whether no other thread's backward pass ran through a module op's rule while this
+    thread's rule ran, since `in_backward` returned `mark`: then a parameter's `.grad` that
+    changed meanwhile was written by the rule (another thread training the same module
+    may have accumulated into it, even in a pass that began and ended meanwhile; threads
+    doing anything else do not count). The first-call check sees a rule's writes exactly."""
+    return mark == _REGISTERED[0] and len(_IN_BACKWARD) <= 1
 
 
 def compiled_transform_message(op: str) -> str:

@@ -205,12 +205,12 @@ _CALL = """
 
 # A module's op: the rule runs with the module holding what its forward saw (the general
 # steps swap that in when it is not so now); a `.grad` it writes is refused unless another
-# thread's backward runs through a module op's rule now (it may be accumulating into that
-# `.grad`; see `_function._single_thread`; the first-call check sees a rule's writes
+# thread's backward ran through a module op's rule meanwhile (it may have accumulated into
+# that `.grad`; see `_function._single_thread`; the first-call check sees a rule's writes
 # exactly).
 _MODULE_CALL = """
-    if _go_autocast is None and {holds}:
-        _go_before = {grads_before}{enter}{try_rule}
+    if _go_autocast is None and {holds}:{enter}
+        _go_before = {grads_before}{try_rule}
 {grad_checks}
     else:
         _go_result = _go_module_rule(_go_module, _go_held, _go_versions, _go_CallState(),
@@ -364,13 +364,14 @@ def generate(
         # (`.grad` of a tensor that is not a leaf, a replica's parameter, is never written.)
         grads_before = _tuple([f"v{slot}.grad if v{slot}.is_leaf else None" for slot, _ in owned])
         grad_checks = "".join(
-            f"        if v{slot}.grad is not _go_before[{j}] and _go_single_thread():\n"
+            f"        if (v{slot}.grad is not _go_before[{j}]\n"
+            f"                and _go_single_thread(_go_mark)):\n"
             f"            _go_wrote_grad({name!r})\n"
             for j, (slot, name) in enumerate(owned)
         )
         body += _MODULE_CALL.format(
             holds=holds, try_rule=_TRY_RULE.format(call=call), call_kwargs=call_kwargs,
-            enter="\n        _go_in_backward()" if owned else "",
+            enter="\n        _go_mark = _go_in_backward()" if owned else "",
             grads_before=grads_before, grad_checks=grad_checks,
         )
     body += _results(names, saved_slot, module)

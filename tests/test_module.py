@@ -1463,6 +1463,44 @@ def test_one_module_trained_from_two_threads(kind: str) -> None:
         raise errors[0]
 
 
+class TrainsMeanwhile(go.Module):
+    """`x * w`; the first thread's rule waits while another thread trains the module
+    through a whole step (its gradient accumulating into `w.grad`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.tensor([1.0, 2.0]))
+        self.meanwhile = False
+
+    def forward(self, x):
+        return x * self.w
+
+    def backward(self, grad, *, x):
+        if self.meanwhile and threading.current_thread() is threading.main_thread():
+            other = threading.Thread(target=lambda: self(torch.ones(1, 2)).sum().backward())
+            other.start()
+            other.join()
+        return {"x": grad * self.w, "w": (grad * x).sum(0)}
+
+
+@pytest.mark.parametrize("call", ["first", "warm"])
+def test_another_thread_s_whole_step_during_a_rule_is_not_the_rule_writing_grad(
+        call: str) -> None:
+    # The other thread's pass ends before this one's rule does: it no longer runs then, yet
+    # it accumulated into `w.grad` while the rule ran.
+    layer = TrainsMeanwhile()
+    if call == "warm":
+        for _ in range(2):
+            layer(torch.ones(1, 2)).sum().backward()
+        layer.zero_grad(set_to_none=True)
+    layer.meanwhile = True
+    x = torch.tensor([[3.0, 4.0]], requires_grad=True)
+    layer(x).sum().backward()
+    # The other thread's step (input ones) and this one's, accumulated; x's from the rule.
+    torch.testing.assert_close(layer.w.grad, torch.tensor([4.0, 5.0]))
+    torch.testing.assert_close(x.grad, torch.tensor([[1.0, 2.0]]))
+
+
 # ---- a named parameter parametrized or made a buffer -------------------------------------
 
 
