@@ -182,8 +182,8 @@ class CustomBackward(Generic[P, R]):
                 self._check_next = False
                 return result
 
-        if RECORDERS:
-            return RECORDERS[0].op_call(self, args, kwargs, run)
+        for recorder in RECORDERS:
+            return recorder.op_call(self, args, kwargs, run)
         return run(args, kwargs)
 
     @overload

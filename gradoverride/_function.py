@@ -99,7 +99,10 @@ _CONTAINERS = (tuple, list, dict)
 
 #: The diagnostics recorder started now, if any (`go.monitor`, `go.overrides` with inputs,
 #: `gradient_report`): every backward of an op's Function reads it (see
-#: `backward_recorded`).
+#: `backward_recorded`). It and `RECORDERS` are read as `for recorder in RECORDING:` (or
+#: `next(iter(RECORDING), None)`), never `RECORDING[0]` after a look: another thread may
+#: empty the list in between (leaving the monitor's block, or, for `RECORDERS`, a monitor
+#: recording one step in N deciding a forward).
 RECORDING: list[Any] = []
 
 #: The same recorder while the forwards running now are recorded: every op and module call
@@ -886,7 +889,8 @@ def _build_owning(plan: OpPlan, common: _Common) -> Route:
         if RECORDING:
             if RECORDED_CALL in ctx.__dict__:
                 return backward_recorded(ctx, backward_body, grads)
-            RECORDING[0].met(ctx)  # (a call it did not record: see `backward_recorded`)
+            for recorder in RECORDING:
+                recorder.met(ctx)  # (a call it did not record: see `backward_recorded`)
         return backward_general(ctx, grads)
 
     def backward_body(ctx: Any, *grads: Any) -> Any:
@@ -1084,7 +1088,8 @@ def _build_attaching(plan: OpPlan, common: _Common) -> Route:
     def backward(ctx: Any, *grads: Any) -> Any:
         if RECORDING:
             if RECORDED_CALL not in ctx.__dict__:
-                RECORDING[0].met(ctx)  # (a call it did not record: see `backward_recorded`)
+                for recorder in RECORDING:
+                    recorder.met(ctx)  # (a call it did not record: see `backward_recorded`)
                 return backward_body(ctx, *grads)
             # (what the rule returned: the gradients for the Function's first inputs, the
             # call's; the outputs' passed on after them are not the rule's)

@@ -176,7 +176,8 @@ _BACKWARD_CHECK = """
     if _go_RECORDING:
         if _go_RECORDED_CALL in ctx.__dict__:
             return _go_backward_recorded(ctx, backward_body, (_go_g0, *_go_rest), {span})
-        _go_RECORDING[0].met(ctx)"""
+        for _go_recorder in _go_RECORDING:
+            _go_recorder.met(ctx)"""
 
 _SAVED = """
     try:

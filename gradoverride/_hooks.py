@@ -268,8 +268,8 @@ def grad_hook(
 
 def _tell_recorder() -> None:
     """A model being recorded (go.monitor) records a grad_hook registered meanwhile."""
-    if RECORDING:
-        RECORDING[0].hooks_changed()
+    for recorder in RECORDING:
+        recorder.hooks_changed()
 
 
 def grad_hooks_on(module: nn.Module) -> list[tuple[Place, _Transforming | _ParameterHooks]]:

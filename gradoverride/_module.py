@@ -297,6 +297,6 @@ def _through_route(module: Module, op: Any, values: tuple[Any, ...], state: Any,
             mark_checked(module)
             return result
 
-    if RECORDERS:
-        return RECORDERS[0].module_call(module, op, args, kwargs, run)
+    for recorder in RECORDERS:
+        return recorder.module_call(module, op, args, kwargs, run)
     return run()

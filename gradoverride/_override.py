@@ -280,8 +280,8 @@ class _Override:
             given = popped.op._route.given
             if type(output) is Tensor and given is not None:
                 result = given(popped.values, output)
-                if RECORDERS:
-                    RECORDERS[0].module_output(module, popped.op, result)
+                for recorder in RECORDERS:
+                    recorder.module_output(module, popped.op, result)
                 return result
             if output is None:  # the forward raised (this hook is called anyway)
                 return None
@@ -311,7 +311,8 @@ class _Override:
             audit.finish(result)
             mark_checked(module)
         if RECORDERS and not is_dynamo_compiling():
-            RECORDERS[0].module_output(module, frame.op, result)
+            for recorder in RECORDERS:
+                recorder.module_output(module, frame.op, result)
         return result
 
     def __reduce__(self) -> tuple[Any, ...]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import gc
 import math
 import pickle
+import sys
 import threading
 import warnings
 import weakref
@@ -1592,3 +1593,105 @@ def test_a_monitor_whose_start_fails_leaves_nothing_behind() -> None:
     with go.monitor(other) as mon:
         other(torch.randn(3, 4)).sum().backward()
     assert mon.steps == 1
+
+
+@go.custom_backward
+def _tripled_gradient(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+@_tripled_gradient.backward
+def _(grad: torch.Tensor) -> torch.Tensor:
+    return grad * 3
+
+
+class _Weighted(go.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.tensor([1.0, -2.0, 0.5, 4.0]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.w
+
+    def backward(self, grad: torch.Tensor, *, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"x": grad * self.w, "w": (grad * x).sum(0)}
+
+
+class _EachKind(nn.Module):
+    """An op, a recipe and a go.Module, each called in the forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weighted = _Weighted()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weighted(recipes.scale_grad(0.5)(_tripled_gradient(x)))
+
+
+_LOOKS = {
+    "op call": lambda code: code.co_name == "_watched_call",
+    "recipe call": lambda code: code is type(recipes.scale_grad(0.5)).__call__.__code__,
+    "go.Module call": lambda code: code.co_name == "_through_route",
+    "backward": lambda code: code.co_name == "backward" and (
+        code.co_filename.startswith("<gradoverride generated")
+        or code.co_filename.endswith("_function.py")),
+}
+
+
+# The lines where an override looks for the recorder in use.
+_LOOK_LINES = ("if RECORDERS", "if RECORDING", "if _go_RECORDING", "for recorder in RECORD")
+
+
+@pytest.mark.parametrize("site", sorted(_LOOKS))
+def test_leaving_the_monitor_as_an_override_in_another_thread_reads_it(site: str) -> None:
+    # Another thread's override, paused (a trace function) right after its look at the
+    # recorder in use (found there), resumes after the monitor's block ended: it runs, with
+    # its own gradient, and does not fail reading a recorder that is gone.
+    import linecache
+
+    model = _EachKind()
+    looks = _LOOKS[site]
+    paused, resume = threading.Event(), threading.Event()
+    looked: list[int] = []
+
+    def in_site(frame: Any, event: str, arg: Any) -> Any:
+        if event == "line" and not paused.is_set():
+            if looked:
+                paused.set()
+                assert resume.wait(10)
+            else:
+                text = linecache.getline(frame.f_code.co_filename, frame.f_lineno).strip()
+                if text.startswith(_LOOK_LINES):
+                    looked.append(frame.f_lineno)
+        return in_site
+
+    def tracer(frame: Any, event: str, arg: Any) -> Any:
+        return in_site if looks(frame.f_code) else None
+
+    x = torch.tensor([[1.0, 2.0, 3.0, 4.0]], requires_grad=True)
+    errors: list[BaseException] = []
+
+    def trainer() -> None:
+        sys.settrace(tracer)
+        try:
+            if site == "backward":  # (an op called outside the model: its node holds no record)
+                _tripled_gradient(x).sum().backward()
+            else:
+                model(x).sum().backward()
+        except BaseException as e:  # pragma: no cover - reported below
+            errors.append(e)
+        finally:
+            sys.settrace(None)
+
+    model(torch.ones(1, 4)).sum().backward()  # (the first calls, checked, before)
+    with go.monitor(model):
+        model(torch.ones(1, 4)).sum().backward()  # (the first forward, in this thread)
+        thread = threading.Thread(target=trainer)
+        thread.start()
+        assert paused.wait(10), "the site was never reached"
+    resume.set()
+    thread.join()
+    assert not errors, errors
+    w = torch.tensor([1.0, -2.0, 0.5, 4.0])
+    expected = torch.full((1, 4), 3.0) if site == "backward" else (w * 0.5 * 3).expand(1, 4)
+    torch.testing.assert_close(x.grad, expected)

@@ -249,11 +249,11 @@ class Recorder:
     # -- starting and stopping ------------------------------------------------------------
 
     def start(self) -> None:
-        if RECORDING:
+        for other in RECORDING:
             # A second recorder would see the ops' calls the first one sees, and one node's
             # gradients would be recorded twice.
             msg = (
-                f"{self.purpose} cannot start while {RECORDING[0].purpose} is recording: one "
+                f"{self.purpose} cannot start while {other.purpose} is recording: one "
                 "model is recorded at a time (a second recorder would silently record "
                 "nothing). To watch several models at once, monitor one container holding "
                 "them (`go.monitor(nn.ModuleList([generator, discriminator]))`); to list a "
@@ -1329,7 +1329,7 @@ def _entered(module: nn.Module, args: Any) -> None:
     hooked on their own are left to those (see `_entered_own`)."""
     if is_dynamo_compiling():
         return  # compiled calls are not recorded (and a compiled graph keeps no stack)
-    recorder = RECORDING[0] if RECORDING else None
+    recorder = next(iter(RECORDING), None)
     if recorder is None or not recorder._global or _hooked_own(recorder, module):
         # (`_global` is off once the global hooks start going: a call met then belongs
         # to a forward that began after, which they never counted, and may find them gone
@@ -1359,7 +1359,7 @@ def _entered_own(module: nn.Module, args: Any) -> None:
         return
     thread = _THREAD  # (`_stack()`, inline: every hooked module call reads it twice)
     stack = thread.stack if getattr(thread, "generation", -1) == _GENERATION else _stack()
-    recorder = RECORDING[0] if RECORDING else None
+    recorder = next(iter(RECORDING), None)
     if recorder is not None:
         if not stack:
             if recorder._global:
@@ -1397,7 +1397,7 @@ def _hooked_own(recorder: Recorder, module: nn.Module) -> bool:
 def _left_global(module: nn.Module, args: Any, out: Any) -> None:
     """`_left` under the global hooks: the model's modules hooked on their own are left
     to those."""
-    recorder = RECORDING[0] if RECORDING else None
+    recorder = next(iter(RECORDING), None)
     if recorder is not None and recorder._global and not _hooked_own(recorder, module):
         _left(module, args, out)
 
@@ -1409,15 +1409,17 @@ def _left(module: nn.Module, args: Any, out: Any) -> None:
     stack = thread.stack if getattr(thread, "generation", -1) == _GENERATION else _stack()
     if stack and stack[-1] is module:
         stack.pop()  # (what nearly every call meets: its own entry on top)
-        if not stack and RECORDING:
-            RECORDING[0].forward_ended()
+        if not stack:
+            for recorder in RECORDING:
+                recorder.forward_ended()
         return
     if stack and isinstance(stack[-1], _Late) and stack[-1].module is module:
         return  # its own forward hooks run next, then its `_LeftLate`
     running = bool(stack)
     _pop(stack, module)
-    if running and not stack and RECORDING:
-        RECORDING[0].forward_ended()
+    if running and not stack:
+        for recorder in RECORDING:
+            recorder.forward_ended()
 
 
 def _inert_hook(*args: Any) -> None:
@@ -1490,8 +1492,9 @@ class _LeftLate(_Late):
         stack.pop()
         self.handle.remove()
         _LeftLate._ALL.discard(self)
-        if not stack and RECORDING:
-            RECORDING[0].forward_ended()
+        if not stack:
+            for recorder in RECORDING:
+                recorder.forward_ended()
 
     @staticmethod
     def remove_all() -> None:

@@ -89,8 +89,9 @@ def _told_to_recorder(call: Callable[..., Any]) -> Callable[..., Any]:
         if args and "jax" in sys.modules and is_jax(args[0]):
             return array_call(self, *args, **kwargs)
         if RECORDERS and not is_dynamo_compiling():
-            # The recorder keeps the call on its stack (one call, straight to it).
-            return RECORDERS[0].recipe_call(self, call, args, kwargs)
+            for recorder in RECORDERS:
+                # The recorder keeps the call on its stack (one call, straight to it).
+                return recorder.recipe_call(self, call, args, kwargs)
         return call(self, *args, **kwargs)
 
     # This wrapper and the call it wraps, for a recipe's module form (see `RecipeModule._run`):
@@ -146,10 +147,11 @@ class RecipeModule(nn.Module):
 
     def forward(self, x: Tensor, *args: Any, **kwargs: Any) -> Any:
         if RECORDING and not is_dynamo_compiling():
-            # A recorder keeps the call on its stack, as it keeps a recipe's: the module
-            # needs no module hooks of the recorder's (each sends a call down torch's slow
-            # path); called on its own, it is a forward to the recorder.
-            return RECORDING[0].module_form_call(self, (x, *args), kwargs)
+            for recorder in RECORDING:
+                # A recorder keeps the call on its stack, as it keeps a recipe's: the module
+                # needs no module hooks of the recorder's (each sends a call down torch's
+                # slow path); called on its own, it is a forward to the recorder.
+                return recorder.module_form_call(self, (x, *args), kwargs)
         return self._run(x, *args, **kwargs)
 
     def _run(self, x: Tensor, *args: Any, **kwargs: Any) -> Any:
