@@ -1695,3 +1695,62 @@ def test_leaving_the_monitor_as_an_override_in_another_thread_reads_it(site: str
     w = torch.tensor([1.0, -2.0, 0.5, 4.0])
     expected = torch.full((1, 4), 3.0) if site == "backward" else (w * 0.5 * 3).expand(1, 4)
     torch.testing.assert_close(x.grad, expected)
+
+
+def test_leaving_the_monitor_as_another_thread_s_first_forward_ends_leaves_no_hooks() -> None:
+    # Another thread's first forward ends (a trace function pauses it as it hooks the
+    # model's modules) while the monitor's block is left: no hook stays on the model.
+    import inspect
+
+    from gradoverride.diagnostics._recorder import Recorder
+
+    model = Binarized()
+    source, first = inspect.getsourcelines(Recorder.forward_ended)
+    hooking = first + next(k for k, line in enumerate(source) if "self._hook_own(" in line)
+    lines, start = inspect.getsourcelines(Recorder.stop)
+    locking = [start + k for k, line in enumerate(lines) if "with self._switching" in line]
+    paused, stopped = threading.Event(), threading.Event()
+    stopper: list[threading.Thread] = []
+
+    def until_stopping() -> None:
+        # Until the block is left, or the thread leaving it waits for this one.
+        while not stopped.wait(0.001):
+            if stopper:
+                frame = sys._current_frames().get(stopper[0].ident or -1)
+                if (frame is not None and frame.f_code is Recorder.stop.__code__
+                        and frame.f_lineno in locking):
+                    return
+
+    def in_forward_ended(frame: Any, event: str, arg: Any) -> Any:
+        if event == "line" and frame.f_lineno == hooking and not paused.is_set():
+            paused.set()
+            until_stopping()
+        return in_forward_ended
+
+    def tracer(frame: Any, event: str, arg: Any) -> Any:
+        return in_forward_ended if frame.f_code is Recorder.forward_ended.__code__ else None
+
+    def first_forward() -> None:
+        sys.settrace(tracer)
+        try:
+            model(torch.randn(3, 4)).sum().backward()
+        finally:
+            sys.settrace(None)
+
+    mon = go.monitor(model)
+    mon.__enter__()
+    trainer = threading.Thread(target=first_forward)
+    trainer.start()
+    assert paused.wait(10), "the first forward's end was never reached"
+
+    def leave() -> None:
+        mon.__exit__(None, None, None)
+        stopped.set()
+
+    stopper.append(threading.Thread(target=leave))
+    stopper[0].start()
+    stopper[0].join()
+    trainer.join()
+    hooked = [name for name, m in model.named_modules()
+              if m._forward_pre_hooks or m._forward_hooks]
+    assert hooked == []

@@ -297,15 +297,18 @@ class Recorder:
             self.started = False
             if self in RECORDERS:
                 RECORDERS.remove(self)
-        for handle in (*self._handles, *self._global_handles):
-            handle.remove()
-        self._handles = []
-        self._global_handles = []
-        self._global = False
-        for _, pre, post in self._own.values():
-            pre.remove()
-            post.remove()
-        self._own = {}
+        # (one at a time with another thread's forward ending the first one, or a module
+        # added in another thread, which hook the model's modules: none is hooked after)
+        with self._switching:
+            for handle in (*self._handles, *self._global_handles):
+                handle.remove()
+            self._handles = []
+            self._global_handles = []
+            self._global = False
+            for _, pre, post in self._own.values():
+                pre.remove()
+                post.remove()
+            self._own = {}
         _LeftLate.remove_all()  # those of calls that never ended (a KeyboardInterrupt)
         _forget_stacks()
         for task in sorted(self._pending):
@@ -411,7 +414,9 @@ class Recorder:
         # (called before the module is set: the paths, and the grad_hooks' transforms, are
         # read again at the model's next call, see `new_forward`)
         self._paths_stale = True
-        self._hook_own(module.modules())
+        with self._switching:
+            if self.started:  # (else stopped meanwhile, by another thread)
+                self._hook_own(module.modules())
 
     # -- the ops' consult point ---------------------------------------------------------------
 
