@@ -1062,6 +1062,31 @@ def test_an_override_in_a_checkpointed_function_is_recorded(reentrant: bool) -> 
     assert records[0].grad_in == pytest.approx(2 * math.sqrt(30))  # 2 at each of 30
 
 
+@pytest.mark.parametrize("at", ["parameters", "outputs", "inputs"])
+def test_a_grad_hook_in_a_checkpointed_module_is_recorded_in_its_step(at: str) -> None:
+    # With `use_reentrant=False` (torch's recommended mode) the recomputation's backward is
+    # part of the step's pass: the hook's row and the recipe's share each step.
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+            self.act = recipes.scale_grad(0.5).module()
+            self.block = nn.Linear(4, 4)
+            go.grad_hook(self.block, lambda g: g * 0.5, at=at)  # type: ignore[arg-type]
+
+        def forward(self, x):
+            h = self.act(self.fc(x))
+            return torch.utils.checkpoint.checkpoint(self.block, h, use_reentrant=False)
+
+    model = Model()
+    with go.monitor(model) as mon:
+        for _ in range(3):
+            model(torch.randn(2, 4)).sum().backward()
+    assert mon.steps == 3
+    assert len(mon.history) == 2
+    assert all([r.step for r in rows] == [0, 1, 2] for rows in mon.history.values())
+
+
 def test_a_module_called_outside_the_model_then_added_is_recorded() -> None:
     torch.manual_seed(0)
     late = Binarized()
