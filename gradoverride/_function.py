@@ -728,9 +728,10 @@ def build_route(plan: OpPlan) -> Route:
             with parameters_as(module, seen):
                 result = call_rule(user_rule, args, kwargs, autocast, once, note)
         for name, held_now, grad in zip(watch, current, before, strict=True):
+            # (a `.grad` set to None meanwhile: another thread's `zero_grad`)
             if (
                 held_now is not None and held_now.is_leaf and held_now.grad is not grad
-                and _single_thread(mark)
+                and held_now.grad is not None and _single_thread(mark)
             ):
                 raise GradOverrideError(wrote_grad_message(op, name))
         return result
@@ -1492,13 +1493,25 @@ def in_backward() -> int:
             # (numbered after the entry is made: a rule that began without seeing the
             # entry sees the new number at its end)
             _REGISTERED[0] = next(_REGISTRATIONS)
-            # Forgotten when the pass ends, its gradients accumulated.
-
-            def forget() -> None:
-                _IN_BACKWARD.pop(ident, None)
-
-            torch.autograd.Variable._execution_engine.queue_callback(forget)
+            torch.autograd.Variable._execution_engine.queue_callback(_PassEnded(ident))
     return _REGISTERED[0] if len(_IN_BACKWARD) <= 1 else -1
+
+
+class _PassEnded:
+    """Forgets a thread's entry in `_IN_BACKWARD` when its backward pass ends, its gradients
+    accumulated; or, if the pass fails (autograd then drops its callbacks without calling
+    them), when autograd frees it."""
+
+    __slots__ = ("ident",)
+
+    def __init__(self, ident: int) -> None:
+        self.ident = ident
+
+    def __call__(self) -> None:
+        _IN_BACKWARD.pop(self.ident, None)
+
+    def __del__(self) -> None:
+        _IN_BACKWARD.pop(self.ident, None)
 
 
 def _single_thread(mark: int) -> bool:

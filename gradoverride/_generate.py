@@ -208,7 +208,7 @@ _CALL = """
 # steps swap that in when it is not so now); a `.grad` it writes is refused unless another
 # thread's backward ran through a module op's rule meanwhile (it may have accumulated into
 # that `.grad`; see `_function._single_thread`; the first-call check sees a rule's writes
-# exactly).
+# exactly); a `.grad` found None after the rule was cleared by another thread's `zero_grad`.
 _MODULE_CALL = """
     if _go_autocast is None and {holds}:{enter}
         _go_before = {grads_before}{try_rule}
@@ -365,7 +365,7 @@ def generate(
         # (`.grad` of a tensor that is not a leaf, a replica's parameter, is never written.)
         grads_before = _tuple([f"v{slot}.grad if v{slot}.is_leaf else None" for slot, _ in owned])
         grad_checks = "".join(
-            f"        if (v{slot}.grad is not _go_before[{j}]\n"
+            f"        if (v{slot}.grad is not _go_before[{j}] and v{slot}.grad is not None\n"
             f"                and _go_single_thread(_go_mark)):\n"
             f"            _go_wrote_grad({name!r})\n"
             for j, (slot, name) in enumerate(owned)

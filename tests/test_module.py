@@ -11,7 +11,7 @@ import subprocess
 import sys
 import textwrap
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from unittest import mock
 
@@ -1464,23 +1464,30 @@ def test_one_module_trained_from_two_threads(kind: str) -> None:
 
 
 class TrainsMeanwhile(go.Module):
-    """`x * w`; the first thread's rule waits while another thread trains the module
-    through a whole step (its gradient accumulating into `w.grad`)."""
+    """`x * w`; the first thread's rule waits while another thread runs `meanwhile` on the
+    module (trains it through a whole step, or clears its gradients)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.w = nn.Parameter(torch.tensor([1.0, 2.0]))
-        self.meanwhile = False
+        self.meanwhile: Callable[[nn.Module], object] | None = None
 
     def forward(self, x):
         return x * self.w
 
     def backward(self, grad, *, x):
-        if self.meanwhile and threading.current_thread() is threading.main_thread():
-            other = threading.Thread(target=lambda: self(torch.ones(1, 2)).sum().backward())
+        meanwhile = self.meanwhile
+        if meanwhile is not None and threading.current_thread() is threading.main_thread():
+            other = threading.Thread(target=lambda: meanwhile(self))
             other.start()
             other.join()
         return {"x": grad * self.w, "w": (grad * x).sum(0)}
+
+
+def _warm_meanwhile(layer: TrainsMeanwhile) -> None:
+    for _ in range(2):
+        layer(torch.ones(1, 2)).sum().backward()
+    layer.zero_grad(set_to_none=True)
 
 
 @pytest.mark.parametrize("call", ["first", "warm"])
@@ -1490,15 +1497,68 @@ def test_another_thread_s_whole_step_during_a_rule_is_not_the_rule_writing_grad(
     # it accumulated into `w.grad` while the rule ran.
     layer = TrainsMeanwhile()
     if call == "warm":
-        for _ in range(2):
-            layer(torch.ones(1, 2)).sum().backward()
-        layer.zero_grad(set_to_none=True)
-    layer.meanwhile = True
+        _warm_meanwhile(layer)
+    layer.meanwhile = lambda m: m(torch.ones(1, 2)).sum().backward()
     x = torch.tensor([[3.0, 4.0]], requires_grad=True)
     layer(x).sum().backward()
     # The other thread's step (input ones) and this one's, accumulated; x's from the rule.
     torch.testing.assert_close(layer.w.grad, torch.tensor([4.0, 5.0]))
     torch.testing.assert_close(x.grad, torch.tensor([[1.0, 2.0]]))
+
+
+@pytest.mark.parametrize("call", ["first", "warm"])
+def test_another_thread_s_zero_grad_during_a_rule_is_not_the_rule_writing_grad(
+        call: str) -> None:
+    # An earlier micro-batch's gradient is there; another thread clears it (an optimizer's
+    # `zero_grad`, between its steps) while the rule runs.
+    layer = TrainsMeanwhile()
+    if call == "warm":
+        _warm_meanwhile(layer)
+    layer.w.grad = torch.ones(2)
+    layer.meanwhile = lambda m: m.zero_grad(set_to_none=True)
+    x = torch.tensor([[3.0, 4.0]], requires_grad=True)
+    layer(x).sum().backward()
+    torch.testing.assert_close(layer.w.grad, torch.tensor([3.0, 4.0]))
+
+
+@go.custom_backward
+def _fails_in_backward(x: Tensor) -> Tensor:
+    return x * 1
+
+
+@_fails_in_backward.backward
+def _(grad: Tensor) -> Tensor:
+    raise ValueError("this pass fails")
+
+
+def test_a_rule_writing_grad_is_refused_after_other_threads_passes_failed() -> None:
+    # Two passes that ran a module's rule, then failed, in threads of their own: their ends
+    # never run (autograd drops a failed pass's callbacks), yet they no longer run either.
+    stop = threading.Event()
+    idle = threading.Thread(target=stop.wait)  # (a data loader's, a logger's)
+    idle.start()
+    try:
+        layer = warm(WritesGrad())
+
+        failed: list[str] = []
+
+        def failing_pass() -> None:
+            try:
+                layer(_fails_in_backward(X.clone().requires_grad_())).sum().backward()
+            except ValueError as e:
+                failed.append(str(e))
+
+        for _ in range(2):
+            other = threading.Thread(target=failing_pass)
+            other.start()
+            other.join()
+        assert failed == ["this pass fails"] * 2
+        layer.mistake = "grad"
+        with pytest.raises(go.GradOverrideError, match=r"wrote `w\.grad` itself"):
+            grads_of(layer)
+    finally:
+        stop.set()
+        idle.join()
 
 
 # ---- a named parameter parametrized or made a buffer -------------------------------------
