@@ -329,6 +329,26 @@ def test_another_model_s_forwards_during_the_first_forward_are_not_the_model_s()
     assert [r.step for r in _records(mon, SECOND)] == [0, 5]
 
 
+def test_another_model_trained_by_a_thread_started_after_one_that_trained_this_one() -> None:
+    # A thread trains the model and ends; the next thread started (the system gives it the
+    # ended one's id again, on Linux at least) trains another model: autograd numbers its
+    # nodes from zero again, as it numbered the first thread's, yet they are not the model's.
+    model, other = Net(), Net()
+
+    def train(net: Net) -> None:
+        for _ in range(20):
+            net(torch.randn(3, 4)).sum().backward()
+
+    with go.monitor(model, every=10) as mon:
+        for net in (model, other):
+            thread = threading.Thread(target=train, args=(net,))
+            thread.start()
+            thread.join()
+        train(model)
+    assert mon.steps == 40
+    assert [r.step for r in _records(mon, SECOND)] == [0, 10, 20, 30]
+
+
 def test_many_forwards_without_grad_between_a_forward_and_its_backward() -> None:
     # Sampling, a rollout, a target network's forwards: 100 forwards under no_grad between
     # each step's forward and its backward.

@@ -235,8 +235,10 @@ class Recorder:
         # at its start (sequence number, passes, backward pass or -1, arming or 0), for
         # `forward_ended`; also which threads run one now.
         self._began: dict[int, tuple[int, int, int, int]] = {}
-        self._forward_threads: set[int] = set()  # the threads that ran forwards of it
-        self._foreign: set[int] = set()  # threads seen calling overrides outside the model
+        # The threads (by `_thread_number`) that ran forwards of it, and those seen calling
+        # overrides outside the model.
+        self._forward_threads: set[int] = set()
+        self._foreign: set[int] = set()
         self._warned_unrecordable = False
         # A step to record could not be (see `met`): the next one is recorded in its place.
         self.owed = 0
@@ -367,7 +369,7 @@ class Recorder:
                 end = _sequence_now()
                 if end > start and (arming == 0 or arming != self.arming):
                     # (a forward under no_grad makes no node: it keeps none)
-                    self._ranges.append((start, end, at, outer, thread))
+                    self._ranges.append((start, end, at, outer, _thread_number()))
         if not self._global:
             return
         with self._switching:
@@ -456,14 +458,14 @@ class Recorder:
                                 and self._place(stack)[0] is None):
                             # A thread calling overrides outside the model: its nodes'
                             # numbers say nothing of the model's forwards (see `met`).
-                            self._foreign.add(threading.get_ident())
+                            self._foreign.add(_thread_number())
                         self._count += 1
                         extras = (() if len(args) == 1 and isinstance(args[0], Tensor)
                                   else tuple(filterfalse(_is_tensor, args)))
                         node.__dict__[RECORDED_CALL] = _Call(
                             (self, op, extras, tuple(stack), self._count, self.passes))
                     elif self.every > 1:
-                        self._foreign.add(threading.get_ident())  # (as above)
+                        self._foreign.add(_thread_number())  # (as above)
         if self.on_call is not None:
             self._called(op, args)
         return out
@@ -545,7 +547,7 @@ class Recorder:
                 # (there before the look at the others: of two forwards starting at once,
                 # one sees the other)
                 self._began[thread] = _STARTING
-                self._forward_threads.add(thread)
+                self._forward_threads.add(_thread_number())
                 if len(self._began) > 1 and not self._always and self._another_running(thread):
                     # Forwards of the model in two threads at once: the steps to come
                     # cannot be told from one forward; every forward is recorded, as with
@@ -862,7 +864,7 @@ class Recorder:
         if task == self._met:
             return  # (the pass's first such node counted it)
         number = ctx._sequence_nr()
-        thread = _get_ident()
+        thread = _thread_number()
         try:
             newest = self._ranges[-1]  # (a training step's: its forward, in this thread)
         except IndexError:
@@ -1128,8 +1130,8 @@ class _Pass:
 
 # (start, end, passes, outer, thread): the autograd sequence numbers [start, end) of the
 # nodes made by a forward not recorded, the recorder's `passes` when it began, the backward
-# pass it ran in (a checkpoint's recomputation) or -1, and its thread (sequence numbers are
-# counted per thread).
+# pass it ran in (a checkpoint's recomputation) or -1, and its thread's `_thread_number`
+# (sequence numbers are counted per thread, from zero in each).
 _Range = tuple[int, int, int, int, int]
 _RANGES_KEPT = 64
 _CALM = 4
@@ -1137,6 +1139,17 @@ _CALM = 4
 # The sequence number the next backward node made in this thread gets.
 _sequence_now: Callable[[], int] = torch._C._autograd._get_sequence_nr
 _get_ident = threading.get_ident
+_THREAD_NUMBERS = count(1)
+
+
+def _thread_number() -> int:
+    """This thread's number: unlike its id, which the system gives again to a thread started
+    after it ended (whose nodes' sequence numbers, counted from zero again, would be taken
+    for the ended one's), never another thread's."""
+    number: int | None = getattr(_THREAD, "number", None)
+    if number is None:
+        number = _THREAD.number = next(_THREAD_NUMBERS)
+    return number
 # A forward's entry in `Recorder._began` while its start is decided.
 _STARTING = (0, 0, -1, 0)
 
