@@ -1490,35 +1490,28 @@ def _warm_meanwhile(layer: TrainsMeanwhile) -> None:
     layer.zero_grad(set_to_none=True)
 
 
+# What another thread does to the module while the first thread's rule runs (the other
+# thread's pass ends before the rule does: it no longer runs then, yet it made `w.grad`;
+# an optimizer's `zero_grad` between its steps clears an earlier micro-batch's gradient),
+# `w.grad` before, and `w.grad` after the first thread's step.
+_MEANWHILE = {
+    "a whole step": (lambda m: m(torch.ones(1, 2)).sum().backward(), None, [4.0, 5.0]),
+    "zero_grad": (lambda m: m.zero_grad(set_to_none=True), torch.ones(2), [3.0, 4.0]),
+}
+
+
+@pytest.mark.parametrize("meanwhile", sorted(_MEANWHILE))
 @pytest.mark.parametrize("call", ["first", "warm"])
-def test_another_thread_s_whole_step_during_a_rule_is_not_the_rule_writing_grad(
-        call: str) -> None:
-    # The other thread's pass ends before this one's rule does: it no longer runs then, yet
-    # it accumulated into `w.grad` while the rule ran.
+def test_another_thread_s_write_of_grad_during_a_rule_is_not_the_rule_s(
+        call: str, meanwhile: str) -> None:
     layer = TrainsMeanwhile()
     if call == "warm":
         _warm_meanwhile(layer)
-    layer.meanwhile = lambda m: m(torch.ones(1, 2)).sum().backward()
+    layer.meanwhile, layer.w.grad, expected = _MEANWHILE[meanwhile]
     x = torch.tensor([[3.0, 4.0]], requires_grad=True)
     layer(x).sum().backward()
-    # The other thread's step (input ones) and this one's, accumulated; x's from the rule.
-    torch.testing.assert_close(layer.w.grad, torch.tensor([4.0, 5.0]))
-    torch.testing.assert_close(x.grad, torch.tensor([[1.0, 2.0]]))
-
-
-@pytest.mark.parametrize("call", ["first", "warm"])
-def test_another_thread_s_zero_grad_during_a_rule_is_not_the_rule_writing_grad(
-        call: str) -> None:
-    # An earlier micro-batch's gradient is there; another thread clears it (an optimizer's
-    # `zero_grad`, between its steps) while the rule runs.
-    layer = TrainsMeanwhile()
-    if call == "warm":
-        _warm_meanwhile(layer)
-    layer.w.grad = torch.ones(2)
-    layer.meanwhile = lambda m: m.zero_grad(set_to_none=True)
-    x = torch.tensor([[3.0, 4.0]], requires_grad=True)
-    layer(x).sum().backward()
-    torch.testing.assert_close(layer.w.grad, torch.tensor([3.0, 4.0]))
+    torch.testing.assert_close(layer.w.grad, torch.tensor(expected))
+    torch.testing.assert_close(x.grad, torch.tensor([[1.0, 2.0]]))  # (the rule's)
 
 
 @go.custom_backward
