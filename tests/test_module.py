@@ -1297,14 +1297,39 @@ def test_a_rule_mistake_on_a_warm_module_is_refused(mistake: str, match: str) ->
         grads_of(layer)
 
 
-def test_a_warm_rule_writing_grad_is_refused_while_an_idle_thread_lives() -> None:
+@go.custom_backward
+def _fails_in_backward(x: Tensor) -> Tensor:
+    return x * 1
+
+
+@_fails_in_backward.backward
+def _(grad: Tensor) -> Tensor:
+    raise ValueError("this pass fails")
+
+
+@pytest.mark.parametrize("before", ["nothing", "failed passes"])
+def test_a_warm_rule_writing_grad_is_refused_while_an_idle_thread_lives(before: str) -> None:
     # Threads that do not train the module (a data loader, a compile worker) do not turn
-    # the check off.
+    # the check off; nor do passes that ran the module's rule, then failed, in threads of
+    # their own (autograd drops a failed pass's callbacks: its end is never called).
     stop = threading.Event()
     idle = threading.Thread(target=stop.wait)
     idle.start()
     try:
         layer = warm(WritesGrad())
+        failed: list[str] = []
+
+        def failing_pass() -> None:
+            try:
+                layer(_fails_in_backward(X.clone().requires_grad_())).sum().backward()
+            except ValueError as e:
+                failed.append(str(e))
+
+        for _ in range(2 if before == "failed passes" else 0):
+            other = threading.Thread(target=failing_pass)
+            other.start()
+            other.join()
+        assert len(failed) == (2 if before == "failed passes" else 0)
         layer.mistake = "grad"
         with pytest.raises(go.GradOverrideError, match=r"wrote `w\.grad` itself"):
             grads_of(layer)
@@ -1512,46 +1537,6 @@ def test_another_thread_s_write_of_grad_during_a_rule_is_not_the_rule_s(
     layer(x).sum().backward()
     torch.testing.assert_close(layer.w.grad, torch.tensor(expected))
     torch.testing.assert_close(x.grad, torch.tensor([[1.0, 2.0]]))  # (the rule's)
-
-
-@go.custom_backward
-def _fails_in_backward(x: Tensor) -> Tensor:
-    return x * 1
-
-
-@_fails_in_backward.backward
-def _(grad: Tensor) -> Tensor:
-    raise ValueError("this pass fails")
-
-
-def test_a_rule_writing_grad_is_refused_after_other_threads_passes_failed() -> None:
-    # Two passes that ran a module's rule, then failed, in threads of their own: their ends
-    # never run (autograd drops a failed pass's callbacks), yet they no longer run either.
-    stop = threading.Event()
-    idle = threading.Thread(target=stop.wait)  # (a data loader's, a logger's)
-    idle.start()
-    try:
-        layer = warm(WritesGrad())
-
-        failed: list[str] = []
-
-        def failing_pass() -> None:
-            try:
-                layer(_fails_in_backward(X.clone().requires_grad_())).sum().backward()
-            except ValueError as e:
-                failed.append(str(e))
-
-        for _ in range(2):
-            other = threading.Thread(target=failing_pass)
-            other.start()
-            other.join()
-        assert failed == ["this pass fails"] * 2
-        layer.mistake = "grad"
-        with pytest.raises(go.GradOverrideError, match=r"wrote `w\.grad` itself"):
-            grads_of(layer)
-    finally:
-        stop.set()
-        idle.join()
 
 
 # ---- a named parameter parametrized or made a buffer -------------------------------------
