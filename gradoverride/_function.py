@@ -1473,8 +1473,9 @@ def call_rule(
 
 
 #: The Python threads whose backward pass runs through a module op's rule now, registered
-#: by `in_backward` while more than one thread runs (until the pass ends).
-_IN_BACKWARD: dict[int, bool] = {}
+#: by `in_backward` while more than one thread runs (until the pass ends), each with its
+#: registration's number.
+_IN_BACKWARD: dict[int, int] = {}
 #: The number of the latest such registration (see `_single_thread`): one that begins and
 #: ends while a rule runs leaves no entry, but a new number.
 _REGISTERED = [0]
@@ -1489,29 +1490,34 @@ def in_backward() -> int:
     if threading.active_count() != 1:
         ident = threading.get_ident()
         if ident not in _IN_BACKWARD:
-            _IN_BACKWARD[ident] = True
-            # (numbered after the entry is made: a rule that began without seeing the
-            # entry sees the new number at its end)
-            _REGISTERED[0] = next(_REGISTRATIONS)
-            torch.autograd.Variable._execution_engine.queue_callback(_PassEnded(ident))
+            number = next(_REGISTRATIONS)
+            _IN_BACKWARD[ident] = number
+            # (the number seen after the entry is made: a rule that began without seeing
+            # the entry sees the new number at its end)
+            _REGISTERED[0] = number
+            torch.autograd.Variable._execution_engine.queue_callback(
+                _PassEnded(ident, number))
     return _REGISTERED[0] if len(_IN_BACKWARD) <= 1 else -1
 
 
 class _PassEnded:
     """Forgets a thread's entry in `_IN_BACKWARD` when its backward pass ends, its gradients
     accumulated; or, if the pass fails (autograd then drops its callbacks without calling
-    them), when autograd frees it."""
+    them), when autograd frees it. Only its own registration's: the thread may hold a later
+    one by then (an accelerator's autograd thread runs several callers' passes)."""
 
-    __slots__ = ("ident",)
+    __slots__ = ("ident", "number")
 
-    def __init__(self, ident: int) -> None:
+    def __init__(self, ident: int, number: int) -> None:
         self.ident = ident
+        self.number = number
 
     def __call__(self) -> None:
-        _IN_BACKWARD.pop(self.ident, None)
+        if _IN_BACKWARD.get(self.ident) == self.number:
+            _IN_BACKWARD.pop(self.ident, None)
 
     def __del__(self) -> None:
-        _IN_BACKWARD.pop(self.ident, None)
+        self()
 
 
 def _single_thread(mark: int) -> bool:
