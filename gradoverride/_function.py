@@ -99,10 +99,10 @@ _CONTAINERS = (tuple, list, dict)
 
 #: The diagnostics recorder started now, if any (`go.monitor`, `go.overrides` with inputs,
 #: `gradient_report`): every backward of an op's Function reads it (see
-#: `backward_recorded`). It and `RECORDERS` are read as `for recorder in RECORDING:` (or
-#: `next(iter(RECORDING), None)`), never `RECORDING[0]` after a look: another thread may
-#: empty the list in between (leaving the monitor's block, or, for `RECORDERS`, a monitor
-#: recording one step in N deciding a forward).
+#: `backward_recorded`). It and `RECORDERS` are read in one step, `for recorder in
+#: RECORDING:` or `RECORDING[0]` catching IndexError, never `RECORDING[0]` after a look:
+#: another thread may empty the list in between (leaving the monitor's block, or, for
+#: `RECORDERS`, a monitor recording one step in N deciding a forward).
 RECORDING: list[Any] = []
 
 #: The same recorder while the forwards running now are recorded: every op and module call

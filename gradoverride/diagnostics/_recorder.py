@@ -369,7 +369,8 @@ class Recorder:
                 end = _sequence_now()
                 if end > start and (arming == 0 or arming != self.arming):
                     # (a forward under no_grad makes no node: it keeps none)
-                    self._ranges.append((start, end, at, outer, _thread_number()))
+                    self._ranges.append(
+                        (start, end, at, outer, getattr(_THREAD, "number", 0) or _thread_number()))
         if not self._global:
             return
         with self._switching:
@@ -547,7 +548,7 @@ class Recorder:
                 # (there before the look at the others: of two forwards starting at once,
                 # one sees the other)
                 self._began[thread] = _STARTING
-                self._forward_threads.add(_thread_number())
+                self._forward_threads.add(getattr(_THREAD, "number", 0) or _thread_number())
                 if len(self._began) > 1 and not self._always and self._another_running(thread):
                     # Forwards of the model in two threads at once: the steps to come
                     # cannot be told from one forward; every forward is recorded, as with
@@ -864,7 +865,7 @@ class Recorder:
         if task == self._met:
             return  # (the pass's first such node counted it)
         number = ctx._sequence_nr()
-        thread = _thread_number()
+        thread = getattr(_THREAD, "number", 0) or _thread_number()
         try:
             newest = self._ranges[-1]  # (a training step's: its forward, in this thread)
         except IndexError:
@@ -1347,7 +1348,10 @@ def _entered(module: nn.Module, args: Any) -> None:
     hooked on their own are left to those (see `_entered_own`)."""
     if is_dynamo_compiling():
         return  # compiled calls are not recorded (and a compiled graph keeps no stack)
-    recorder = next(iter(RECORDING), None)
+    try:
+        recorder = RECORDING[0]
+    except IndexError:  # (none, or gone meanwhile: see `RECORDING`)
+        recorder = None
     if recorder is None or not recorder._global or _hooked_own(recorder, module):
         # (`_global` is off once the global hooks start going: a call met then belongs
         # to a forward that began after, which they never counted, and may find them gone
@@ -1377,7 +1381,10 @@ def _entered_own(module: nn.Module, args: Any) -> None:
         return
     thread = _THREAD  # (`_stack()`, inline: every hooked module call reads it twice)
     stack = thread.stack if getattr(thread, "generation", -1) == _GENERATION else _stack()
-    recorder = next(iter(RECORDING), None)
+    try:
+        recorder = RECORDING[0]
+    except IndexError:  # (none, or gone meanwhile: see `RECORDING`)
+        recorder = None
     if recorder is not None:
         if not stack:
             if recorder._global:
@@ -1415,7 +1422,10 @@ def _hooked_own(recorder: Recorder, module: nn.Module) -> bool:
 def _left_global(module: nn.Module, args: Any, out: Any) -> None:
     """`_left` under the global hooks: the model's modules hooked on their own are left
     to those."""
-    recorder = next(iter(RECORDING), None)
+    try:
+        recorder = RECORDING[0]
+    except IndexError:  # (none, or gone meanwhile: see `RECORDING`)
+        recorder = None
     if recorder is not None and recorder._global and not _hooked_own(recorder, module):
         _left(module, args, out)
 
