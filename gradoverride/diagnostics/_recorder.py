@@ -1151,6 +1151,8 @@ def _thread_number() -> int:
     if number is None:
         number = _THREAD.number = next(_THREAD_NUMBERS)
     return number
+
+
 # A forward's entry in `Recorder._began` while its start is decided.
 _STARTING = (0, 0, -1, 0)
 
