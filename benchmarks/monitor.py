@@ -14,7 +14,7 @@ is reported on its own: the median, over rounds, of the first step's time under 
 monitor less a plain step's.
 
     python benchmarks/monitor.py [--quick] [--device cuda] [--rounds N] [--calls]
-                                 [--instructions]
+                                 [--instructions] [--phases]
 
 `--calls` counts instead of timing: the Python function calls (and calls of C functions from
 Python) a step makes, plain and under the monitor, as `sys.setprofile` sees them. The counts
@@ -27,6 +27,13 @@ while the steps run (from `callgrind_control -i on` to `-i off`: not the imports
 warm-up, or a monitor's first steps), plain and in a monitor's steady state; the ratio is
 monitored over plain. Deterministic at any load, and weighted as the timings are (a C++
 hook costs what it costs), unlike the call counts; about 10 minutes in all.
+
+`--phases` splits a step of `every=10` into its forward (the model and the loss), its
+backward (`zero_grad` and `backward`, with what the monitor does at the pass's end) and the
+optimizer's step, timed one step at a time: the median of each phase over plain steps and
+over the monitored steps recorded and not recorded (told apart by whether the step left
+records), so that what a step not recorded costs is seen apart from what a recorded one
+adds; and the ratio those medians give for one step recorded in ten.
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ import os
 import random
 import statistics
 import sys
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -52,9 +60,11 @@ from _timing import _time_block, add_device_argument, synchronizer
 
 
 def _training(make_data: Callable[[int, torch.Generator], tuple[torch.Tensor, torch.Tensor]],
-              n: int, model: nn.Module, lr: float,
-              device: str) -> tuple[nn.Module, Callable[[], Any]]:
-    """`model` and one training step of it (cross-entropy, Adam) on `make_data`'s data."""
+              n: int, model: nn.Module, lr: float, device: str,
+              phased: bool = False) -> tuple[nn.Module, Callable[..., Any]]:
+    """`model` and one training step of it (cross-entropy, Adam) on `make_data`'s data.
+    `phased`: the step takes a list, to which it appends the nanoseconds of its forward,
+    backward and optimizer's step (see `--phases`)."""
     x, y = make_data(n, torch.Generator().manual_seed(0))
     x, y = x.to(device), y.to(device)
     model = model.to(device)
@@ -66,20 +76,41 @@ def _training(make_data: Callable[[int, torch.Generator], tuple[torch.Tensor, to
         loss.backward()
         optimizer.step()
 
-    return model, step
+    if not phased:
+        return model, step
+    sync = synchronizer(device)
+    clock = time.perf_counter_ns
+
+    def phased_step(times: list[tuple[int, int, int]]) -> None:
+        sync()
+        t0 = clock()
+        loss = nn.functional.cross_entropy(model(x), y)
+        sync()
+        t1 = clock()
+        optimizer.zero_grad()
+        loss.backward()
+        sync()
+        t2 = clock()
+        optimizer.step()
+        sync()
+        times.append((t1 - t0, t2 - t1, clock() - t2))
+
+    return model, phased_step
 
 
-def spiking(device: str) -> tuple[nn.Module, Callable[[], Any]]:
+def spiking(device: str, phased: bool = False) -> tuple[nn.Module, Callable[..., Any]]:
     torch.manual_seed(0)
-    return _training(spiking_neuron.make_data, 256, spiking_neuron.SpikingNet(), 5e-3, device)
+    return _training(spiking_neuron.make_data, 256, spiking_neuron.SpikingNet(), 5e-3, device,
+                     phased)
 
 
-def binarized(device: str) -> tuple[nn.Module, Callable[[], Any]]:
+def binarized(device: str, phased: bool = False) -> tuple[nn.Module, Callable[..., Any]]:
     torch.manual_seed(0)
-    return _training(binarized_mlp.make_spirals, 512, binarized_mlp.make_model(), 1e-2, device)
+    return _training(binarized_mlp.make_spirals, 512, binarized_mlp.make_model(), 1e-2, device,
+                     phased)
 
 
-def small_mlp(device: str) -> tuple[nn.Module, Callable[[], Any]]:
+def small_mlp(device: str, phased: bool = False) -> tuple[nn.Module, Callable[..., Any]]:
     """A small MLP with two binarized activations (width 96, batch 128): where the
     monitor's fixed cost per step weighs most."""
     torch.manual_seed(0)
@@ -92,7 +123,7 @@ def small_mlp(device: str) -> tuple[nn.Module, Callable[[], Any]]:
         return torch.randn(n, 32, generator=generator), torch.randint(0, 10, (n,),
                                                                      generator=generator)
 
-    return _training(make_data, 128, model, 1e-2, device)
+    return _training(make_data, 128, model, 1e-2, device, phased)
 
 
 # Steps run inside a new monitor before its timed block: its first forward and first
@@ -173,6 +204,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                         help="count the Python calls of a step instead of timing it")
     parser.add_argument("--instructions", action="store_true",
                         help="count the instructions of a step under valgrind (CPU)")
+    parser.add_argument("--phases", action="store_true",
+                        help="time the forward, backward and optimizer of every=10's steps")
     # (what one `--instructions` case runs, under valgrind: MODEL EVERY STEPS, EVERY 0 plain)
     parser.add_argument("--counted-steps", nargs=3, help=argparse.SUPPRESS)
     add_device_argument(parser)
@@ -185,6 +218,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         return {}
     if args.instructions:
         return _main_instructions()
+    if args.phases:
+        return _main_phases(args.device, quick=args.quick)
     rounds = args.rounds or (3 if args.quick else 15)
     number = 3 if args.quick else 20
     sync = synchronizer(args.device)
@@ -223,6 +258,51 @@ def _main_calls(device: str) -> dict[str, float]:
 
 
 _MODELS = {"small MLP": small_mlp, "spiking": spiking, "binarized": binarized}
+
+
+def _main_phases(device: str, *, quick: bool) -> dict[str, float]:
+    torch.set_num_threads(1)
+    every, rounds, steps = 10, (2 if quick else 40), 2 * 10
+    order = random.Random(0)
+    results: dict[str, float] = {}
+    print(f"torch {torch.__version__}, device {device}, every={every}: median microseconds "
+          "of each phase of a step (forward, backward, optimizer), plain and monitored")
+    print(f"{'model':<12} {'steps':<14} {'forward':>9} {'backward':>9} {'optimizer':>9}")
+    for name, make in _MODELS.items():
+        model, step = make(device, phased=True)
+        plain: list[tuple[int, int, int]] = []
+        recorded: list[tuple[int, int, int]] = []
+        skipped: list[tuple[int, int, int]] = []
+        for _ in range(5):
+            step([])
+        for _ in range(rounds):
+            cases = ["plain", "monitored"]
+            order.shuffle(cases)  # (as `measure` does: neither always runs first)
+            for case in cases:
+                if case == "plain":
+                    for _ in range(steps):
+                        step(plain)
+                    continue
+                with go.monitor(model, every=every) as mon:
+                    for _ in range(_SETTLE):
+                        step([])
+                    for _ in range(steps):
+                        times: list[tuple[int, int, int]] = []
+                        step(times)
+                        # (outside the timed phases: whether the step just run left records)
+                        (recorded if mon.since(mon.steps - 1) else skipped).extend(times)
+        for case, rows in (("plain", plain), ("recorded", recorded), ("not recorded", skipped)):
+            medians = [statistics.median(column) / 1e3 for column in zip(*rows, strict=True)]
+            results[f"{name} {case}"] = sum(medians)
+            print(f"{name:<12} {case:<14} {medians[0]:>9.1f} {medians[1]:>9.1f} "
+                  f"{medians[2]:>9.1f}")
+        # (one step recorded in `every`, from the medians: what a step costs on average,
+        # without the rare slow steps of a shared machine that a block's time holds)
+        ratio = (results[f"{name} recorded"] + (every - 1) * results[f"{name} not recorded"]) / (
+            every * results[f"{name} plain"])
+        results[f"{name} every={every}"] = ratio
+        print(f"{name:<12} {'every=10':<14} {ratio:>8.3f}x (one step in {every} recorded)")
+    return results
 
 
 def _counted_steps(name: str, every: int, steps: int) -> None:

@@ -226,6 +226,16 @@ def test_monitor_benchmark_quick() -> None:
             assert re.search(line, out, re.M), (case, every, out)
 
 
+def test_monitor_benchmark_phases_quick() -> None:
+    out = _run("benchmarks/monitor.py", "--phases", "--quick").stdout
+    for case in ("small MLP", "spiking", "binarized"):
+        for steps in ("plain", "recorded", "not recorded"):
+            # (the median microseconds of the forward, the backward and the optimizer)
+            line = rf"^{re.escape(case)}\s+{steps}\s+[\d.]+\s+[\d.]+\s+[\d.]+$"
+            assert re.search(line, out, re.M), (case, steps, out)
+        assert re.search(rf"^{re.escape(case)}\s+every=10\s+[\d.]+x ", out, re.M), (case, out)
+
+
 BENCHMARKS = sorted(p for p in (ROOT / "benchmarks").glob("*.py") if not p.name.startswith("_"))
 
 
