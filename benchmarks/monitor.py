@@ -33,7 +33,8 @@ backward (`zero_grad` and `backward`, with what the monitor does at the pass's e
 optimizer's step, timed one step at a time: the median of each phase over plain steps and
 over the monitored steps recorded and not recorded (told apart by whether the step left
 records), so that what a step not recorded costs is seen apart from what a recorded one
-adds; and the ratio those medians give for one step recorded in ten.
+adds; and the ratio those medians give for one step recorded in ten. `--rounds` sets its
+rounds (default 40, 2 with `--quick`), each a block of 20 steps of each case.
 """
 
 from __future__ import annotations
@@ -219,7 +220,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     if args.instructions:
         return _main_instructions()
     if args.phases:
-        return _main_phases(args.device, quick=args.quick)
+        return _main_phases(args.device, rounds=args.rounds or (2 if args.quick else 40))
     rounds = args.rounds or (3 if args.quick else 15)
     number = 3 if args.quick else 20
     sync = synchronizer(args.device)
@@ -260,14 +261,16 @@ def _main_calls(device: str) -> dict[str, float]:
 _MODELS = {"small MLP": small_mlp, "spiking": spiking, "binarized": binarized}
 
 
-def _main_phases(device: str, *, quick: bool) -> dict[str, float]:
+def _main_phases(device: str, *, rounds: int) -> dict[str, float]:
     torch.set_num_threads(1)
-    every, rounds, steps = 10, (2 if quick else 40), 2 * 10
+    every, steps = 10, 2 * 10
     order = random.Random(0)
     results: dict[str, float] = {}
-    print(f"torch {torch.__version__}, device {device}, every={every}: median microseconds "
-          "of each phase of a step (forward, backward, optimizer), plain and monitored")
-    print(f"{'model':<12} {'steps':<14} {'forward':>9} {'backward':>9} {'optimizer':>9}")
+    print(f"torch {torch.__version__}, device {device}, every={every}, {rounds} rounds of "
+          f"{steps} steps: median microseconds of each phase of a step (forward, backward, "
+          "optimizer), plain and monitored, and how many steps each median is over")
+    print(f"{'model':<12} {'steps':<14} {'forward':>9} {'backward':>9} {'optimizer':>9} "
+          f"{'count':>6}")
     for name, make in _MODELS.items():
         model, step = make(device, phased=True)
         plain: list[tuple[int, int, int]] = []
@@ -283,19 +286,23 @@ def _main_phases(device: str, *, quick: bool) -> dict[str, float]:
                     for _ in range(steps):
                         step(plain)
                     continue
+                times: list[tuple[int, int, int]] = []
                 with go.monitor(model, every=every) as mon:
                     for _ in range(_SETTLE):
                         step([])
+                    first = mon.steps  # (each step here is one backward pass: one step)
                     for _ in range(steps):
-                        times: list[tuple[int, int, int]] = []
                         step(times)
-                        # (outside the timed phases: whether the step just run left records)
-                        (recorded if mon.since(mon.steps - 1) else skipped).extend(times)
+                # (after the block, nothing run between the timed steps: a step was recorded
+                # if it left records)
+                kept = {r.step for records in mon.history.values() for r in records}
+                for k, row in enumerate(times):
+                    (recorded if first + k in kept else skipped).append(row)
         for case, rows in (("plain", plain), ("recorded", recorded), ("not recorded", skipped)):
             medians = [statistics.median(column) / 1e3 for column in zip(*rows, strict=True)]
             results[f"{name} {case}"] = sum(medians)
             print(f"{name:<12} {case:<14} {medians[0]:>9.1f} {medians[1]:>9.1f} "
-                  f"{medians[2]:>9.1f}")
+                  f"{medians[2]:>9.1f} {len(rows):>6}")
         # (one step recorded in `every`, from the medians: what a step costs on average,
         # without the rare slow steps of a shared machine that a block's time holds)
         ratio = (results[f"{name} recorded"] + (every - 1) * results[f"{name} not recorded"]) / (

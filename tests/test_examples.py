@@ -228,10 +228,13 @@ def test_monitor_benchmark_quick() -> None:
 
 def test_monitor_benchmark_phases_quick() -> None:
     out = _run("benchmarks/monitor.py", "--phases", "--quick").stdout
+    # 2 rounds of 20 steps of each case; with every=10, 2 steps of each 20 are recorded
+    counts = {"plain": 40, "recorded": 4, "not recorded": 36}
     for case in ("small MLP", "spiking", "binarized"):
-        for steps in ("plain", "recorded", "not recorded"):
-            # (the median microseconds of the forward, the backward and the optimizer)
-            line = rf"^{re.escape(case)}\s+{steps}\s+[\d.]+\s+[\d.]+\s+[\d.]+$"
+        for steps, count in counts.items():
+            # (the median microseconds of the forward, the backward and the optimizer, and
+            # how many steps they are over)
+            line = rf"^{re.escape(case)}\s+{steps}\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+{count}$"
             assert re.search(line, out, re.M), (case, steps, out)
         assert re.search(rf"^{re.escape(case)}\s+every=10\s+[\d.]+x ", out, re.M), (case, out)
 
