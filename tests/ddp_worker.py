@@ -62,9 +62,9 @@ def main() -> None:
 if __name__ == "__main__":
     main()
     # Everything is saved and the group destroyed. Leave without the interpreter's
-    # finalization: torch's gloo threads still referenced by FSDP's device mesh abort
-    # there now and then ("terminate called without an active exception", about 1 run
-    # in 30 on 2 cores), after the results this check reads were written.
+    # finalization: after FSDP, torch's gloo teardown aborts there now and then (a
+    # joinable thread destroyed: "terminate called without an active exception", about
+    # 1 run in 30 on 2 cores), after the results this check reads were written.
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
